@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Train on this machine's devices through torchrun. Extra arguments are config overrides (--section.key value).
+#   NGPU         local processes (default: the number of CUDA devices, or 4 CPU processes without one)
+#   CONFIG_FILE  TOML config (default ./train_configs/debug_model.toml)
+#   LOG_RANK     comma-separated local ranks whose output is shown (default 0)
+#   MAX_RESTARTS torchrun --max-restarts (default 0)
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python}
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 4)")
+fi
+CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
+LOG_RANK=${LOG_RANK:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+export PYTHONUNBUFFERED=1
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  train.py --job.config_file "$CONFIG_FILE" "$@"

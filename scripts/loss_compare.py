@@ -1,0 +1,207 @@
+"""Compare two training runs' loss curves step by step.
+
+    python scripts/loss_compare.py outputs/run_a outputs/run_b --tolerance 0
+    python scripts/loss_compare.py --run_a "--training.steps 20" \
+        --run_b "--training.steps 20 --parallelism.tensor_parallel_degree 2" --ngpu 4
+
+Exit status: 0 when the curves agree within --tolerance, 1 when they do not, 2 on bad input or a failed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # repo root: where run_train.sh and train_configs/ live
+
+
+class InputError(Exception):
+    """A problem with what the user gave us; main() turns it into a message and exit status 2."""
+
+
+def read_curve(path: str | os.PathLike, key: str = "loss") -> dict[int, float]:
+    """{step: value} from a metrics.jsonl file or a dump folder holding one.
+
+    A resumed run appends to the same file and may re-log steps it had already logged before its checkpoint
+    was taken, so the last occurrence of a step wins: it is what the run that carried on computed.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    curve: dict[int, float] = {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
+            # Validation lines may carry val_loss but no loss: they simply are not part of this curve.
+            if not isinstance(record, dict) or "step" not in record or record.get(key) is None:
+                continue
+            try:
+                curve[int(record["step"])] = float(record[key])
+            except (TypeError, ValueError):
+                raise InputError(f"{path}:{lineno}: step or {key} is not a number") from None
+    return curve
+
+
+@dataclass
+class Result:
+    rows: list[tuple[int, float, float, float]]  # (step, a, b, b - a) for steps both runs logged
+    max_abs: float
+    max_abs_step: int | None
+    max_rel: float
+    only_a: list[int] = field(default_factory=list)
+    only_b: list[int] = field(default_factory=list)
+
+
+def _diff(a: float, b: float) -> float:
+    # NaN compares false to everything, so a NaN on one side would slip past a tolerance check: it counts as an
+    # infinite difference instead. Equal values (inf == inf included) and NaN on both sides are no difference.
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return 0.0
+    d = b - a
+    return math.inf if math.isnan(d) else d
+
+
+def compare(a: dict[int, float], b: dict[int, float]) -> Result:
+    common = sorted(a.keys() & b.keys())
+    rows = [(s, a[s], b[s], _diff(a[s], b[s])) for s in common]
+    max_abs, max_abs_step, max_rel = 0.0, None, 0.0
+    for step, va, _, d in rows:
+        if max_abs_step is None or abs(d) > max_abs:
+            max_abs, max_abs_step = abs(d), step
+        if d != 0:
+            max_rel = max(max_rel, abs(d) / abs(va) if math.isfinite(va) and va != 0 else math.inf)
+    return Result(rows, max_abs, max_abs_step, max_rel, sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys()))
+
+
+def run_training(overrides: str, dump: Path, config: str | None, ngpu: int | None) -> Path:
+    """Train once through ./run_train.sh into `dump`; return its metrics file."""
+    # A leftover checkpoint would make the run resume instead of start, and leftover metrics would mix in.
+    if dump.exists() and any(dump.iterdir()):
+        raise InputError(f"{dump} is not empty; pick a fresh --workdir")
+    dump.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if config:
+        env["CONFIG_FILE"] = str(Path(config).resolve())  # the run's cwd is the repo root, not ours
+    if ngpu:
+        env["NGPU"] = str(ngpu)
+    if not (ROOT / "run_train.sh").is_file():
+        raise InputError(f"{ROOT / 'run_train.sh'} not found")
+    cmd = [str(ROOT / "run_train.sh"), *shlex.split(overrides), "--job.dump_folder", str(dump)]
+    log = dump.parent / f"{dump.name}.log"
+    print(f"running {dump.name}: {shlex.join(cmd)}  (log: {log})", flush=True)
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        tail = log.read_text(errors="replace").splitlines()[-20:]
+        raise InputError(f"run {dump.name} failed with exit status {rc}; last lines of {log}:\n" + "\n".join(tail))
+    return dump / "metrics.jsonl"
+
+
+def plot(result: Result, key: str, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # write a file; never needs a display
+    import matplotlib.pyplot as plt
+
+    steps = [r[0] for r in result.rows]
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+    top.plot(steps, [r[1] for r in result.rows], label="A")
+    top.plot(steps, [r[2] for r in result.rows], label="B", linestyle="--")
+    top.set_ylabel(key)
+    top.legend()
+    bottom.plot(steps, [r[3] for r in result.rows], color="tab:red")
+    bottom.set_ylabel(f"{key} B - A")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="A step logged twice (a run resumed from an earlier checkpoint re-logs steps) counts with its "
+        "last occurrence. Steps only one run logged are listed and not compared. Exit status: 0 within "
+        "tolerance, 1 above it, 2 on bad input or a failed run.",
+    )
+    p.add_argument("a", nargs="?", help="run A: a metrics.jsonl file or a dump folder holding one")
+    p.add_argument("b", nargs="?", help="run B: same")
+    p.add_argument("--key", default="loss", help="metric to compare, e.g. val_loss or grad_norm (default: loss)")
+    p.add_argument("--tolerance", type=float, default=1e-5,
+                   help="largest |B - A| still accepted (default 1e-5: absorbs float reduction-order noise "
+                   "between parallelisms; use 0 to require bitwise-equal curves)")
+    p.add_argument("--steps", type=int, help="compare only steps <= N")
+    p.add_argument("--plot", metavar="OUT.png", help="save both curves and their difference (needs matplotlib)")
+    g = p.add_argument_group("train both runs first, through ./run_train.sh (instead of A and B)")
+    g.add_argument("--run_a", metavar="OVERRIDES", help='config overrides of run A, e.g. "--training.steps 10" (run from the repo root)')
+    g.add_argument("--run_b", metavar="OVERRIDES", help="config overrides of run B")
+    g.add_argument("--config", help="CONFIG_FILE for both runs (default: run_train.sh's)")
+    g.add_argument("--ngpu", type=int, help="NGPU for run A, and for B unless --ngpu_b")
+    g.add_argument("--ngpu_b", type=int, help="NGPU for run B")
+    g.add_argument("--workdir", help="where the runs' dump folders a/, b/ and logs go (default: a new temp dir)")
+    args = p.parse_args(argv)
+    training = args.run_a is not None or args.run_b is not None
+    if training and (args.a or args.b or args.run_a is None or args.run_b is None):
+        p.error("give either A and B, or both --run_a and --run_b")
+    if not training and not (args.a and args.b):
+        p.error("give two runs to compare: A and B (metrics.jsonl files or dump folders)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.plot:
+        # Fail before a possibly long training run, not after it.
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("--plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 2
+    try:
+        if args.run_a is not None:
+            work = Path(args.workdir or tempfile.mkdtemp(prefix="loss_compare_")).resolve()
+            args.a = run_training(args.run_a, work / "a", args.config, args.ngpu)
+            args.b = run_training(args.run_b, work / "b", args.config, args.ngpu_b or args.ngpu)
+        a, b = read_curve(args.a, args.key), read_curve(args.b, args.key)
+        if args.steps is not None:
+            a = {s: v for s, v in a.items() if s <= args.steps}
+            b = {s: v for s, v in b.items() if s <= args.steps}
+        result = compare(a, b)
+        if not result.rows:
+            raise InputError(f"no step has a {args.key!r} value in both {args.a} and {args.b}")
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    print(f"{'step':>6}  {args.key + ' A':>16}  {args.key + ' B':>16}  {'diff':>10}")
+    for step, va, vb, d in result.rows:
+        print(f"{step:>6}  {va:>16.8f}  {vb:>16.8f}  {d:>10.3e}")
+    for name, steps in (("A", result.only_a), ("B", result.only_b)):
+        if steps:
+            print(f"warning: steps only in {name}, not compared: {', '.join(map(str, steps))}")
+    print(f"max abs diff: {result.max_abs:.3e} at step {result.max_abs_step}")
+    print(f"max rel diff: {result.max_rel:.3e}")
+    if args.plot:
+        plot(result, args.key, args.plot)
+        print(f"plot written to {args.plot}")
+    ok = result.max_abs <= args.tolerance
+    print(f"{'OK' if ok else 'FAIL'}: max abs diff {'<=' if ok else '>'} tolerance {args.tolerance:g}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

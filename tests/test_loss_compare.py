@@ -1,0 +1,135 @@
+"""scripts/loss_compare.py, run as users run it: a subprocess on real metrics.jsonl files."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "loss_compare.py"
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+LOSSES = [10.83710384368896, 10.5012345678, 9.87654321, 9.1234567891, 8.765432109]
+
+
+def write_metrics(path: Path, losses, steps=None, extra_lines=()) -> Path:
+    """A metrics.jsonl shaped like the trainer's: one object per step, all contract keys, full-precision floats."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step, loss in zip(steps or range(1, len(losses) + 1), losses):
+        record = {"step": step, "loss": loss, "grad_norm": 1.5, "lr": 8e-4, "tps": 1234.5, "mfu": 0.1,
+                  "memory_gib": 0.5, "elapsed_s": 0.1 * step}
+        lines.append(json.dumps(record))
+    lines.extend(extra_lines)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True)
+
+
+def test_identical_curves_pass_with_zero_difference(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    b = write_metrics(tmp_path / "b.jsonl", LOSSES)
+    r = run(a, b, "--tolerance", 0)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "max abs diff: 0.000e+00" in r.stdout
+    assert "max rel diff: 0.000e+00" in r.stdout
+
+
+def test_difference_above_tolerance_fails_and_names_the_step(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    b = write_metrics(tmp_path / "b.jsonl", [x + (1e-3 if i == 2 else 0) for i, x in enumerate(LOSSES)])
+    r = run(a, b)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "max abs diff: 1.000e-03 at step 3" in r.stdout
+    assert "FAIL" in r.stdout
+
+
+def test_difference_within_tolerance_passes(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    b = write_metrics(tmp_path / "b.jsonl", [x + 1e-6 for x in LOSSES])
+    assert run(a, b).returncode == 0  # default tolerance 1e-5
+    assert run(a, b, "--tolerance", 0).returncode == 1
+
+
+def test_dump_folder_input_and_validation_lines_are_ignored(tmp_path):
+    # A validation line carries val_loss and no loss: it must not break or join the loss curve.
+    val = json.dumps({"step": 5, "val_loss": 9.0})
+    write_metrics(tmp_path / "run_a" / "metrics.jsonl", LOSSES, extra_lines=[val])
+    write_metrics(tmp_path / "run_b" / "metrics.jsonl", LOSSES)
+    r = run(tmp_path / "run_a", tmp_path / "run_b", "--tolerance", 0)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "only in" not in r.stdout
+
+
+def test_resumed_run_uses_last_occurrence_of_a_step(tmp_path):
+    # The run logged steps 1-4 with a bad loss at 3 and 4, then resumed from step 2 and re-logged 3-5.
+    first = write_metrics(tmp_path / "first.jsonl", [LOSSES[0], LOSSES[1], 99.0, 99.0])
+    resumed = [line for line in write_metrics(tmp_path / "r.jsonl", LOSSES).read_text().splitlines()[2:]]
+    a = tmp_path / "a" / "metrics.jsonl"
+    a.parent.mkdir()
+    a.write_text(first.read_text() + "\n".join(resumed) + "\n")
+    b = write_metrics(tmp_path / "b.jsonl", LOSSES)
+    r = run(a, b, "--tolerance", 0)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_steps_in_one_run_only_are_warned_about_not_compared(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    b = write_metrics(tmp_path / "b.jsonl", LOSSES[:3] + [0.0, 0.0, 0.0], steps=[1, 2, 3, 4, 5, 6])
+    r = run(a, b, "--steps", 3, "--tolerance", 0)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run(a, b)
+    assert r.returncode == 1  # steps 4 and 5 differ
+    assert "steps only in B, not compared: 6" in r.stdout
+
+
+def test_missing_file_is_an_input_error(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    r = run(a, tmp_path / "nope")
+    assert r.returncode == 2
+    assert "nope" in r.stderr and "no such file" in r.stderr
+
+
+def test_malformed_json_line_names_file_and_line(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    b = write_metrics(tmp_path / "b.jsonl", LOSSES[:2], extra_lines=['{"step": 3, "loss": 9.8'])
+    r = run(a, b)
+    assert r.returncode == 2
+    assert f"{b}:3:" in r.stderr
+
+
+def test_no_common_step_is_an_input_error(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES[:2])
+    b = write_metrics(tmp_path / "b.jsonl", LOSSES[:2], steps=[10, 11])
+    r = run(a, b)
+    assert r.returncode == 2
+    assert "no step" in r.stderr
+
+
+def test_nan_on_one_side_fails(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    b = write_metrics(tmp_path / "b.jsonl", LOSSES[:4] + [float("nan")])
+    r = run(a, b, "--tolerance", 1e9)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "at step 5" in r.stdout
+
+
+@pytest.mark.skipif(HAS_MATPLOTLIB, reason="matplotlib is installed")
+def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    r = run(a, a, "--plot", tmp_path / "out.png")
+    assert r.returncode == 2
+    assert "--plot needs matplotlib: pip install matplotlib" in r.stderr
+    assert not (tmp_path / "out.png").exists()
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
+def test_plot_writes_png(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    r = run(a, a, "--plot", tmp_path / "out.png")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

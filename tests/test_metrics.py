@@ -1,0 +1,107 @@
+import json
+import logging
+import math
+import os
+import time
+
+import pytest
+import torch
+
+from torchtitan_lite import metrics
+from torchtitan_lite.metrics import MetricLogger, flops_per_token, memory_gib, peak_flops
+
+CPU = torch.device("cpu")
+
+
+def _read_jsonl(folder):
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_flops_per_token_matches_hand_count():
+    # N = 1000 - 200 = 800 -> 6N = 4800; 12 * L2 * H3 * D4 * S5 = 1440
+    assert flops_per_token(1000, n_layers=2, n_heads=3, head_dim=4, seq_len=5, embedding_params=200) == 6240.0
+
+
+def test_peak_flops_cpu_is_positive_and_measured_once():
+    first = peak_flops(CPU, torch.float32)
+    assert first > 1e8  # any CPU does well over 0.1 GFLOP/s on a 1024^3 matmul
+    t0 = time.perf_counter()
+    second = peak_flops(CPU, torch.float32)
+    assert time.perf_counter() - t0 < 1e-3  # cached, not re-measured
+    assert second is first
+
+
+def test_peak_flops_gpu_table(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 PCIe")
+    assert peak_flops(torch.device("cuda"), torch.bfloat16) == 756e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(torch.device("cuda"), torch.bfloat16) == 989e12
+    assert peak_flops(torch.device("cuda"), torch.float32) == 67e12  # torch's default: fp32 matmuls without TF32
+    assert not metrics._tf32_allowed()
+    monkeypatch.setattr(metrics, "_tf32_allowed", lambda: True)
+    assert peak_flops(torch.device("cuda"), torch.float32) == 989e12 / 2
+
+
+def test_unknown_gpu_warns_and_uses_h100(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Mystery GPU 9000")
+    with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
+        assert peak_flops(torch.device("cuda"), torch.bfloat16) == 989e12
+    assert "Mystery GPU 9000" in caplog.text
+
+
+def test_memory_gib_cpu_positive():
+    assert 0 < memory_gib(CPU) < 1024
+
+
+def test_jsonl_round_trips_exact_floats_and_appends(tmp_path):
+    values = dict(loss=1 / 3, grad_norm=torch.tensor(2.0, dtype=torch.float64) / 3, lr=math.pi * 1e-4,
+                  tps=12345.678, mfu=1.2345, memory_gib=0.45, elapsed_s=0.1)
+    ml = MetricLogger(str(tmp_path), rank=0, log_freq=10, enable_tensorboard=False, tb_folder="tb")
+    ml.log(1, values)
+    ml.close()
+    ml = MetricLogger(str(tmp_path), rank=0, log_freq=10, enable_tensorboard=False, tb_folder="tb")
+    ml.log(2, dict(values, loss=0.1))
+    ml.close()
+    rows = _read_jsonl(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["loss"] == 1 / 3 and rows[0]["lr"] == math.pi * 1e-4
+    assert rows[0]["grad_norm"] == 2 / 3 and type(rows[0]["grad_norm"]) is float
+    assert rows[1]["loss"] == 0.1
+
+
+def test_other_ranks_write_nothing(tmp_path, caplog):
+    ml = MetricLogger(str(tmp_path), rank=1, log_freq=1, enable_tensorboard=True, tb_folder="tb")
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        ml.log(1, dict(loss=1.0))
+    ml.close()
+    assert os.listdir(tmp_path) == []
+    assert caplog.text == ""
+
+
+def test_console_line_shape(tmp_path, caplog):
+    ml = MetricLogger(str(tmp_path), rank=0, log_freq=1, enable_tensorboard=False, tb_folder="tb")
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        ml.log(3, dict(loss=5.12345, grad_norm=1.23454, lr=8e-4, tps=12345.4, mfu=1.234, memory_gib=0.449,
+                       elapsed_s=1.0))
+        ml.log(4, dict(val_loss=4.5))
+    ml.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == ("step: 3  loss: 5.1235  grad_norm: 1.2345  lr: 8.0000e-04  tps: 12,345  mfu: 1.23%  "
+                        "memory: 0.45GiB")
+    assert lines[1] == "step: 4  val_loss: 4.5000"
+
+
+def test_tensorboard_writes_event_file(tmp_path):
+    pytest.importorskip("tensorboard")
+    ml = MetricLogger(str(tmp_path), rank=0, log_freq=1, enable_tensorboard=True, tb_folder="tb")
+    ml.log(1, dict(loss=1.0, lr=1e-3))
+    ml.close()
+    events = [f for f in os.listdir(tmp_path / "tb") if f.startswith("events.out.tfevents")]
+    assert len(events) == 1 and os.path.getsize(tmp_path / "tb" / events[0]) > 0
+
+
+def test_should_log_first_every_freq_and_last(tmp_path):
+    ml = MetricLogger(str(tmp_path), rank=1, log_freq=5, enable_tensorboard=False, tb_folder="tb")
+    assert [s for s in range(1, 13) if ml.should_log(s)] == [1, 5, 10]
+    assert ml.should_log(12, last=True)

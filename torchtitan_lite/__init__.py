@@ -1,0 +1,1 @@
+"""torchtitan_lite: a small, readable torchtitan-style pretraining codebase for Llama models."""

@@ -1,0 +1,376 @@
+"""Typed run configuration: one dataclass per TOML section, everything else derived from them.
+
+A field's default, help and choices are written once, in `opt(...)`. TOML loading, `--section.key` overrides,
+`--help`, unknown-key errors, type checks and choice checks all walk the dataclasses, so adding an option is one
+line here and nothing else. Precedence: command line > TOML file (`--job.config_file`) > defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional
+
+import tomli
+
+
+class ConfigError(ValueError):
+    """A problem with the user's configuration; the message is one line naming the key and the fix."""
+
+def opt(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class Job:
+    """where the config came from and where outputs go"""
+    config_file: str = opt("", "TOML file the run was read from")
+    dump_folder: str = opt("./outputs", "where config.toml, metrics.jsonl, checkpoints and tb/ go")
+    description: str = opt("", "free text describing the run")
+
+
+@dataclass
+class Model:
+    """architecture and tokenizer"""
+    name: str = opt("llama3", "model family", choices=("llama3",))
+    flavor: str = opt("debugmodel", "size preset: a key of the model's flavor table (checked by the trainer)")
+    tokenizer_path: str = opt("", '"" = byte-level tokenizer needing no file; else a tiktoken BPE file')
+
+
+@dataclass
+class Optimizer:
+    """optimizer and its hyperparameters"""
+    name: str = opt("AdamW", "optimizer", choices=("AdamW",))
+    lr: float = opt(8e-4, "peak learning rate")
+    beta1: float = opt(0.9, "Adam first-moment decay")
+    beta2: float = opt(0.95, "Adam second-moment decay")
+    eps: float = opt(1e-8, "Adam denominator epsilon")
+    weight_decay: float = opt(0.1, "decoupled weight decay")
+    implementation: str = opt("foreach", "kernel flavour of the update", choices=("foreach", "fused", "for-loop"))
+
+
+@dataclass
+class LRScheduler:
+    """warmup, then a constant stretch, then decay"""
+    warmup_steps: int = opt(200, "steps of linear warmup from ~0 to lr")
+    decay_ratio: Optional[float] = opt(None, "fraction of steps spent decaying at the end; none = all after warmup")
+    decay_type: str = opt("linear", "shape of the decay", choices=("linear", "sqrt", "cosine"))
+    min_lr_factor: float = opt(0.0, "lr at the end of decay, as a fraction of lr")
+
+
+@dataclass
+class Training:
+    """batch, length, duration, data and precision"""
+    local_batch_size: int = opt(8, "sequences per device per micro-batch")
+    global_batch_size: int = opt(-1, "-1 = local x data-parallel degree; larger multiples accumulate gradients")
+    seq_len: int = opt(2048, "tokens per sequence")
+    steps: int = opt(10000, "optimizer steps to train for")
+    max_norm: float = opt(1.0, "gradient clipping norm; 0 disables")
+    dataset: str = opt("synthetic", "training dataset name")
+    dataset_path: str = opt("", "local path of the dataset, if it needs one")
+    mixed_precision_param: str = opt("bfloat16", "FSDP parameter dtype for compute", choices=("bfloat16", "float32"))
+    mixed_precision_reduce: str = opt("float32", "FSDP gradient reduce dtype", choices=("float32", "bfloat16"))
+    seed: int = opt(0, "random seed")
+    deterministic: bool = opt(False, "torch.use_deterministic_algorithms, for bitwise-reproducible runs")
+    gc_freq: int = opt(50, "Python GC every N steps, so ranks pause together; 0 leaves automatic GC on")
+
+
+@dataclass
+class Parallelism:
+    """device mesh degrees; they must multiply to the world size"""
+    data_parallel_replicate_degree: int = opt(1, "copies of the model (HSDP across nodes)")
+    data_parallel_shard_degree: int = opt(-1, "FSDP shards; -1 = the rest of the world size")
+    tensor_parallel_degree: int = opt(1, "heads and FFN split across this many devices")
+    disable_loss_parallel: bool = opt(False, "gather logits before the loss instead of a sharded loss under TP")
+    fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward",
+                                          choices=("default", "always", "never"))
+
+
+@dataclass
+class Checkpoint:
+    """saving and resuming (DCP)"""
+    enable: bool = opt(False, "save checkpoints and resume from the newest one")
+    folder: str = opt("checkpoint", "checkpoint folder, under job.dump_folder")
+    interval: int = opt(500, "save every N steps")
+    keep_latest_k: int = opt(0, "keep only the newest K checkpoints; 0 keeps all")
+    async_mode: str = opt("disabled", "save in the background", choices=("disabled", "async"))
+    last_save_model_only: bool = opt(False, "the final save holds weights only (smaller, but cannot be resumed)")
+    export_dtype: str = opt("float32", "dtype of a model-only save", choices=("float32", "bfloat16", "float16"))
+    create_seed_checkpoint: bool = opt(False, "write the initial weights at step 0 and exit")
+    load_step: int = opt(-1, "step to resume from; -1 = newest complete checkpoint")
+    initial_load_path: str = opt("", "checkpoint to start from when the folder holds none")
+    initial_load_model_only: bool = opt(True, "load only weights from initial_load_path")
+
+
+@dataclass
+class ActivationCheckpoint:
+    """recompute activations in backward to save memory"""
+    mode: str = opt("none", "what to recompute", choices=("none", "full", "selective"))
+    selective_ac_option: str = opt("2", '"op" (per-op policy) or N: checkpoint every N-th block')
+
+
+@dataclass
+class Compile:
+    """torch.compile"""
+    enable: bool = opt(False, "compile each transformer block")
+
+
+@dataclass
+class Metrics:
+    """logging"""
+    log_freq: int = opt(10, "log every N steps")
+    enable_tensorboard: bool = opt(False, "also write TensorBoard events")
+    save_tb_folder: str = opt("tb", "TensorBoard folder, under job.dump_folder")
+
+
+@dataclass
+class Validation:
+    """periodic evaluation on held-out data"""
+    enable: bool = opt(False, "run validation during training")
+    dataset: str = opt("synthetic", "validation dataset name")
+    dataset_path: str = opt("", "local path of the dataset, if it needs one")
+    freq: int = opt(100, "validate every N steps")
+    steps: int = opt(10, "batches per validation")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
+
+
+class _Opt(NamedTuple):
+    key: str  # "section.key"
+    section: str
+    name: str
+    type: type  # str, int, float or bool
+    optional: bool  # None allowed (Optional[...])
+    default: Any
+    help: str
+    choices: tuple[str, ...]
+
+
+_KIND = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}  # the supported types
+
+
+def _collect() -> tuple[dict[str, type], dict[str, _Opt]]:
+    # get_type_hints, not field.type: under `from __future__ import annotations` the latter is just a string.
+    sections = typing.get_type_hints(JobConfig)
+    options = {}
+    for sec, cls in sections.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            args = typing.get_args(tp)
+            base = next((a for a in args if a is not type(None)), tp)
+            assert base in _KIND, f"{sec}.{f.name}: parsing {tp} is not implemented"
+            options[f"{sec}.{f.name}"] = _Opt(f"{sec}.{f.name}", sec, f.name, base, type(None) in args,
+                                              f.default, f.metadata["help"], f.metadata["choices"])
+    return sections, options
+
+
+SECTIONS, OPTIONS = _collect()  # the one table every loader and checker below walks
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def _did_you_mean(name: str, candidates: list[str], prefix: str = "") -> str:
+    # Also catch a bare key given without its section ("steps" -> "training.steps").
+    close = difflib.get_close_matches(name, candidates, n=3) or [c for c in candidates if c.endswith("." + name)]
+    return f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
+
+
+def _from_string(o: _Opt, text: str) -> Any:
+    """Converts command-line text to the option's type."""
+    try:
+        if o.optional and text.lower() == "none":
+            return None
+        if o.type is bool:
+            if text.lower() in _TRUE + _FALSE:
+                return text.lower() in _TRUE
+            raise ValueError
+        return o.type(text)  # int("1.5") raises, float("3") is fine
+    except ValueError:
+        kind = _KIND[o.type] + (" or none" if o.optional else "")
+        raise ConfigError(f"--{o.key} expects {kind} (got {text!r})") from None
+
+
+def _coerce(o: _Opt, value: Any, where: str = "") -> Any:
+    """Checks a TOML (or programmatically set) value's type; ints are accepted for floats."""
+    if value is None and o.optional:
+        return None
+    if o.type is float and type(value) is int:
+        return float(value)
+    if isinstance(value, o.type) and not (o.type is int and isinstance(value, bool)):  # bool is an int subclass
+        return value
+    kind = _KIND[o.type] + (" (leave it out for none)" if o.optional else "")
+    raise ConfigError(f"{o.key}{where} must be {kind} (got {type(value).__name__} {value!r})")
+
+
+def _get(cfg: JobConfig, o: _Opt) -> Any:
+    return getattr(getattr(cfg, o.section), o.name)
+
+
+def _set(cfg: JobConfig, o: _Opt, value: Any) -> None:
+    setattr(getattr(cfg, o.section), o.name, value)
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomli.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path} (check --job.config_file)") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except (tomli.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+
+
+def _apply_toml(cfg: JobConfig, data: dict[str, Any], source: str) -> None:
+    for sec, table in data.items():
+        if sec not in SECTIONS:
+            raise ConfigError(f"unknown section [{sec}] in {source}{_did_you_mean(sec, [*SECTIONS, *OPTIONS])}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{sec} in {source} must be a table: write [{sec}] and its keys below it")
+        for name, value in table.items():
+            o = OPTIONS.get(f"{sec}.{name}")
+            if o is None:
+                hint = _did_you_mean(f"{sec}.{name}", list(OPTIONS))
+                raise ConfigError(f"unknown key {sec}.{name} in {source}{hint}")
+            _set(cfg, o, _coerce(o, value, f" in {source}"))
+
+
+def _parse_cli(argv: list[str]) -> list[tuple[_Opt, Any]]:
+    """Turns argv into ordered (option, typed value) pairs; the accepted forms are listed in help_text()."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: options look like --section.key value (see --help)")
+        name, eq, text = arg[2:].partition("=")
+        negated = name.startswith("no-")
+        o = OPTIONS.get(name[3:] if negated else name)
+        if o is None:
+            raise ConfigError(f"unknown option --{name}{_did_you_mean(name, list(OPTIONS), '--')}")
+        if negated:
+            if o.type is not bool or eq:
+                raise ConfigError(f"--{name}: the --no- form only exists for boolean options and takes no value")
+            out.append((o, False))
+            continue
+        if not eq:
+            # A bool flag takes the next word only if it reads as a bool, so `--compile.enable --other ...` works.
+            if o.type is bool and (i == len(argv) or argv[i].lower() not in _TRUE + _FALSE):
+                out.append((o, True))
+                continue
+            if i == len(argv) or argv[i].startswith("--"):
+                raise ConfigError(f"--{name} is missing its value: write --{name} VALUE or --{name}=VALUE")
+            text = argv[i]
+            i += 1
+        out.append((o, _from_string(o, text)))
+    return out
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Builds the run's config from argv (like sys.argv[1:]): defaults, then the TOML file, then CLI overrides."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        sys.exit(0)
+    overrides = _parse_cli(argv)  # parsed first: a typo should fail before any file is read
+    cfg = JobConfig()
+    path = next((v for o, v in reversed(overrides) if o.key == "job.config_file"), "")
+    if path:
+        _apply_toml(cfg, _read_toml(path), path)
+    for o, value in overrides:
+        _set(cfg, o, value)
+    validate(cfg)
+    return cfg
+
+
+# Range checks, listed plainly: (key, rule as the user reads it, test).
+_RULES = [
+    ("training.steps", ">= 1", lambda v: v >= 1),
+    ("training.seq_len", ">= 2", lambda v: v >= 2),  # next-token targets need at least two tokens
+    ("training.local_batch_size", ">= 1", lambda v: v >= 1),
+    ("training.global_batch_size", "-1 (local x data-parallel degree) or >= 1", lambda v: v == -1 or v >= 1),
+    ("training.max_norm", ">= 0 (0 disables clipping)", lambda v: v >= 0),
+    ("training.gc_freq", ">= 0 (0 leaves automatic GC on)", lambda v: v >= 0),
+    ("optimizer.lr", "> 0", lambda v: v > 0),
+    ("lr_scheduler.warmup_steps", ">= 0", lambda v: v >= 0),
+    ("lr_scheduler.decay_ratio", "none or in [0, 1]", lambda v: v is None or 0 <= v <= 1),
+    ("lr_scheduler.min_lr_factor", "in [0, 1]", lambda v: 0 <= v <= 1),
+    ("parallelism.data_parallel_replicate_degree", ">= 1", lambda v: v >= 1),
+    ("parallelism.data_parallel_shard_degree", "-1 (the rest of the world) or >= 1", lambda v: v == -1 or v >= 1),
+    ("parallelism.tensor_parallel_degree", ">= 1", lambda v: v >= 1),
+    ("checkpoint.interval", ">= 1", lambda v: v >= 1),
+    ("checkpoint.keep_latest_k", ">= 0 (0 keeps all)", lambda v: v >= 0),
+    ("activation_checkpoint.selective_ac_option", '"op" or a positive integer',
+     lambda v: v == "op" or (v.isdecimal() and int(v) >= 1)),
+    ("metrics.log_freq", ">= 1", lambda v: v >= 1),
+    ("validation.freq", ">= 1", lambda v: v >= 1),
+    ("validation.steps", ">= 1", lambda v: v >= 1),
+]
+
+
+def validate(cfg: JobConfig) -> None:
+    """Raises ConfigError on a wrong type, a value outside its choices, or an impossible value."""
+    for o in OPTIONS.values():
+        value = _get(cfg, o)
+        _coerce(o, value)  # catches configs built in code, which skipped the TOML/CLI checks
+        if o.choices and value not in o.choices:
+            raise ConfigError(f"{o.key} must be one of {', '.join(o.choices)} (got {value!r})")
+    for key, rule, ok in _RULES:
+        value = _get(cfg, OPTIONS[key])
+        if not ok(value):
+            raise ConfigError(f"{key} must be {rule} (got {value!r})")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):  # JSON string escapes are a subset of TOML's, except that TOML also bans DEL
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    return repr(value)  # repr round-trips floats exactly (8e-4 -> 0.0008), and TOML reads inf/nan/1e-08
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The fully resolved config as TOML; None values are left out (TOML has no null) and reload as None."""
+    lines = ["# Fully resolved torchtitan_lite config: loading this file alone reproduces the run's settings."]
+    for sec in SECTIONS:
+        lines += ["", f"[{sec}]"]
+        for o in (o for o in OPTIONS.values() if o.section == sec):
+            value = _get(cfg, o)
+            if value is not None:
+                lines.append(f"{o.name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def help_text() -> str:
+    """Every option, grouped by section, with its type, default, choices and doc."""
+    lines = [
+        "usage: train.py [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE ...]",
+        "Precedence: command line > TOML file > defaults. Booleans: --section.key, --no-section.key,",
+        "or --section.key true|false. Optional numbers accept 'none'.",
+    ]
+    for sec, cls in SECTIONS.items():
+        lines += ["", f"[{sec}]  {cls.__doc__}"]
+        for o in (o for o in OPTIONS.values() if o.section == sec):
+            kind = o.type.__name__ + ("|none" if o.optional else "")
+            default = "none" if o.default is None else _toml_value(o.default)
+            choices = f"  {{{', '.join(o.choices)}}}" if o.choices else ""
+            lines += [f"  --{o.key} {kind} = {default}{choices}", f"      {o.help}"]
+    return "\n".join(lines)

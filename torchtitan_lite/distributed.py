@@ -1,0 +1,53 @@
+"""Process environment: ranks, device, process group, threads, determinism."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Env:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+    @classmethod
+    def from_environ(cls) -> Env:
+        """What torchrun set (or a single process when run as plain `python train.py`)."""
+        get = lambda name, default: int(os.environ.get(name, default))  # noqa: E731
+        return cls(get("RANK", 0), get("LOCAL_RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_WORLD_SIZE", 1))
+
+
+def init_distributed(env: Env) -> torch.device:
+    """CUDA + NCCL when there are GPUs, else CPU + gloo with the cores shared among the local processes."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // env.local_world_size))
+        backend = "gloo"
+    if env.world_size == 1:  # plain `python train.py`: a one-process group so the mesh code path is the same
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    return device
+
+
+def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:
+    torch.manual_seed(seed)
+    if deterministic:
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False

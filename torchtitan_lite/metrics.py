@@ -1,0 +1,171 @@
+"""Throughput accounting (FLOPs, peak FLOP/s, memory) and the per-step metric logger.
+
+The logger writes the two formats fixed in CONTRACT.md: `metrics.jsonl` (what scripts and tests read) and the
+console line `step: N  loss: X  ...` (torchtitan's shape). TensorBoard is optional and imported only when enabled.
+"""
+
+import functools
+import json
+import logging
+import os
+import resource
+import sys
+import time
+
+import torch
+
+logger = logging.getLogger("torchtitan_lite")
+
+
+def flops_per_token(
+    num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int, embedding_params: int
+) -> float:
+    """Training FLOPs per token: 6·N + 12·L·H·D·S (PaLM appendix B, as torchtitan counts it).
+
+    6·N: every non-embedding weight does one multiply-add (2 FLOPs) per token in the forward pass and two in the
+    backward pass (grad of input and grad of weight). N excludes the token-embedding table because it is a lookup,
+    not a matmul; an untied output projection is a matmul and stays in N.
+    12·L·H·D·S: the attention scores (QKᵀ) and the weighted sum of values, 2 matmuls × 2 FLOPs × 3 (fwd + bwd), each
+    of size H·D·S per token per layer. Like PaLM we count the full S×S square, ignoring the causal mask's savings.
+    """
+    n = num_params - embedding_params
+    return 6.0 * n + 12.0 * n_layers * n_heads * head_dim * seq_len
+
+
+# Dense (no sparsity) peaks in FLOP/s, from NVIDIA's datasheets: (name substring, bf16/fp16 tensor core, plain fp32).
+# Order matters: the first substring found in the device name wins, so the H100 variants precede plain "H100"
+# (the SXM part reports itself as e.g. "NVIDIA H100 80GB HBM3").
+_GPU_PEAKS = [
+    ("H100 NVL", 835e12, 60e12),
+    ("H100 PCIe", 756e12, 51e12),
+    ("H100", 989e12, 67e12),
+    ("H200", 989e12, 67e12),
+    ("A100", 312e12, 19.5e12),
+    ("L40S", 362e12, 91.6e12),
+    ("B200", 2250e12, 75e12),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_peak(name: str, dtype: torch.dtype, tf32: bool) -> float:
+    entry = next((e for e in _GPU_PEAKS if e[0] in name), None)
+    if entry is None:  # lru_cache makes this warn once per device name
+        logger.warning("unknown GPU %r: MFU uses the H100 SXM peak", name)
+        entry = _GPU_PEAKS[2]
+    _, half, fp32 = entry
+    if dtype in (torch.bfloat16, torch.float16):
+        return half
+    # fp32 matmuls run on TF32 tensor cores only when the user allowed it; torch's default keeps them on the plain
+    # fp32 units, whose peak is ~15x lower. The TF32 dense peak is half the bf16 one on all the parts above.
+    return half / 2 if tf32 else fp32
+
+
+def _tf32_allowed() -> bool:
+    # Read the new per-backend setting: get_float32_matmul_precision() raises once the new API has been used.
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        return matmul.fp32_precision == "tf32"
+    return matmul.allow_tf32
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_peak(dtype: torch.dtype, num_threads: int) -> float:
+    # A CPU has no datasheet peak we can trust (turbo, AVX-512/AMX, shared cores), so "peak" is what a large
+    # matmul in the training dtype achieves here with this thread count; MFU is the model's share of that rate.
+    # Keyed on the thread count because torchrun ranks on one host may each be given fewer threads.
+    n = 1024
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(2):  # warm up: first calls pay for allocation and kernel selection
+        a @ b
+    best = float("inf")
+    for _ in range(5):  # best of several timings: the peak, not the average under noise
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """Peak FLOP/s of one device for matmuls in `dtype`: a datasheet table on GPU, a cached measurement on CPU."""
+    if device.type == "cuda":
+        return _gpu_peak(torch.cuda.get_device_name(device), dtype, _tf32_allowed())
+    return _cpu_peak(dtype, torch.get_num_threads())
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak allocated memory on CUDA; on CPU the process's current resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        with open("/proc/self/statm") as f:  # fields are in pages; the second is resident
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError, IndexError):  # no /proc (macOS): the max RSS, in bytes there, KiB on Linux
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss / 2**30 if sys.platform == "darwin" else rss * 1024 / 2**30
+
+
+def _plain(v):
+    """A tensor or numpy scalar as a Python number, so json.dumps writes it at full precision (repr)."""
+    v = v.item() if hasattr(v, "item") else v
+    return v if isinstance(v, (int, float)) else float(v)
+
+
+# Console fields after `loss`, in order: key, label, format. Keys not in `values` are skipped.
+_CONSOLE = [
+    ("grad_norm", "grad_norm", "{:.4f}"),
+    ("lr", "lr", "{:.4e}"),
+    ("tps", "tps", "{:,.0f}"),
+    ("mfu", "mfu", "{:.2f}%"),
+    ("memory_gib", "memory", "{:.2f}GiB"),
+]
+
+
+class MetricLogger:
+    """Writes each logged step to metrics.jsonl, the console and optionally TensorBoard; rank 0 only."""
+
+    def __init__(self, dump_folder: str, rank: int, log_freq: int, enable_tensorboard: bool, tb_folder: str):
+        self.log_freq = log_freq
+        self._file = None
+        self._tb = None
+        if rank != 0:  # every rank holds the same numbers after the all-reduce; one writer avoids duplicates
+            return
+        os.makedirs(dump_folder, exist_ok=True)
+        # Append: a resumed run continues the same file and its steps carry on from the checkpoint.
+        self._file = open(os.path.join(dump_folder, "metrics.jsonl"), "a")
+        if enable_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError(
+                    "metrics.enable_tensorboard is set but tensorboard is not installed: "
+                    "`pip install tensorboard` or pass --no-metrics.enable_tensorboard"
+                ) from e
+            self._tb = SummaryWriter(os.path.join(dump_folder, tb_folder))
+
+    def should_log(self, step: int, last: bool = False) -> bool:
+        # Same answer on every rank, so the trainer can gate collectives (loss all-reduce) on it.
+        return step == 1 or step % self.log_freq == 0 or last
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if self._file is None:
+            return
+        values = {k: _plain(v) for k, v in values.items()}
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self._file.flush()  # readers (loss_compare, tests, a crashed run's post-mortem) see every step written
+        if "loss" in values:
+            fields = [f"step: {step}", f"loss: {values['loss']:.4f}"]
+            fields += [f"{label}: {fmt.format(values[k])}" for k, label, fmt in _CONSOLE if k in values]
+            logger.info("  ".join(fields))
+        if "val_loss" in values:
+            logger.info(f"step: {step}  val_loss: {values['val_loss']:.4f}")
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

@@ -1,0 +1,211 @@
+"""The Llama 3 architecture, single-device code: parallelism is applied from outside (parallelize.py).
+
+Attention and FFN reshape with -1 for the head count, so the same code runs on the local heads of a tensor-parallel
+shard. Layers live in a ModuleDict keyed "0".."n-1" so parameter names (and checkpoints) do not depend on wrapping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_lite.init import trunc_normal_
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: as many as n_heads (no grouped-query attention)
+    vocab_size: int = -1  # set from the tokenizer
+    multiple_of: int = 256  # FFN hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: bool = False  # Llama 3.1's long-context frequency scaling
+    max_seq_len: int = 2048
+    depth_init: bool = True  # output projections' std shrinks with depth (Llama recipe)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def with_(self, **changes) -> ModelArgs:
+        return replace(self, **changes)
+
+
+FLAVORS: dict[str, ModelArgs] = {
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+                    rope_theta=500000, rope_scaling=True),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+                     rope_theta=500000, rope_scaling=True),
+    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+                      rope_theta=500000, rope_scaling=True),
+}
+
+
+def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """(max_seq_len, head_dim/2, 2) table of cos and sin for rotary embeddings."""
+    dim = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device)[: dim // 2].float() / dim))
+    if args.rope_scaling:  # Llama 3.1: stretch low frequencies 8x, keep high ones, blend in between
+        scale, low_ff, high_ff, old_ctx = 8.0, 1.0, 4.0, 8192
+        wavelen = 2 * math.pi / freqs
+        smooth = ((old_ctx / wavelen) - low_ff) / (high_ff - low_ff)
+        blended = (1 - smooth) * freqs / scale + smooth * freqs
+        freqs = torch.where(wavelen > old_ctx / low_ff, freqs / scale,
+                            torch.where(wavelen < old_ctx / high_ff, freqs, blended))
+    angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    # Meta's layout: consecutive pairs (x[2i], x[2i+1]) rotate together. x: (bs, seq, heads, head_dim).
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = rope[: x.shape[1], None, :, 0], rope[: x.shape[1], None, :, 1]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+    def init_weights(self, init) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.kv_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        q = self.wq(x).view(bs, seq, -1, self.head_dim)
+        k = self.wk(x).view(bs, seq, -1, self.head_dim)
+        v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        # Grouped-query attention: each kv head serves n_rep query heads.
+        k = k.repeat_interleave(self.n_rep, dim=2)
+        v = v.repeat_interleave(self.n_rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+    def init_weights(self, init, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            init(linear.weight, 0.02)
+        init(self.wo.weight, out_std)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init, out_std: float) -> None:
+        init(self.w1.weight, 0.02)
+        init(self.w2.weight, out_std)
+        init(self.w3.weight, out_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, init) -> None:
+        self.attention_norm.init_weights(init)
+        self.ffn_norm.init_weights(init)
+        self.attention.init_weights(init, self.out_std)
+        self.feed_forward.init_weights(init, self.out_std)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        assert args.vocab_size > 0, "vocab_size comes from the tokenizer: ModelArgs.with_(vocab_size=...)"
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Not persistent: derived from the args, recomputed by init_weights (to_empty leaves it garbage).
+        self.register_buffer("rope", rope_table(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialize every parameter and recompute every buffer, identically on any mesh (see init.py)."""
+        self.rope.copy_(rope_table(self.args, device=self.rope.device))
+        names = {p: canonical_name(n) for n, p in self.named_parameters()}
+
+        def init(param: torch.Tensor, std: float, cutoff: float = math.inf) -> None:
+            # Default: untruncated. The Llama recipe's trunc_normal_ bounds (+-2 absolute) are >= 100 std here.
+            trunc_normal_(param, std, cutoff, key=f"{seed}/{names[param]}")
+
+        init(self.tok_embeddings.weight, 1.0)
+        for layer in self.layers.values():
+            layer.init_weights(init)
+        self.norm.init_weights(init)
+        init(self.output.weight, self.args.dim**-0.5, cutoff=3.0)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without wrapper prefixes (activation checkpointing, compile)."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def count_params(model: nn.Module) -> tuple[int, int]:
+    """(all parameters, the token-embedding table's) of the full model; works on meta tensors."""
+    total = sum(p.numel() for p in model.parameters())
+    return total, model.tok_embeddings.weight.numel()

@@ -1,0 +1,91 @@
+"""Optimizer, learning-rate schedule and gradient clipping."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.optim.lr_scheduler import LambdaLR
+
+from torchtitan_lite.config import LRScheduler, Optimizer
+
+
+def build_optimizer(model: nn.Module, cfg: Optimizer, device_type: str) -> torch.optim.Optimizer:
+    impl = cfg.implementation
+    if impl == "fused" and device_type == "cpu" and not _fused_on_cpu():
+        impl = "foreach"  # fused AdamW has no CPU kernel on older torch; foreach is the next fastest
+    return torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        foreach=impl == "foreach", fused=impl == "fused" or None)
+
+
+@functools.cache
+def _fused_on_cpu() -> bool:
+    try:
+        p = torch.zeros(1, requires_grad=True)
+        p.grad = torch.zeros(1)
+        torch.optim.AdamW([p], fused=True).step()
+        return True
+    except RuntimeError:
+        return False
+
+
+def lr_factor(step: int, warmup: int, decay: int, total: int, decay_type: str, min_factor: float) -> float:
+    """Multiplier of the base lr after `step` optimizer steps: linear warmup, a stable phase, then decay.
+
+    Warmup counts from 1 so the first step trains (lr = base / warmup, not 0). The decay phase is the last
+    `decay` steps and falls from 1 to `min_factor`.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    stable_end = total - decay
+    if step < stable_end or decay == 0:
+        return 1.0
+    progress = min(1.0, (step - stable_end) / decay)
+    shape = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress),
+             "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[decay_type]
+    return min_factor + (1 - min_factor) * shape
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, steps: int) -> LambdaLR:
+    warmup = min(cfg.warmup_steps, steps)
+    decay = steps - warmup if cfg.decay_ratio is None else round(cfg.decay_ratio * steps)
+    decay = min(decay, steps - warmup)  # warmup and decay cannot overlap; a too-large ratio shortens decay
+    fn = functools.partial(lr_factor, warmup=warmup, decay=decay, total=steps, decay_type=cfg.decay_type,
+                           min_factor=cfg.min_lr_factor)
+    return LambdaLR(optimizer, fn)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int) -> torch.Tensor:
+    """Clip the global gradient norm of parameters that may live on different meshes (or be plain tensors).
+
+    torch.nn.utils.clip_grad_norm_ cannot mix meshes, so each rank sums the squares of its local gradient shards,
+    weighted by 1 / (number of ranks holding that same shard), and one all-reduce over the world adds them up.
+    Returns the total norm (before clipping). max_norm = 0 only measures.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    sq = torch.zeros((), dtype=torch.float32, device=local[0].device if local else "cpu")
+    for g, norm in zip(grads, torch._foreach_norm(local, 2.0) if local else []):
+        sq += norm.float() ** 2 * (_shard_count(g) / world_size)
+    if world_size > 1:
+        dist.all_reduce(sq)
+    total = sq.sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(local, coef.to(local[0].dtype) if local else coef)
+    return total
+
+
+def _shard_count(t: torch.Tensor) -> int:
+    """Into how many distinct pieces a tensor is cut (the other ranks hold copies)."""
+    if not isinstance(t, DTensor):
+        return 1
+    # FSDP on top of TP shards a dim twice; the outer split is a _StridedShard, which is not a Shard subclass.
+    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if isinstance(p, (Shard, _StridedShard)))

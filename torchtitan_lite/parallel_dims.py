@@ -1,0 +1,60 @@
+"""The parallel layout: degrees, their validation, and the device mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torchtitan_lite.config import ConfigError, Parallelism
+from torchtitan_lite.model import ModelArgs
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
+        replicate, shard, tp = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
+                                cfg.tensor_parallel_degree)
+        if shard == -1:
+            if world_size % (replicate * tp):
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by data_parallel_replicate_degree {replicate} x "
+                    f"tensor_parallel_degree {tp}: change the degrees or the number of processes")
+            shard = world_size // (replicate * tp)
+        if replicate * shard * tp != world_size:
+            raise ConfigError(
+                f"parallelism degrees multiply to {replicate * shard * tp} (replicate {replicate} x shard {shard} "
+                f"x tp {tp}) but the world size is {world_size}: make them multiply to {world_size}, or set "
+                f"parallelism.data_parallel_shard_degree = -1")
+        return cls(replicate, shard, tp, world_size)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether data parallelism is applied (FSDP, HSDP, or DDP as HSDP with shard degree 1)."""
+        return self.dp > 1
+
+    def validate_model(self, args: ModelArgs) -> None:
+        """The model's shapes must split evenly across tensor-parallel ranks."""
+        for name, size in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
+                           ("FFN hidden size", args.ffn_hidden)):
+            if size % self.tp:
+                raise ConfigError(
+                    f"model {name} = {size} is not divisible by parallelism.tensor_parallel_degree = {self.tp}: "
+                    f"choose a degree that divides {size}")
+
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+        """One mesh ("dp_replicate", "dp_shard", "tp"), and its data-parallel dims flattened into one ("dp"): the
+        data loader's rank and the group that sums the logged loss."""
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -1,0 +1,105 @@
+"""Parallelism applied from outside the model, in one order: TP, activation checkpointing, compile, FSDP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from torchtitan_lite.config import JobConfig
+from torchtitan_lite.parallel_dims import ParallelDims
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig) -> None:
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"], loss_parallel=not cfg.parallelism.disable_loss_parallel)
+    if cfg.activation_checkpoint.mode != "none":
+        apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    if cfg.compile.enable:
+        for block in model.layers.values():
+            block.compile(fullgraph=True)  # in place: parameter names stay unchanged
+    if dims.fsdp:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        apply_fsdp(model, dp_mesh, cfg)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Megatron-style TP with sequence parallelism: activations between blocks are sharded on the sequence dim
+    (Shard(1)), gathered before attention/FFN, and reduce-scattered after their output projections."""
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        # With loss parallel the logits stay sharded on the vocab dim: cross-entropy never gathers them.
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    })
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+
+
+def apply_ac(model: nn.Module, mode: str, option: str) -> None:
+    """Full: recompute every block in backward. Selective N: every N-th block. Selective "op": keep matmul
+    outputs, recompute the cheap element-wise ops."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    context_fn = None
+    if mode == "selective" and option == "op":
+        from functools import partial
+
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        def policy(ctx, op, *args, **kwargs):
+            save = op in (torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
+                          torch.ops.aten._scaled_dot_product_efficient_attention.default)
+            return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        context_fn = partial(create_selective_checkpoint_contexts, policy)
+    every = int(option) if mode == "selective" and option != "op" else 1
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if i % every == 0:
+            kwargs = {"context_fn": context_fn} if context_fn else {}
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig) -> None:
+    """FSDP2 on each block, then the root. A 2-D mesh (replicate, shard) gives HSDP; shard size 1 gives DDP."""
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.mixed_precision_param],
+                              reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce])
+    policy = cfg.parallelism.fsdp_reshard_after_forward
+    n = len(model.layers)
+    for i, block in enumerate(model.layers.values()):
+        # "default": the last block's parameters are needed first in backward, so keep them gathered.
+        reshard = policy == "always" or (policy == "default" and i < n - 1)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=policy == "always")
+    # The loss is already normalized by the global token count, so gradients must be summed across data-parallel
+    # ranks, not averaged: one exact rule for every layout and accumulation. Plain SUM collectives, since gloo
+    # has no PREMUL_SUM (and NCCL's SUM is its zero-copy path).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,165 @@
+"""Pretrain a Llama model with PyTorch-native parallelism (TP + FSDP2/HSDP), configured by a TOML file.
+
+Launch (one node, 8 GPUs or 4 CPU processes):
+    NGPU=8 CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh --training.steps 100
+    torchrun --standalone --nproc_per_node 4 train.py --job.config_file train_configs/debug_model.toml
+Multi-node: the same command on every node with a c10d rendezvous (see multinode_trainer.slurm):
+    torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 train.py --job.config_file F
+Any config key can be overridden as --section.key value; `python train.py --help` lists them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
+from torchtitan_lite.data import DataLoader, build_source
+from torchtitan_lite.distributed import Env, init_distributed, set_determinism
+from torchtitan_lite.metrics import MetricLogger, flops_per_token, memory_gib, peak_flops
+from torchtitan_lite.model import FLAVORS, Transformer, count_params
+from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from torchtitan_lite.parallel_dims import ParallelDims
+from torchtitan_lite.parallelize import DTYPES, parallelize
+from torchtitan_lite.tokenizer import build_tokenizer
+
+logger = logging.getLogger("torchtitan_lite")
+
+
+def main(cfg: JobConfig, env: Env) -> None:
+    # ---- Validate everything that can be checked before any process talks to another, so a bad config fails on
+    # every rank the same way instead of hanging in a collective.
+    dims = ParallelDims.from_config(cfg.parallelism, env.world_size)
+    try:
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.tokenizer_path: {e}") from None
+    if cfg.model.flavor not in FLAVORS:
+        raise ConfigError(f"model.flavor {cfg.model.flavor!r} is unknown: choose one of {', '.join(FLAVORS)}")
+    model_args = FLAVORS[cfg.model.flavor].with_(vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len)
+    dims.validate_model(model_args)
+    t = cfg.training
+    global_batch = t.local_batch_size * dims.dp if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % (t.local_batch_size * dims.dp):
+        raise ConfigError(
+            f"training.global_batch_size {global_batch} is not a multiple of local_batch_size {t.local_batch_size} "
+            f"x data-parallel degree {dims.dp}: use a multiple of {t.local_batch_size * dims.dp}")
+    source = build_source(t.dataset, t.dataset_path, t.seq_len, tokenizer, t.seed)
+
+    # ---- Processes, device, mesh.
+    device = init_distributed(env)
+    set_determinism(t.seed, t.deterministic, device)
+    mesh, dp_mesh = dims.build_mesh(device.type)
+    if env.rank == 0:
+        os.makedirs(cfg.job.dump_folder, exist_ok=True)
+        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
+        logger.info("resolved config:\n%s", to_toml(cfg))
+    data = DataLoader(source, global_batch, t.local_batch_size, dp_mesh.get_local_rank(), dims.dp)
+
+    # ---- Model: built on meta (no memory), parallelized, then materialized shard by shard.
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    n_params, n_embedding = count_params(model)
+    parallelize(model, mesh, dims, cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed=t.seed)
+    model.train()
+    logger.info("%s %s: %.2fM parameters, mesh %s", cfg.model.name, cfg.model.flavor, n_params / 1e6,
+                dict(zip(mesh.mesh_dim_names, mesh.shape)))
+
+    optimizer = build_optimizer(model, cfg.optimizer, device.type)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
+
+    # ---- Numerics of the step. The loss is a sum of token losses over the global token count, and gradients are
+    # summed across ranks (parallelize.py), so accumulation and data parallelism give one big batch's gradient.
+    global_tokens = global_batch * t.seq_len
+    use_loss_parallel = dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
+    compute_dtype = DTYPES[t.mixed_precision_param]
+    # FSDP applies mixed precision itself; without it (1 process, TP only) autocast does.
+    autocast = not dims.fsdp and compute_dtype != torch.float32
+    fpt = flops_per_token(n_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len,
+                          n_embedding)
+    peak = peak_flops(device, compute_dtype if (dims.fsdp or autocast) else torch.float32)
+
+    def train_context():
+        stack = contextlib.ExitStack()
+        if use_loss_parallel:
+            stack.enter_context(loss_parallel())
+        if autocast:
+            stack.enter_context(torch.autocast(device.type, dtype=compute_dtype))
+        return stack
+
+    metrics = MetricLogger(cfg.job.dump_folder, env.rank, cfg.metrics.log_freq, cfg.metrics.enable_tensorboard,
+                           cfg.metrics.save_tb_folder)
+    if cfg.training.gc_freq > 0:
+        gc.disable()  # collect on a schedule instead, so all ranks pause at the same step
+    step, start = 0, time.perf_counter()
+    last_log_time, last_log_step = start, step
+    params = [p for p in model.parameters()]
+
+    # ---- The loop.
+    while step < t.steps:
+        step += 1
+        if t.gc_freq > 0 and step % t.gc_freq == 0:
+            gc.collect(1)
+        loss_sum = torch.zeros((), device=device)
+        for inputs, labels in data.next_batch():
+            inputs, labels = inputs.to(device), labels.to(device)
+            with train_context():
+                logits = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                loss = loss / global_tokens
+                loss.backward()
+            loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        grad_norm = clip_grad_norm_(params, t.max_norm, env.world_size)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        if metrics.should_log(step, last=step == t.steps):
+            dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+            now = time.perf_counter()
+            tps = global_tokens * (step - last_log_step) / env.world_size / (now - last_log_time)
+            metrics.log(step, {
+                "loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr, "tps": tps,
+                "mfu": 100 * tps * fpt / peak, "memory_gib": memory_gib(device), "elapsed_s": now - start,
+                "tokens_seen": global_tokens * step,
+            })
+            last_log_time, last_log_step = now, step
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+    metrics.close()
+    logger.info("training done: %d steps in %.1fs", step, time.perf_counter() - start)
+
+
+def run(argv: list[str] | None = None) -> int:
+    env = Env.from_environ()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg = load_config(argv)
+        main(cfg, env)
+    except ConfigError as e:
+        # Every rank reaches the same verdict; one line from rank 0 is enough.
+        if env.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())
