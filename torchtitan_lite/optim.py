@@ -8,7 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -69,6 +69,12 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int
     weighted by 1 / (number of ranks holding that same shard), and one all-reduce over the world adds them up.
     Returns the total norm (before clipping). max_norm = 0 only measures.
     """
+    for p in params:
+        # Under TP without FSDP, a replicated weight used on sequence shards (the norms) gets a Partial gradient:
+        # sum it across ranks now, so both the norm and the optimizer see the true gradient.
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
     grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     sq = torch.zeros((), dtype=torch.float32, device=local[0].device if local else "cpu")
