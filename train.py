@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan_lite.checkpoint import CheckpointManager, TrainState, check_config
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.data import DataLoader, build_source
 from torchtitan_lite.distributed import Env, init_distributed, set_determinism
@@ -48,13 +49,14 @@ def main(cfg: JobConfig, env: Env) -> None:
         raise ConfigError(f"model.flavor {cfg.model.flavor!r} is unknown: choose one of {', '.join(FLAVORS)}")
     model_args = FLAVORS[cfg.model.flavor].with_(vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len)
     dims.validate_model(model_args)
+    check_config(cfg.checkpoint, env.world_size)
     t = cfg.training
     global_batch = t.local_batch_size * dims.dp if t.global_batch_size == -1 else t.global_batch_size
     if global_batch % (t.local_batch_size * dims.dp):
         raise ConfigError(
             f"training.global_batch_size {global_batch} is not a multiple of local_batch_size {t.local_batch_size} "
             f"x data-parallel degree {dims.dp}: use a multiple of {t.local_batch_size * dims.dp}")
-    source = build_source(t.dataset, t.dataset_path, t.seq_len, tokenizer, t.seed)
+    source = build_source(t.dataset, t.dataset_path, t.seq_len, tokenizer, t.seed, text_field=t.dataset_text_field)
 
     # ---- Processes, device, mesh.
     device = init_distributed(env)
@@ -100,11 +102,25 @@ def main(cfg: JobConfig, env: Env) -> None:
             stack.enter_context(torch.autocast(device.type, dtype=compute_dtype))
         return stack
 
+    # ---- Checkpoint: resume from the newest complete checkpoint in the folder, or start from
+    # checkpoint.initial_load_path. After peak_flops, which draws random numbers, so the restored RNG state stays put.
+    train_state = TrainState()
+    checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, optimizer, scheduler, data, train_state,
+                                   t.steps)
+    if cfg.checkpoint.create_seed_checkpoint:
+        checkpoint.save(0, model_only=True)
+        logger.info("seed checkpoint written: runs on any mesh with this checkpoint folder start from it")
+        return
+    checkpoint.load()
+    if train_state.step >= t.steps:
+        logger.info("the checkpoint is at step %d, training.steps is %d: nothing to do", train_state.step, t.steps)
+        return
+
     metrics = MetricLogger(cfg.job.dump_folder, env.rank, cfg.metrics.log_freq, cfg.metrics.enable_tensorboard,
                            cfg.metrics.save_tb_folder)
     if cfg.training.gc_freq > 0:
         gc.disable()  # collect on a schedule instead, so all ranks pause at the same step
-    step, start = 0, time.perf_counter()
+    step, start = train_state.step, time.perf_counter()
     last_log_time, last_log_step = start, step
     params = [p for p in model.parameters()]
 
@@ -127,6 +143,7 @@ def main(cfg: JobConfig, env: Env) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + global_tokens
 
         if metrics.should_log(step, last=step == t.steps):
             dist.all_reduce(loss_sum, group=dp_mesh.get_group())
@@ -134,12 +151,14 @@ def main(cfg: JobConfig, env: Env) -> None:
             tps = global_tokens * (step - last_log_step) / env.world_size / (now - last_log_time)
             metrics.log(step, {
                 "loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr, "tps": tps,
-                "mfu": 100 * tps * fpt / peak, "memory_gib": memory_gib(device), "elapsed_s": now - start,
-                "tokens_seen": global_tokens * step,
+                "mfu": 100 * tps * fpt / peak, "memory_gib": memory_gib(device),
+                "elapsed_s": train_state.elapsed_s(), "tokens_seen": train_state.tokens_seen,
             })
             last_log_time, last_log_step = now, step
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+        checkpoint.maybe_save(step, last=step == t.steps)
+    checkpoint.close()  # waits for an async save still being written
     metrics.close()
     logger.info("training done: %d steps in %.1fs", step, time.perf_counter() - start)
 

@@ -17,7 +17,6 @@ import base64
 import glob
 import heapq
 import sys
-import sysconfig
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -25,15 +24,8 @@ from pathlib import Path
 import regex  # a dependency of tiktoken, so always installed with it; Python's `re` has no \p{L}
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from torchtitan_lite.datasets import stdlib_files  # noqa: E402
 from torchtitan_lite.tokenizer import LLAMA3_PAT, Tokenizer  # noqa: E402
-
-
-def stdlib_files() -> list[Path]:
-    """The running interpreter's standard library, sorted. Tests are left out (synthetic data, often stripped from
-    installs, and a held-out set when present), and so is site-packages (third-party, differs per machine)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-    return [f for f in sorted(root.rglob("*.py")) if not skip & set(f.relative_to(root).parts[:-1])]
 
 
 def input_files(specs: list[str]) -> list[Path]:

@@ -72,6 +72,7 @@ class Training:
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables")
     dataset: str = opt("synthetic", "training dataset name")
     dataset_path: str = opt("", "local path of the dataset, if it needs one")
+    dataset_text_field: str = opt("text", "jsonl and hf datasets: the field that holds a document's text")
     mixed_precision_param: str = opt("bfloat16", "FSDP parameter dtype for compute", choices=("bfloat16", "float32"))
     mixed_precision_reduce: str = opt("float32", "FSDP gradient reduce dtype", choices=("float32", "bfloat16"))
     seed: int = opt(0, "random seed")

@@ -4,13 +4,31 @@ Every source defines a global sequence of windows of seq_len + 1 tokens (inputs 
 step s the global batch is windows [s*G, (s+1)*G) of that order, whatever the data-parallel degree; dp rank r takes
 a contiguous slice of it. The loader's whole state is its position in the order, so a resume continues with the
 exact next sample, also on a different number of data-parallel ranks.
+
+Text is packed: documents (BOS + tokens + EOS, datasets.py) are concatenated into one stream, cut into windows back
+to back with stride seq_len + 1, so each token is in exactly one window per epoch. No padding; windows cross
+document boundaries; a tail shorter than a window is dropped. A finite source reshuffles its windows every epoch
+(the first included) with a seeded permutation that needs no memory, so the order extends forever.
+
+Hugging Face streams cannot be read at random positions: each dp rank streams its own shard of the documents, and
+the state is per rank, so such a run resumes only on the same data-parallel degree.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import logging
+import time
+from collections import deque
+
 import torch
 
+from torchtitan_lite import datasets
+from torchtitan_lite.config import ConfigError
 from torchtitan_lite.init import uniform
+
+logger = logging.getLogger("torchtitan_lite")
 
 
 class SyntheticSource:
@@ -44,6 +62,120 @@ class SyntheticSource:
         return out
 
 
+class Permutation:
+    """A seeded bijection of [0, n) in O(1) memory, so 10^9 windows need no 8 GB randperm.
+
+    A 4-round Feistel network permutes [0, 4^h) for the smallest 4^h >= n; a value that lands outside [0, n) is
+    permuted again until it is inside ("cycle walking"), which stays a bijection and takes < 4 rounds on average.
+    """
+
+    rounds = 4
+
+    def __init__(self, n: int, key: str):
+        self.n, self.key = n, key
+        self.half = max(1, ((n - 1).bit_length() + 1) // 2)  # bits per Feistel half
+
+    def __call__(self, index: torch.Tensor) -> torch.Tensor:
+        x = self._feistel(index)
+        outside = x >= self.n
+        while outside.any():
+            x[outside] = self._feistel(x[outside])
+            outside = x >= self.n
+        return x
+
+    def _feistel(self, x: torch.Tensor) -> torch.Tensor:
+        left, right = x >> self.half, x & ((1 << self.half) - 1)
+        for r in range(self.rounds):
+            mixed = (uniform(right, f"{self.key}/{r}") * (1 << self.half)).long()  # the top `half` hash bits
+            left, right = right, left ^ mixed
+        return (left << self.half) | right
+
+
+class TokenSource:
+    """Windows cut from a token stream held in chunks (an in-memory array, or memory-mapped shards in order).
+
+    Window p of the global order is window perm_e(p mod n) of the stream, epoch e = p // n.
+    """
+
+    def __init__(self, chunks: list[torch.Tensor], seq_len: int, seed: int, what: str):
+        self.chunks = [c for c in chunks if len(c)]
+        self.offsets = [0, *itertools.accumulate(len(c) for c in self.chunks)]  # stream position of each chunk
+        self.length, self.seed = seq_len + 1, seed
+        self.n_tokens = self.offsets[-1]
+        self.n = self.n_tokens // self.length  # windows per epoch
+        if self.n == 0:
+            raise ConfigError(f"{what} holds {self.n_tokens} tokens, fewer than one window of seq_len + 1 = "
+                              f"{self.length}: add data or lower training.seq_len")
+
+    def order(self, index: torch.Tensor) -> torch.Tensor:
+        """The stream window that global position `index` reads."""
+        epoch, out = index // self.n, torch.empty_like(index)
+        for e in epoch.unique().tolist():
+            sel = epoch == e
+            out[sel] = Permutation(self.n, f"{self.seed}/order/{e}")(index[sel] % self.n)
+        return out
+
+    def windows(self, index: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(index.numel(), self.length, dtype=torch.long)
+        for row, start in enumerate((self.order(index.view(-1)) * self.length).tolist()):
+            c = bisect.bisect_right(self.offsets, start) - 1
+            local, filled = start - self.offsets[c], 0
+            while filled < self.length:  # a window may continue into the next chunk
+                piece = self.chunks[c][local : local + self.length - filled]
+                out[row, filled : filled + len(piece)] = piece
+                filled, c, local = filled + len(piece), c + 1, 0
+        return out
+
+
+class _HeldOut:
+    """An endless source's validation part: windows so far along its order that no training run reaches them."""
+
+    def __init__(self, source, offset: int = 1 << 40):
+        self.source, self.offset = source, offset
+
+    def windows(self, index: torch.Tensor) -> torch.Tensor:
+        return self.source.windows(index + self.offset)
+
+
+class HFSource:
+    """A Hugging Face dataset streamed document by document; each dp rank reads its own shard (no random access)."""
+
+    streaming = True
+
+    def __init__(self, dataset, text_field: str, tokenizer, seq_len: int):
+        self.dataset, self.text_field, self.tokenizer, self.length = dataset, text_field, tokenizer, seq_len + 1
+
+    def open(self, dp_rank: int, dp_size: int, docs: int, offset: int) -> "Packer":
+        texts = datasets.hf_documents(self.dataset, self.text_field, dp_rank, dp_size)
+        # Resuming skips the raw documents consumed before, without tokenizing them.
+        tokens = (self.tokenizer.encode(t, bos=True, eos=True) if t else [] for t in itertools.islice(texts, docs, None))
+        return Packer(tokens, self.length, docs, offset)
+
+
+class Packer:
+    """Cuts windows from a stream of documents' tokens; (docs, offset), the document and token where the next
+    window starts, is all it takes to resume exactly."""
+
+    def __init__(self, documents, length: int, docs: int = 0, offset: int = 0):
+        self.documents, self.length, self.docs, self.offset = documents, length, docs, offset
+        self.read: deque[list[int]] = deque()  # documents docs, docs+1, ... already taken from the stream
+
+    def next_window(self) -> torch.Tensor:
+        window, i, at = [], 0, self.offset
+        while len(window) < self.length:
+            if i == len(self.read):
+                self.read.append(next(self.documents))
+            piece = self.read[i][at : at + self.length - len(window)]
+            window += piece
+            at += len(piece)
+            if at == len(self.read[i]):
+                i, at = i + 1, 0
+        for _ in range(i):
+            self.read.popleft()
+        self.docs, self.offset = self.docs + i, at
+        return torch.tensor(window)
+
+
 class DataLoader:
     """Yields, per step, this rank's micro-batches of (inputs, labels); stateful for checkpoints."""
 
@@ -51,24 +183,75 @@ class DataLoader:
         self.source, self.global_batch, self.local_batch = source, global_batch, local_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.position = 0  # windows of the global order consumed so far
+        self.streaming = getattr(source, "streaming", False)
+        self.stream: Packer | None = None  # opened at the first batch, after a possible load_state_dict
+        self.stream_state = (0, 0)
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         per_rank = self.global_batch // self.dp_size
-        first = self.position + self.dp_rank * per_rank
-        windows = self.source.windows(torch.arange(first, first + per_rank))
+        if self.streaming:
+            if self.stream is None:
+                self.stream = self.source.open(self.dp_rank, self.dp_size, *self.stream_state)
+            windows = torch.stack([self.stream.next_window() for _ in range(per_rank)])
+            self.stream_state = (self.stream.docs, self.stream.offset)
+        else:
+            first = self.position + self.dp_rank * per_rank
+            windows = self.source.windows(torch.arange(first, first + per_rank))
         self.position += self.global_batch
         return [(w[:, :-1], w[:, 1:]) for w in windows.split(self.local_batch)]
 
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        if not self.streaming:
+            return {"position": self.position}
+        # One key per rank (DCP saves each), as torchtitan's loader does; dp_size is the same on every rank.
+        docs, offset = self.stream_state
+        return {"position": self.position, "dp_size": self.dp_size,
+                f"dp_rank_{self.dp_rank}": {"docs": docs, "offset": offset}}
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
+        if not self.streaming:
+            return
+        saved = state.get("dp_size")
+        if saved != self.dp_size:
+            raise ConfigError(f"the checkpoint streamed its data on {saved} data-parallel ranks, each its own shard; "
+                              f"resuming on {self.dp_size} would replay or skip documents: resume with the same "
+                              f"data-parallel degree, or use pre-tokenized data (dataset 'tokens'), which reshards")
+        rank = state[f"dp_rank_{self.dp_rank}"]
+        self.stream_state, self.stream = (int(rank["docs"]), int(rank["offset"])), None
 
 
-def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int):
+DATASETS = ("synthetic", "python_stdlib", "text", "jsonl", "tokens", "hf")
+
+
+def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int, split: str = "train",
+                 text_field: str = "text"):
+    """The source `name` reads from `path`, for split "train" (training.*) or "validation" (validation.*).
+
+    Only python_stdlib (every 50th file is held out), synthetic (a far-away part of its stream) and hf (the split of
+    that name) derive a validation split themselves; the others read whatever files `path` names.
+    """
+    section = "training" if split == "train" else "validation"
+    key = f"{section}.dataset_path"
+    start = time.perf_counter()
     if name == "synthetic":
-        return SyntheticSource(seq_len, tokenizer.n_words, seed)
-    from torchtitan_lite.config import ConfigError
-
-    raise ConfigError(f"training.dataset {name!r} is unknown: use 'synthetic'")
+        source = SyntheticSource(seq_len, tokenizer.n_words, seed)
+        return source if split == "train" else _HeldOut(source)
+    if name == "hf":
+        return HFSource(datasets.load_hf_stream(path, split, key), text_field, tokenizer, seq_len)
+    if name == "tokens":
+        files = datasets.expand_paths(path, key, dir_pattern="*.bin")
+        chunks = [datasets.open_shard(f, tokenizer) for f in files]
+    elif name in ("python_stdlib", "text", "jsonl"):
+        files = datasets.corpus_files(name, path, split, key)
+        kind = "jsonl" if name == "jsonl" else "text"
+        docs = (doc for f in files for doc in datasets.read_documents(f, kind, text_field))
+        chunks = [datasets.as_tensor(datasets.tokenize_documents(docs, tokenizer))]
+        if not len(chunks[0]):
+            raise ConfigError(f"{section}.dataset {name}: the {len(files)} files of {path!r} hold no text")
+    else:
+        raise ConfigError(f"{section}.dataset {name!r} is unknown: use one of {', '.join(DATASETS)}")
+    source = TokenSource(chunks, seq_len, seed, f"{section}.dataset {name} ({path or split})")
+    logger.info("%s %s: %d files, %.2fM tokens, %d windows of %d per epoch (%.1fs)", section, name, len(files),
+                source.n_tokens / 1e6, source.n, source.length, time.perf_counter() - start)
+    return source

@@ -89,10 +89,16 @@ def trunc_normal_(param: torch.Tensor, std: float, cutoff: float, key: str) -> N
 
     `key` names the tensor (seed and parameter name): two tensors with the same key and shape get the same values.
     """
-    local, shape, offset = _local_block(param)
+    local, _, offset = _local_block(param)
+    fill_block_(local, tuple(param.shape), offset, std, cutoff, key)
+
+
+def fill_block_(local: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[int, ...], std: float,
+                cutoff: float, key: str) -> None:
+    """Fill `local`, the block at `offset` of a tensor of `full_shape`, with that tensor's values."""
     if local.numel() == 0:
         return
-    full_shape = tuple(param.shape)
+    shape = tuple(local.shape)
     strides = [1] * len(full_shape)
     for d in range(len(full_shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * full_shape[d + 1]
@@ -109,5 +115,4 @@ def trunc_normal_(param: torch.Tensor, std: float, cutoff: float, key: str) -> N
         r1 = min(shape[0], r0 + rows_per_chunk)
         rows = (torch.arange(r0, r1, device=local.device) + offset[0]) * strides[0]
         index = rows.view((-1,) + (1,) * inner.dim()) + inner
-        values = trunc_normal_from_uniform(uniform(index, key), cutoff) * std
-        local[r0:r1].copy_(values)
+        local[r0:r1].copy_(trunc_normal_from_uniform(uniform(index, key), cutoff) * std)

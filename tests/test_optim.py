@@ -1,0 +1,58 @@
+import math
+
+import pytest
+import torch
+
+from torchtitan_lite.config import LRScheduler
+from torchtitan_lite.optim import build_lr_scheduler, clip_grad_norm_, lr_factor
+
+
+def factors(steps, **kw):
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = build_lr_scheduler(opt, LRScheduler(**kw), steps)
+    out = []
+    for _ in range(steps):
+        out.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_warmup_then_linear_decay_over_all_remaining_steps():
+    f = factors(10, warmup_steps=2, decay_ratio=None, decay_type="linear", min_lr_factor=0.0)
+    assert f[:2] == [0.5, 1.0]
+    assert f[2:] == pytest.approx([1 - i / 8 for i in range(8)])
+
+
+def test_stable_phase_then_decay_to_min():
+    f = factors(10, warmup_steps=2, decay_ratio=0.4, decay_type="linear", min_lr_factor=0.1)
+    assert f[2:6] == [1.0] * 4
+    assert f[6:] == pytest.approx([0.1 + 0.9 * (1 - i / 4) for i in range(4)])
+
+
+def test_no_decay():
+    assert factors(6, warmup_steps=1, decay_ratio=0.0)[1:] == [1.0] * 5
+
+
+@pytest.mark.parametrize("kind,shape", [("sqrt", lambda p: 1 - math.sqrt(p)),
+                                        ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p)))])
+def test_decay_shapes(kind, shape):
+    for step in range(4, 10):
+        p = (step - 4) / 6
+        assert lr_factor(step, 4, 6, 10, kind, 0.0) == pytest.approx(shape(p))
+
+
+def test_clip_matches_torch_on_plain_tensors():
+    torch.manual_seed(0)
+    a = [torch.randn(5, 3, requires_grad=True), torch.randn(7, requires_grad=True)]
+    b = [t.detach().clone().requires_grad_() for t in a]
+    for x, y in zip(a, b):
+        x.grad = torch.randn_like(x) * 3
+        y.grad = x.grad.clone()
+    ours = clip_grad_norm_(a, 1.0, world_size=1)
+    theirs = torch.nn.utils.clip_grad_norm_(b, 1.0)
+    assert torch.allclose(ours, theirs)
+    for x, y in zip(a, b):
+        assert torch.allclose(x.grad, y.grad)
+    norm_only = clip_grad_norm_(a, 0.0, world_size=1)
+    assert torch.allclose(norm_only, torch.tensor(1.0), atol=1e-5)

@@ -1,0 +1,31 @@
+import pytest
+
+from torchtitan_lite.config import ConfigError, Parallelism
+from torchtitan_lite.model import FLAVORS
+from torchtitan_lite.parallel_dims import ParallelDims
+
+
+def dims(world, replicate=1, shard=-1, tp=1):
+    return ParallelDims.from_config(Parallelism(data_parallel_replicate_degree=replicate,
+                                                data_parallel_shard_degree=shard, tensor_parallel_degree=tp), world)
+
+
+def test_shard_minus_one_takes_the_rest():
+    d = dims(8, replicate=2, tp=2)
+    assert (d.dp_replicate, d.dp_shard, d.tp, d.dp, d.fsdp) == (2, 2, 2, 4, True)
+    assert not dims(2, tp=2).fsdp
+
+
+@pytest.mark.parametrize("kw", [dict(tp=3), dict(replicate=2, shard=4), dict(shard=3)])
+def test_degrees_must_multiply_to_world_size(kw):
+    with pytest.raises(ConfigError, match="world size (is )?4"):
+        dims(4, **kw)
+
+
+def test_tp_must_divide_heads_and_ffn():
+    args = FLAVORS["debugmodel"].with_(vocab_size=258)
+    dims(4, tp=4).validate_model(args)
+    with pytest.raises(ConfigError, match="n_heads = 16 .*tensor_parallel_degree = 32"):
+        ParallelDims(1, 1, 32, 32).validate_model(args)
+    with pytest.raises(ConfigError, match="n_kv_heads = 8"):
+        ParallelDims(1, 1, 16, 16).validate_model(FLAVORS["8B"].with_(vocab_size=8))

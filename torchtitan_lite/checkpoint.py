@@ -1,0 +1,422 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): what a resume restores, when it is saved, how a save stays
+atomic, and how a load stays safe.
+
+A checkpoint is `<dump_folder>/<checkpoint.folder>/step-N/`: every rank writes its own shards (`__R_0.distcp`), then
+the coordinator writes `.metadata`, which maps each tensor's global shape to the pieces. A load reads whichever pieces
+its own shards overlap, so a checkpoint saved on one mesh loads on any other. Keys are `model.<param>`,
+`optimizer.state.<param>.exp_avg` ..., `lr_scheduler.*`, `dataloader.position`, `train_state.*` and `rng.cpu`
+(`rng.cuda` on GPUs); a model-only checkpoint (seed, export) holds the `model.*` keys alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import shutil
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan_lite.config import Checkpoint, ConfigError
+
+logger = logging.getLogger("torchtitan_lite")
+
+_STEP = re.compile(r"step-(\d+)")
+_LEFTOVER = re.compile(r"step-\d+\.(tmp|trash)")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Test hook: seconds the coordinator waits with every shard written and `.metadata` not yet, the moment at which a
+# kill would do the most damage. Only the tests set it.
+_PAUSE_BEFORE_METADATA_S = float(os.environ.get("TORCHTITAN_LITE_TEST_PAUSE_BEFORE_METADATA_S", "0"))
+
+
+# ---- The folder: which checkpoints exist, which to delete. Pure functions of the directory listing.
+
+def complete_checkpoints(folder: str) -> dict[int, str]:
+    """step -> path of each complete checkpoint in `folder`, oldest first: a `step-N` folder holding DCP's
+    `.metadata`, which exists only once every rank's shards are written. `step-N.tmp` (a save in progress) and
+    `step-N.trash` (a deletion in progress) never match."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for name in names:
+        m = _STEP.fullmatch(name)
+        if m and os.path.isfile(os.path.join(folder, name, ".metadata")):
+            found[int(m.group(1))] = os.path.join(folder, name)
+    return dict(sorted(found.items()))
+
+
+def steps_to_delete(steps: list[int], keep_latest_k: int, just_saved: int) -> list[int]:
+    """What keep_latest_k removes: all but the newest k, and never the checkpoint just saved, which is not the newest
+    when a run resumed from an older one (checkpoint.load_step). 0 keeps everything."""
+    if keep_latest_k <= 0:
+        return []
+    keep = set(sorted(steps)[-keep_latest_k:]) | {just_saved}
+    return [s for s in sorted(steps) if s not in keep]
+
+
+def _discard(path: str) -> None:
+    # Renamed first: rmtree deletes in no particular order, and a half-deleted folder that still held `.metadata`
+    # would look complete.
+    trash = path + ".trash"
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)
+    shutil.rmtree(trash)
+
+
+def _fsync_dir(path: str) -> None:
+    # Makes a rename durable before anything older is deleted, so a power cut cannot lose both.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- Reading without running code from the file. DCP unpickles `.metadata` with plain pickle and non-tensor values
+# with torch.load(weights_only=False); both would run whatever a crafted checkpoint names.
+
+_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+    "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _METADATA_GLOBALS or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def read_metadata(path: str) -> Metadata:
+    """A checkpoint's `.metadata` (each key's global shape and dtype), unpickled with an allow-list."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        read_metadata(str(self.path))  # raises on a disallowed global before DCP's own pickle.load runs
+        return super().read_metadata(*args, **kwargs)
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value) -> None:
+        torch.load(value, weights_only=True)  # plain data only (numbers, strings, containers), or this raises
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+class _Writer(FileSystemWriter):
+    def finish(self, metadata, results) -> None:  # runs on the coordinator only, after every rank has written
+        if _PAUSE_BEFORE_METADATA_S:
+            logger.warning("test hook: pausing %.0fs before writing .metadata", _PAUSE_BEFORE_METADATA_S)
+            time.sleep(_PAUSE_BEFORE_METADATA_S)
+        super().finish(metadata, results)
+
+
+def read_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint as a full plain tensor, in this one process (tests, scripts): key -> tensor."""
+    md = read_metadata(path).state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items()
+             if isinstance(m, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=True)
+    return state
+
+
+# ---- What is saved: one Stateful per concern.
+
+class TrainState(Stateful):
+    """Progress outside the model and data: steps done, tokens seen, and training time so far, so a resumed run's
+    logs continue where they stopped."""
+
+    def __init__(self):
+        self.step, self.tokens_seen = 0, 0
+        self._elapsed_before, self._start = 0.0, time.perf_counter()
+
+    def elapsed_s(self) -> float:
+        return self._elapsed_before + time.perf_counter() - self._start
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self._elapsed_before, self._start = float(state["elapsed_s"]), time.perf_counter()
+
+
+class _ModelState(Stateful):
+    # DTensor shards as they are: each rank saves what it holds, with no gathering.
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
+        self.model, self.dtype = model, dtype
+
+    def state_dict(self) -> dict[str, Any]:
+        state = get_model_state_dict(self.model)
+        return state if self.dtype is None else {k: v.to(self.dtype) for k, v in state.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class _OptimizerState(Stateful):
+    # Keyed by parameter name (not index), so it maps onto any mesh and any wrapping.
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class _RNGState(Stateful):
+    # One copy, not one per rank: every rank seeds the same and draws the same (data and init are counter-based, the
+    # model has no dropout), so the copies are equal, and one copy also loads on another world size. Per-rank
+    # streams (dropout under TP) would need rank-keyed entries, which cannot map onto a different world size.
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state:  # absent in a CPU checkpoint: the template's own state is then set back unchanged
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+def check_config(cfg: Checkpoint, world_size: int) -> None:
+    """Checks that need no files, run before any process talks to another."""
+    if cfg.create_seed_checkpoint and world_size > 1:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process (got {world_size}): run with NGPU=1; "
+                          "runs on any mesh then start from its step-0")
+    if cfg.load_step >= 0 and not cfg.enable:
+        raise ConfigError("checkpoint.load_step needs checkpoint.enable = true")
+
+
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """Runs fn on rank 0 and hands every rank its result, or raises its error on every rank, so a rank never waits
+    in a collective for a rank that gave up (and ranks never disagree about what a shared folder holds)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except ConfigError as e:
+            box[0] = ("config", str(e))
+        except Exception as e:  # noqa: BLE001 - relayed, then re-raised on rank 0 below
+            box[0] = ("other", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "config":
+        raise ConfigError(value)
+    if kind == "other":
+        raise RuntimeError(f"checkpoint: rank 0 failed: {value}")
+    return value
+
+
+def _check_fits(state: dict[str, Any], path: str) -> None:
+    """Every key this run loads is in the checkpoint with the same global shape, and the checkpoint's model has no
+    tensor this model lacks; else one line naming the tensor instead of DCP's errors from deep in DTensor."""
+    try:
+        saved = read_metadata(path).state_dict_metadata
+    except (OSError, pickle.UnpicklingError, EOFError) as e:
+        raise ConfigError(f"{path} is not a readable DCP checkpoint: {e}") from None
+    ours: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:  # the dotted keys DCP flattens nested dicts and lists into
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, list) and any(isinstance(v, (dict, list, torch.Tensor)) for v in value):
+            for i, v in enumerate(value):
+                walk(f"{prefix}.{i}", v)
+        else:
+            ours[prefix] = value
+
+    for k, v in state.items():
+        walk(k, v)
+    for key, value in ours.items():
+        if key.startswith("rng."):
+            continue  # a CPU checkpoint has no rng.cuda; what is there is loaded
+        if key not in saved:
+            raise ConfigError(f"checkpoint {path} has no {key}: it was saved from another model or setup")
+        if isinstance(value, torch.Tensor) and tuple(saved[key].size) != tuple(value.shape):
+            raise ConfigError(
+                f"checkpoint {path} does not fit this model: {key} has shape {tuple(saved[key].size)} in the "
+                f"checkpoint but {tuple(value.shape)} here (check model.flavor and model.tokenizer_path)")
+    extra = sorted(k for k in saved if k.startswith("model.") and k not in ours)
+    if extra:
+        raise ConfigError(f"checkpoint {path} does not fit this model: it holds {extra[0]}, which this model lacks "
+                          f"({len(extra)} such tensors; check model.flavor)")
+
+
+class CheckpointManager:
+    """Saves (every `interval` steps and at the last step) and restores the run's whole state, atomically."""
+
+    def __init__(self, cfg: Checkpoint, dump_folder: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Stateful, dataloader: Stateful, train_state: TrainState, total_steps: int):
+        self.cfg, self.folder, self.total_steps = cfg, os.path.join(dump_folder, cfg.folder), total_steps
+        self.model, self.train_state = model, train_state
+        # Everything a resume restores, in one place.
+        self.states: dict[str, Stateful] = {
+            "model": _ModelState(model), "optimizer": _OptimizerState(model, optimizer), "lr_scheduler": lr_scheduler,
+            "dataloader": dataloader,  # a position in the global sample order: the same on every rank, any dp degree
+            "train_state": train_state, "rng": _RNGState(),
+        }
+        self._pending: tuple[Any, int, float] | None = None  # in-flight async save: (future, step, start time)
+        # An async save runs its collectives from a background thread while training runs its own: a group of its
+        # own keeps the two streams of messages apart, and gloo keeps it on the CPU where the staged copy lives.
+        self._group = dist.new_group(backend="gloo") if cfg.enable and cfg.async_mode == "async" else None
+
+    # ---- Load
+
+    def load(self) -> None:
+        """Resumes from the newest complete checkpoint in the folder (or checkpoint.load_step); when the folder holds
+        none, starts from checkpoint.initial_load_path if set, never writing there. Sets train_state.step."""
+        plan = _on_rank0(self._plan)
+        if plan is None:
+            return
+        path, what, step = plan
+        if what == "skip":  # a finished run's weights-only export: nothing left to resume
+            self.train_state.step = step
+            return
+        keys = ["model"] if what == "model" else list(self.states)
+        t0 = time.perf_counter()
+        state = {k: self.states[k].state_dict() for k in keys}  # templates: this rank's shards, any layout
+        _on_rank0(lambda: _check_fits(state, path))
+        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(allow_partial_load=True))
+        for k in keys:
+            self.states[k].load_state_dict(state[k])
+        logger.info("loaded %s from %s in %.2fs: training continues after step %d",
+                    "weights" if what == "model" else "full state", path, time.perf_counter() - t0,
+                    self.train_state.step)
+
+    def _plan(self) -> tuple[str, str, int] | None:
+        """(path, "all" | "model" | "skip", step) of what to load, or None for a fresh start; rank 0 only."""
+        cfg = self.cfg
+        found = complete_checkpoints(self.folder) if cfg.enable else {}
+        if cfg.load_step >= 0 and cfg.load_step not in found:
+            have = ", ".join(f"step-{s}" for s in found) or "none"
+            raise ConfigError(f"checkpoint.load_step {cfg.load_step}: {self.folder}/step-{cfg.load_step} is not a "
+                              f"complete checkpoint (complete ones: {have})")
+        if found:
+            step = cfg.load_step if cfg.load_step >= 0 else max(found)
+            if max(found) > step:
+                logger.warning("resuming from step-%d although step-%d exists: a restart without checkpoint.load_step "
+                               "will pick step-%d", step, max(found), max(found))
+            if _is_full(found[step]):
+                return found[step], "all", step
+            if step == 0:  # a seed checkpoint: initial weights only, by design
+                return found[step], "model", 0
+            if step >= self.total_steps:
+                return found[step], "skip", step
+            raise ConfigError(f"{found[step]} holds weights only (checkpoint.last_save_model_only) and cannot be "
+                              f"resumed: start a new run from it with checkpoint.initial_load_path")
+        path = cfg.initial_load_path
+        if not path:
+            return None
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            why = "does not exist" if not os.path.exists(path) else "has no .metadata (not a complete DCP checkpoint)"
+            raise ConfigError(f"checkpoint.initial_load_path {path} {why}")
+        if cfg.initial_load_model_only:
+            return path, "model", 0
+        if not _is_full(path):
+            raise ConfigError(f"checkpoint.initial_load_path {path} holds weights only: set "
+                              "checkpoint.initial_load_model_only = true")
+        return path, "all", 0
+
+    # ---- Save
+
+    def maybe_save(self, step: int, last: bool = False) -> None:
+        """Saves every checkpoint.interval steps and at the last step; call after each optimizer step."""
+        if not self.cfg.enable:
+            return
+        if self._pending is not None and self._pending[0].done():
+            self.wait()  # publish a finished async save now rather than at the next save
+        if last and self.cfg.last_save_model_only:
+            self.save(step, model_only=True, dtype=EXPORT_DTYPES[self.cfg.export_dtype])
+        elif last or step % self.cfg.interval == 0:
+            self.save(step)
+
+    def save(self, step: int, model_only: bool = False, dtype: torch.dtype | None = None) -> None:
+        """Writes step-N: the full state, or with model_only the weights alone (cast to dtype). Collective."""
+        self.wait()  # one save in flight at a time
+        tmp = os.path.join(self.folder, f"step-{step}.tmp")
+        if dist.get_rank() == 0:
+            os.makedirs(self.folder, exist_ok=True)
+            for name in os.listdir(self.folder):  # left by a crashed save or deletion; never a checkpoint
+                if _LEFTOVER.fullmatch(name):
+                    shutil.rmtree(os.path.join(self.folder, name))
+        dist.barrier()  # no rank writes into step-N.tmp before rank 0 has cleared an old one
+        states = {"model": _ModelState(self.model, dtype)} if model_only else self.states
+        t0 = time.perf_counter()
+        if self._group is None:
+            dcp.save(states, storage_writer=_Writer(tmp))
+            self._publish(step, t0)
+        else:
+            result = dcp.async_save(states, storage_writer=_Writer(tmp), process_group=self._group)
+            # Newer torch may answer with a pair of futures; the upload one means "written".
+            self._pending = (getattr(result, "upload_completion", result), step, t0)
+            logger.info("checkpoint step-%d: training blocked %.2fs while the state was copied; writing in the "
+                        "background", step, time.perf_counter() - t0)
+
+    def wait(self) -> None:
+        """Blocks until an in-flight async save is written, then publishes it."""
+        if self._pending is not None:
+            future, step, t0 = self._pending
+            self._pending = None
+            future.result()
+            self._publish(step, t0)
+
+    def close(self) -> None:
+        self.wait()
+
+    def _publish(self, step: int, t0: float) -> None:
+        """Renames step-N.tmp to step-N, then applies keep_latest_k; rank 0 only, no collective.
+
+        DCP alone writes `.metadata` last, so a fresh folder is never seen half-written. The temporary name adds two
+        things: a save over an existing step-N (a run resumed from an older step, saving again) never mixes new shards
+        with the old `.metadata` before the new one is complete, and readers of the folder (evaluation jobs, scripts)
+        never see a step-N that is still being written. DCP's save returns on the coordinator only after every rank
+        has written, so no barrier is needed here."""
+        if dist.get_rank() == 0:
+            final = os.path.join(self.folder, f"step-{step}")
+            old = None
+            if os.path.exists(final):  # replaced only now that the new one is complete
+                old = final + ".trash"
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+            os.rename(final + ".tmp", final)
+            _fsync_dir(self.folder)
+            if old is not None:
+                shutil.rmtree(old)
+            for s in steps_to_delete(list(complete_checkpoints(self.folder)), self.cfg.keep_latest_k, step):
+                _discard(os.path.join(self.folder, f"step-{s}"))
+        logger.info("saved checkpoint %s in %.2fs", os.path.join(self.folder, f"step-{step}"),
+                    time.perf_counter() - t0)
+
+
+def _is_full(path: str) -> bool:
+    """Whether a checkpoint holds the whole training state, not weights only."""
+    return any(k.startswith("train_state.") for k in read_metadata(path).state_dict_metadata)
