@@ -1,0 +1,43 @@
+"""Today's code reproduces the committed reference curve, so a numerics change shows up in CI.
+
+tests/assets/losses/debugmodel_cpu.txt holds the debug model's loss for 50 steps on synthetic data in fp32 on one
+CPU process (tests/assets/tiny.toml). Tolerance 1e-4 absolute: on one machine the curve is bitwise reproducible, and
+changing the layout (other reduction orders) moves it by < 1e-6 over 50 steps; a CPU with other SIMD or BLAS kernels
+changes every matmul's reduction order, for which 100x that is ample. A real numerics change (init, data order,
+schedule, loss normalization, a missed gradient reduction) moves the early steps by 1e-3 or more.
+Regenerate after an intended change: `python tests/multiprocess/test_reference_curve.py --update`.
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+from launch import ROOT, losses, torchrun
+
+REFERENCE = ROOT / "tests/assets/losses/debugmodel_cpu.txt"
+STEPS, TOLERANCE = 50, 1e-4
+
+
+def current_curve(folder: Path) -> dict[int, float]:
+    torchrun(1, folder, "--training.steps", str(STEPS))
+    return losses(folder)
+
+
+def read_reference() -> dict[int, float]:
+    rows = [line.split() for line in REFERENCE.read_text().splitlines() if line and not line.startswith("#")]
+    return {int(step): float(loss) for step, loss in rows}
+
+
+def test_reference_curve_is_reproduced(tmp_path):
+    ref, now = read_reference(), current_curve(tmp_path)
+    assert sorted(ref) == list(range(1, STEPS + 1)) and now.keys() == ref.keys()
+    worst = max(abs(now[s] - ref[s]) for s in ref)
+    assert worst <= TOLERANCE, f"loss curve moved by {worst:.2e} (step {max(ref, key=lambda s: abs(now[s] - ref[s]))})"
+
+
+if __name__ == "__main__" and "--update" in sys.argv:
+    with tempfile.TemporaryDirectory() as tmp:
+        curve = current_curve(Path(tmp))
+    header = "# step loss: debug model, synthetic data, fp32, 1 CPU process, tests/assets/tiny.toml, 50 steps\n"
+    REFERENCE.write_text(header + "".join(f"{s} {curve[s]!r}\n" for s in sorted(curve)))
+    print(f"wrote {REFERENCE}")
