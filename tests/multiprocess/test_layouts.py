@@ -19,6 +19,8 @@ LAYOUTS = {
     "tp2_fsdp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
     "tp4": (4, ["--parallelism.tensor_parallel_degree", "4"]),
     "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    # Recomputing activations must not change the numerics.
+    "tp2_fsdp2_full_ac": (4, ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),
     "ddp4": (4, ["--parallelism.data_parallel_replicate_degree", "4", "--parallelism.data_parallel_shard_degree", "1"]),
 }
 TOLERANCE = 1e-5

@@ -1,0 +1,32 @@
+"""train.py in-process on one process: gradient accumulation gives one big batch's curve."""
+
+import json
+
+import pytest
+
+import train
+from tests.multiprocess.launch import TINY
+
+
+def curve(tmp_path, name, *overrides):
+    folder = tmp_path / name
+    code = train.run(["--job.config_file", str(TINY), "--job.dump_folder", str(folder), "--training.steps", "4",
+                      *overrides])
+    assert code == 0
+    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_accumulation_matches_one_big_batch(tmp_path):
+    big = curve(tmp_path, "big", "--training.local_batch_size", "4", "--training.global_batch_size", "4")
+    for local in ("1", "2"):
+        accumulated = curve(tmp_path, f"acc{local}", "--training.local_batch_size", local,
+                            "--training.global_batch_size", "4")
+        assert accumulated == pytest.approx(big, abs=2e-6)
+    # A different global batch is a different curve: the comparison above can fail.
+    assert curve(tmp_path, "other", "--training.global_batch_size", "8") != pytest.approx(big, abs=1e-3)
+
+
+def test_config_error_returns_2_and_prints_one_line(tmp_path, capsys):
+    assert train.run(["--job.config_file", str(TINY), "--training.seq_len", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "training.seq_len" in err[0]
