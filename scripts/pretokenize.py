@@ -6,7 +6,7 @@ no tokenization at train time, constant memory, random access, resharding on res
     python scripts/pretokenize.py --dataset python_stdlib --tokenizer_path '' --output data/stdlib_bytes
 
 then train with `--training.dataset tokens --training.dataset_path data/tokens` and the same tokenizer. Input files
-are tokenized in parallel, one shard per input file (`00000.bin`, ...), so the shards in name order hold exactly
+are tokenized in parallel, one shard per input file (`00000000.bin`, ...), so the shards in name order hold exactly
 the token stream that training on the files directly would read. Each shard starts with a header naming its
 tokenizer; training with another tokenizer is an error.
 """
@@ -38,7 +38,7 @@ def _tokenize_file(job: tuple[int, Path, str, str, Path]) -> tuple[int, int]:
     # One document at a time: a worker's memory stays small whatever the file's size.
     chunks = (datasets.tokenize_documents(iter([doc]), _tokenizer)
               for doc in datasets.read_documents(path, kind, text_field))
-    n_tokens = datasets.write_shard(output / f"{index:05d}.bin", chunks, _tokenizer)
+    n_tokens = datasets.write_shard(output / f"{index:08d}.bin", chunks, _tokenizer)
     return path.stat().st_size, n_tokens
 
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{n_tokens / 1e6:,.2f}M tokens  {n_bytes / 1e6 / elapsed:.1f} MB/s", end="", file=sys.stderr)
     except (ConfigError, OSError) as e:  # e.g. a JSON line without the text field, raised in a worker
         for i, _, _, _, _ in jobs:  # no partial corpus left behind to be trained on by mistake
-            for leftover in (args.output / f"{i:05d}.bin", args.output / f"{i:05d}.bin.tmp"):
+            for leftover in (args.output / f"{i:08d}.bin", args.output / f"{i:08d}.bin.tmp"):
                 leftover.unlink(missing_ok=True)
         raise SystemExit(f"\nerror: {e}") from None
     print(file=sys.stderr)

@@ -26,7 +26,7 @@ import torch
 
 from torchtitan_lite import datasets
 from torchtitan_lite.config import ConfigError
-from torchtitan_lite.init import uniform
+from torchtitan_lite.init import _keys, _mix32, uniform
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -65,29 +65,30 @@ class SyntheticSource:
 class Permutation:
     """A seeded bijection of [0, n) in O(1) memory, so 10^9 windows need no 8 GB randperm.
 
-    A 4-round Feistel network permutes [0, 4^h) for the smallest 4^h >= n; a value that lands outside [0, n) is
-    permuted again until it is inside ("cycle walking"), which stays a bijection and takes < 4 rounds on average.
+    A 4-round Feistel network, its round function init.py's integer hash, permutes [0, 4^h) for the smallest
+    4^h >= n; a value that lands outside [0, n) is permuted again until it is inside ("cycle walking"), which stays a
+    bijection and takes < 4 rounds on average. Python ints, not tensors: a batch needs a few dozen values, and for
+    those the interpreter is ~10x faster than launching tensor ops.
     """
 
     rounds = 4
 
     def __init__(self, n: int, key: str):
-        self.n, self.key = n, key
+        self.n = n
         self.half = max(1, ((n - 1).bit_length() + 1) // 2)  # bits per Feistel half
+        self.mask = (1 << self.half) - 1
+        self.keys = [_keys(f"{key}/{r}")[0] for r in range(self.rounds)]
 
-    def __call__(self, index: torch.Tensor) -> torch.Tensor:
-        x = self._feistel(index)
-        outside = x >= self.n
-        while outside.any():
-            x[outside] = self._feistel(x[outside])
-            outside = x >= self.n
+    def __call__(self, i: int) -> int:
+        x = self._feistel(i)
+        while x >= self.n:
+            x = self._feistel(x)
         return x
 
-    def _feistel(self, x: torch.Tensor) -> torch.Tensor:
-        left, right = x >> self.half, x & ((1 << self.half) - 1)
-        for r in range(self.rounds):
-            mixed = (uniform(right, f"{self.key}/{r}") * (1 << self.half)).long()  # the top `half` hash bits
-            left, right = right, left ^ mixed
+    def _feistel(self, x: int) -> int:
+        left, right = x >> self.half, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ (_mix32(right ^ k) & self.mask)
         return (left << self.half) | right
 
 
@@ -107,17 +108,21 @@ class TokenSource:
             raise ConfigError(f"{what} holds {self.n_tokens} tokens, fewer than one window of seq_len + 1 = "
                               f"{self.length}: add data or lower training.seq_len")
 
-    def order(self, index: torch.Tensor) -> torch.Tensor:
-        """The stream window that global position `index` reads."""
-        epoch, out = index // self.n, torch.empty_like(index)
-        for e in epoch.unique().tolist():
-            sel = epoch == e
-            out[sel] = Permutation(self.n, f"{self.seed}/order/{e}")(index[sel] % self.n)
+    def order(self, index: torch.Tensor) -> list[int]:
+        """The stream windows that global positions `index` read."""
+        perms: dict[int, Permutation] = {}  # a batch spans one epoch, or two
+        out = []
+        for p in index.tolist():
+            epoch = p // self.n
+            if epoch not in perms:
+                perms[epoch] = Permutation(self.n, f"{self.seed}/order/{epoch}")
+            out.append(perms[epoch](p % self.n))
         return out
 
     def windows(self, index: torch.Tensor) -> torch.Tensor:
         out = torch.empty(index.numel(), self.length, dtype=torch.long)
-        for row, start in enumerate((self.order(index.view(-1)) * self.length).tolist()):
+        for row, window in enumerate(self.order(index.view(-1))):
+            start = window * self.length
             c = bisect.bisect_right(self.offsets, start) - 1
             local, filled = start - self.offsets[c], 0
             while filled < self.length:  # a window may continue into the next chunk
@@ -147,8 +152,8 @@ class HFSource:
 
     def open(self, dp_rank: int, dp_size: int, docs: int, offset: int) -> "Packer":
         texts = datasets.hf_documents(self.dataset, self.text_field, dp_rank, dp_size)
-        # Resuming skips the raw documents consumed before, without tokenizing them.
-        tokens = (self.tokenizer.encode(t, bos=True, eos=True) if t else [] for t in itertools.islice(texts, docs, None))
+        texts = itertools.islice(texts, docs, None)  # resuming skips the documents read before, untokenized
+        tokens = (self.tokenizer.encode(t, bos=True, eos=True) if t else [] for t in texts)
         return Packer(tokens, self.length, docs, offset)
 
 
@@ -238,7 +243,7 @@ def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int, split
         source = SyntheticSource(seq_len, tokenizer.n_words, seed)
         return source if split == "train" else _HeldOut(source)
     if name == "hf":
-        return HFSource(datasets.load_hf_stream(path, split, key), text_field, tokenizer, seq_len)
+        return HFSource(datasets.load_hf_stream(path, split, text_field, key), text_field, tokenizer, seq_len)
     if name == "tokens":
         files = datasets.expand_paths(path, key, dir_pattern="*.bin")
         chunks = [datasets.open_shard(f, tokenizer) for f in files]
@@ -252,6 +257,10 @@ def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int, split
     else:
         raise ConfigError(f"{section}.dataset {name!r} is unknown: use one of {', '.join(DATASETS)}")
     source = TokenSource(chunks, seq_len, seed, f"{section}.dataset {name} ({path or split})")
+    elapsed = time.perf_counter() - start
     logger.info("%s %s: %d files, %.2fM tokens, %d windows of %d per epoch (%.1fs)", section, name, len(files),
-                source.n_tokens / 1e6, source.n, source.length, time.perf_counter() - start)
+                source.n_tokens / 1e6, source.n, source.length, elapsed)
+    if elapsed > 30:
+        logger.warning("every rank tokenizes %s at every start: pre-tokenize it once (scripts/pretokenize.py) and "
+                       "train on dataset 'tokens'", path)
     return source

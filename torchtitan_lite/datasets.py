@@ -46,6 +46,7 @@ def expand_paths(spec: str, key: str, dir_pattern: str = "*") -> list[Path]:
     if not spec.strip():
         raise ConfigError(f"{key} is empty: set it to files, globs or a folder (comma-separated)")
     files: list[Path] = []
+    seen: set[Path] = set()  # not a scan of `files`: a large corpus has 10^5 shards
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         path = Path(part).expanduser()
         if any(c in part for c in "*?["):
@@ -59,7 +60,10 @@ def expand_paths(spec: str, key: str, dir_pattern: str = "*") -> list[Path]:
         found = [f for f in found if f.is_file() and not f.name.startswith(".")]
         if not found:
             raise ConfigError(f"{key}: {part!r} matches no file")
-        files += [f for f in found if f not in files]
+        for f in found:
+            if f not in seen:
+                seen.add(f)
+                files.append(f)
     return files
 
 
@@ -183,8 +187,9 @@ def open_shard(path: Path, tokenizer) -> torch.Tensor:
 # ---- Hugging Face streams
 
 
-def load_hf_stream(spec: str, split: str, key: str):
-    """`datasets.load_dataset` in streaming mode; spec is `PATH` or `PATH:CONFIG` (e.g. `allenai/c4:en`)."""
+def load_hf_stream(spec: str, split: str, text_field: str, key: str):
+    """`datasets.load_dataset` in streaming mode; spec is `PATH` or `PATH:CONFIG` (e.g. `allenai/c4:en`). Reads the
+    first document, so that a wrong name or text field fails now rather than after the model is built."""
     try:
         import datasets
     except ImportError:
@@ -193,9 +198,16 @@ def load_hf_stream(spec: str, split: str, key: str):
         raise ConfigError(f"{key} is empty: name a Hugging Face dataset, e.g. HuggingFaceFW/fineweb-edu:sample-10BT")
     path, _, name = spec.partition(":")
     try:
-        return datasets.load_dataset(path, name or None, split=split, streaming=True)
+        stream = datasets.load_dataset(path, name or None, split=split, streaming=True)
+        first = next(iter(stream), None)
     except Exception as e:  # datasets raises many types (FileNotFoundError, ValueError, its own); all mean "bad spec"
         raise ConfigError(f"{key}: cannot stream {spec!r} split {split!r}: {e}") from None
+    if first is None:
+        raise ConfigError(f"{key}: {spec!r} split {split!r} holds no documents")
+    if not isinstance(first.get(text_field), str):
+        raise ConfigError(f"{key}: the documents of {spec!r} have no string field {text_field!r} (they have "
+                          f"{', '.join(first)}): set training.dataset_text_field")
+    return stream
 
 
 def hf_documents(dataset, text_field: str, dp_rank: int, dp_size: int) -> Iterator[str]:

@@ -1,0 +1,318 @@
+import gzip
+import importlib.util
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_lite import datasets
+from torchtitan_lite.config import ConfigError
+from torchtitan_lite.data import DataLoader, Packer, Permutation, SyntheticSource, TokenSource, build_source
+from torchtitan_lite.tokenizer import BOS, EOS, STDLIB_BPE, Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("pretokenize", ROOT / "scripts" / "pretokenize.py")
+pretokenize = importlib.util.module_from_spec(_spec)
+sys.modules["pretokenize"] = pretokenize  # its pool pickles functions by module name
+_spec.loader.exec_module(pretokenize)
+
+BYTES, BPE = Tokenizer.byte_level(), Tokenizer.from_file(STDLIB_BPE)
+DOCS = [f"document {i}: " + "héllo wörld, x = f(y)  # 🙂\n" * (i % 7) for i in range(60)]
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+@pytest.fixture
+def corpus(tmp_path) -> str:
+    """Two JSON lines files of DOCS, as a glob."""
+    write_jsonl(tmp_path / "a.jsonl", DOCS[:25])
+    write_jsonl(tmp_path / "b.jsonl", DOCS[25:])
+    return str(tmp_path / "*.jsonl")
+
+
+def stream(docs: list[str], tok: Tokenizer) -> list[int]:
+    return [t for d in docs if d for t in tok.encode(d, bos=True, eos=True)]
+
+
+def arange_source(total: int, seq_len: int, cuts=(), seed: int = 0) -> TokenSource:
+    """A stream whose token i is i (every token unique), held in chunks cut at `cuts`."""
+    bounds = [0, *cuts, total]
+    chunks = [torch.arange(a, b, dtype=torch.int32) for a, b in zip(bounds, bounds[1:])]
+    return TokenSource(chunks, seq_len, seed, "test")
+
+
+def global_batches(source, dp: int, steps: int, global_batch: int = 8, local_batch: int = 2, state=None):
+    """Per step, the union of all dp ranks' inputs and labels, in rank order."""
+    loaders = [DataLoader(source, global_batch, min(local_batch, global_batch // dp), r, dp) for r in range(dp)]
+    for loader in loaders if state is not None else []:
+        loader.load_state_dict(state)
+    out = []
+    for _ in range(steps):
+        micro = [mb for loader in loaders for mb in loader.next_batch()]
+        out.append((torch.cat([i for i, _ in micro]), torch.cat([l for _, l in micro])))
+    return out, loaders
+
+
+# ---- Packing and order
+
+
+def test_packing_emits_every_token_exactly_once_per_epoch():
+    seq_len, total = 9, 1003  # 100 windows of 10; the 3-token tail is dropped
+    source = arange_source(total, seq_len, cuts=(95, 96, 512))  # windows cross chunk boundaries
+    assert source.n == 100
+    for epoch in range(3):
+        w = source.windows(torch.arange(epoch * 100, (epoch + 1) * 100))
+        assert torch.equal(w.flatten().sort().values, torch.arange(1000))
+        assert torch.equal(w[:, 1:] - w[:, :-1], torch.ones(100, seq_len, dtype=torch.long))  # contiguous runs
+
+
+def test_documents_are_packed_with_bos_and_eos_in_file_order(corpus):
+    source = build_source("jsonl", corpus, 15, BPE, seed=0)
+    assert source.chunks[0].tolist() == stream(DOCS, BPE)
+
+
+def test_permutation_is_a_bijection():
+    for n in (1, 2, 3, 5, 64, 1000, 4099):
+        perm = Permutation(n, "k")
+        assert sorted(perm(i) for i in range(n)) == list(range(n))
+    perm = Permutation(10**12, "k")  # O(1) memory: no 8 TB randperm
+    big = [perm(i) for i in range(10_000)]
+    assert len(set(big)) == 10_000 and 0 <= min(big) and max(big) < 10**12
+
+
+def test_order_is_reshuffled_every_epoch_and_seeded():
+    source = arange_source(1000, 9)
+    epochs = [source.order(torch.arange(e * 100, (e + 1) * 100)) for e in range(3)]
+    assert epochs[0] != list(range(100))  # the first epoch is shuffled too
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
+    assert arange_source(1000, 9).order(torch.arange(300)) == epochs[0] + epochs[1] + epochs[2]  # deterministic
+    assert arange_source(1000, 9, seed=1).order(torch.arange(100)) != epochs[0]
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_rank_slices_together_are_the_dp1_batch(dp):
+    source = arange_source(1003, 9, cuts=(500,))
+    ref, _ = global_batches(source, 1, 30)
+    got, _ = global_batches(source, dp, 30)
+    for (ri, rl), (gi, gl) in zip(ref, got):
+        assert torch.equal(ri, gi) and torch.equal(rl, gl)
+        assert torch.equal(ri[:, 1:], rl[:, :-1])  # labels are the inputs shifted by one
+
+
+@pytest.mark.parametrize("dp_after", [1, 2, 4])
+def test_resume_gives_the_same_next_100_batches_on_any_dp(dp_after):
+    source = arange_source(1003, 9)  # 100 windows: 100 batches of 8 run through 8 epochs
+    ref, _ = global_batches(source, 1, 107)
+    _, loaders = global_batches(source, 2, 7)
+    state = loaders[1].state_dict()
+    assert state == loaders[0].state_dict() == {"position": 56}
+    got, _ = global_batches(arange_source(1003, 9), dp_after, 100, state=state)
+    for (ri, _), (gi, _) in zip(ref[7:], got):
+        assert torch.equal(ri, gi)
+
+
+def test_synthetic_validation_is_another_part_of_the_same_process():
+    train = build_source("synthetic", "", 32, BYTES, seed=3)
+    val = build_source("synthetic", "", 32, BYTES, seed=3, split="validation")
+    assert isinstance(train, SyntheticSource)
+    idx = torch.arange(4)
+    assert torch.equal(train.windows(idx), SyntheticSource(32, BYTES.n_words, 3).windows(idx))
+    v = val.windows(idx)
+    assert not torch.equal(v, train.windows(idx))
+    follows = train.perm_pow2[0][v[:, :-1]] == v[:, 1:]  # the same permutation walk the model learns in training
+    assert follows.float().mean() > 0.7
+
+
+def test_python_stdlib_holds_out_every_50th_file_for_validation():
+    train = datasets.corpus_files("python_stdlib", "", "train", "k")
+    val = datasets.corpus_files("python_stdlib", "", "validation", "k")
+    assert val and not set(train) & set(val)
+    assert sorted(train + val) == datasets.stdlib_files()
+    source = build_source("python_stdlib", "", 64, BYTES, seed=0, split="validation")
+    text = BYTES.decode(source.windows(torch.arange(source.n)).flatten().tolist())
+    assert "def " in text or "import " in text
+
+
+# ---- Files, shards, pretokenize
+
+
+def test_text_files_are_one_document_each(tmp_path):
+    for name, text in [("a.txt", "first file\n\nstill the first document"), ("b.txt", ""), ("c.txt", "second")]:
+        (tmp_path / name).write_text(text)
+    source = build_source("text", f"{tmp_path}/c.txt,{tmp_path}", 7, BYTES, seed=0)  # c first, then a (b is empty)
+    expected = stream(["second", "first file\n\nstill the first document"], BYTES)
+    assert source.chunks[0].tolist() == expected
+
+
+def test_gzipped_jsonl_reads_like_plain(tmp_path, corpus):
+    plain = write_jsonl(tmp_path / "plain.jsonl", DOCS)
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt") as f:
+        f.write(plain.read_text())
+    source = build_source("jsonl", str(tmp_path / "docs.jsonl.gz"), 15, BYTES, 0)
+    assert source.chunks[0].tolist() == build_source("jsonl", str(plain), 15, BYTES, 0).chunks[0].tolist()
+    assert build_source("jsonl", f"{plain},{plain}", 15, BYTES, 0).n_tokens == source.n_tokens  # each file once
+
+
+@pytest.mark.parametrize("tok", [BYTES, BPE], ids=["bytes", "stdlib_bpe"])
+def test_pretokenize_equals_on_the_fly_tokenization(tmp_path, corpus, tok):
+    tok_path = "" if tok is BYTES else str(STDLIB_BPE)
+    out = tmp_path / "shards"
+    pretokenize.main(["--dataset", "jsonl", "--dataset_path", corpus, "--tokenizer_path", tok_path,
+                      "--output", str(out), "--workers", "2"])
+    assert sorted(p.name for p in out.iterdir()) == ["00000000.bin", "00000001.bin"]
+    header = datasets.read_shard_header(out / "00000000.bin")
+    assert header["dtype"] == "uint16" and header["tokenizer"] == tok.identity and header["vocab_size"] == tok.n_words
+    on_the_fly, shards = build_source("jsonl", corpus, 15, tok, 0), build_source("tokens", str(out), 15, tok, 0)
+    assert shards.n_tokens == len(stream(DOCS, tok)) and shards.n == on_the_fly.n
+    idx = torch.arange(3 * shards.n)  # three epochs
+    assert torch.equal(shards.windows(idx), on_the_fly.windows(idx))
+
+
+def test_large_vocabularies_are_written_as_uint32(tmp_path):
+    class BigVocab:  # only what write_shard and open_shard look at
+        n_words, identity = 100_000, "big"
+
+    tokens = datasets.tokenize_documents(iter([]), BigVocab)
+    tokens.extend([99_999, 5, 70_000])
+    datasets.write_shard(tmp_path / "s.bin", iter([tokens]), BigVocab)
+    assert datasets.read_shard_header(tmp_path / "s.bin")["dtype"] == "uint32"
+    assert datasets.open_shard(tmp_path / "s.bin", BigVocab).tolist() == [99_999, 5, 70_000]
+
+
+def bad(match: str):
+    return pytest.raises(ConfigError, match=match)
+
+
+def test_bad_paths_and_corpora_are_config_errors_naming_the_file(tmp_path):
+    with bad("nope.jsonl does not exist"):
+        build_source("jsonl", str(tmp_path / "nope.jsonl"), 8, BYTES, 0)
+    with bad(r"training.dataset_path: '.*\*.missing' matches no file"):
+        build_source("text", str(tmp_path / "*.missing"), 8, BYTES, 0)
+    with bad("validation.dataset_path is empty"):
+        build_source("jsonl", "", 8, BYTES, 0, split="validation")
+    (tmp_path / "empty.txt").write_text("")
+    with bad("hold no text"):
+        build_source("text", str(tmp_path / "empty.txt"), 8, BYTES, 0)
+    (tmp_path / "short.txt").write_text("tiny")
+    with bad("holds 6 tokens, fewer than one window of seq_len \\+ 1 = 9"):
+        build_source("text", str(tmp_path / "short.txt"), 8, BYTES, 0)
+    with bad("'wikipedia' is unknown: use one of synthetic, python_stdlib"):
+        build_source("wikipedia", "", 8, BYTES, 0)
+    with bad("must be empty for python_stdlib"):
+        build_source("python_stdlib", str(tmp_path), 8, BYTES, 0)
+
+
+def test_jsonl_lines_without_the_text_field_are_named(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "ok"}\n\n{"content": "no text field"}\n')
+    with bad(f"{path}:3: no string field 'text'.*training.dataset_text_field"):
+        build_source("jsonl", str(path), 8, BYTES, 0)
+    path.write_text('{"content": "first"}\n{"content": "second", "text": 1}\n')
+    assert build_source("jsonl", str(path), 2, BYTES, 0, text_field="content").n_tokens == 5 + 6 + 4
+    path.write_text('{"text": "ok"}\nnot json\n')
+    with bad(f"{path}:2: not a JSON object"):
+        build_source("jsonl", str(path), 8, BYTES, 0)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=f"{path}:2"):
+        pretokenize.main(["--dataset", "jsonl", "--dataset_path", str(path), "--tokenizer_path", "",
+                          "--output", str(out), "--workers", "1"])
+    assert not list(out.iterdir())  # no partial corpus left behind
+
+
+def test_shards_are_checked_against_the_tokenizer(tmp_path):
+    shard = tmp_path / "00000.bin"
+    datasets.write_shard(shard, iter([datasets.tokenize_documents(iter(DOCS), BPE)]), BPE)
+    with bad(f"{shard} holds token id 2049 .* the model's vocabulary has 258"):
+        build_source("tokens", str(tmp_path), 8, BYTES, 0)
+    reversed_bytes = Tokenizer("reversed", {bytes([i]): 255 - i for i in range(256)}, [BOS, EOS])  # same size
+    datasets.write_shard(shard, iter([datasets.tokenize_documents(iter(DOCS), BYTES)]), BYTES)
+    with bad(f"{shard} was written with tokenizer {BYTES.identity} but .* gives tokenizer {reversed_bytes.identity}"):
+        build_source("tokens", str(shard), 8, reversed_bytes, 0)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 2)
+    with bad(f"{shard} should be .* truncated"):
+        build_source("tokens", str(shard), 8, BYTES, 0)
+    (tmp_path / "00001.bin").write_bytes(b"\x00" * 1000)
+    with bad(f"{tmp_path / '00001.bin'} is not a token shard"):
+        build_source("tokens", str(tmp_path / "00001.bin"), 8, BYTES, 0)
+
+
+# ---- Streams (Hugging Face's, and a stand-in that needs no `datasets`)
+
+
+class ListStream:
+    """A streaming source over a list of documents, sharded by rank like the hf source."""
+
+    streaming = True
+
+    def __init__(self, docs: list[str], seq_len: int):
+        self.docs, self.length = docs, seq_len + 1
+
+    def open(self, dp_rank, dp_size, docs, offset):
+        shard = itertools.cycle(self.docs[dp_rank::dp_size])
+        tokens = (BYTES.encode(t, bos=True, eos=True) if t else [] for t in itertools.islice(shard, docs, None))
+        return Packer(tokens, self.length, docs, offset)
+
+
+def test_packer_resumes_mid_document_exactly():
+    docs = [list(range(100 * i, 100 * i + n)) for i, n in enumerate([5, 0, 23, 1, 40, 7, 0, 3] * 5)]
+    ref = Packer(iter(docs), 11)
+    windows = [ref.next_window() for _ in range(15)]
+    assert torch.equal(torch.cat(windows), torch.tensor([t for d in docs for t in d][: 15 * 11]))
+    for k in range(1, 15):
+        p = Packer(iter(docs), 11)
+        for _ in range(k):
+            p.next_window()
+        resumed = Packer(iter(docs[p.docs :]), 11, p.docs, p.offset)
+        assert all(torch.equal(resumed.next_window(), w) for w in windows[k:])
+
+
+def test_streams_resume_per_rank_and_refuse_another_dp_degree():
+    source = ListStream(DOCS, 15)
+    ref, _ = global_batches(source, 2, 12)
+    _, loaders = global_batches(source, 2, 5)
+    state = {k: v for loader in loaders for k, v in loader.state_dict().items()}  # what a checkpoint gathers
+    assert state["dp_size"] == 2 and {"dp_rank_0", "dp_rank_1"} <= state.keys()
+    got, _ = global_batches(source, 2, 7, state=state)
+    assert all(torch.equal(r[0], g[0]) for r, g in zip(ref[5:], got))
+    with bad("streamed its data on 2 data-parallel ranks.*resuming on 4"):
+        global_batches(source, 4, 1, state=state)
+
+
+def test_hf_needs_the_datasets_package():
+    try:
+        import datasets as hf_datasets  # noqa: F401
+    except ImportError:
+        with bad("needs the optional `datasets` package"):
+            build_source("hf", "allenai/c4:en", 8, BYTES, 0)
+    else:
+        pytest.skip("datasets is installed")
+
+
+def test_hf_streams_a_local_dataset_offline(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    write_jsonl(folder / "part0.jsonl", DOCS[:30])
+    write_jsonl(folder / "part1.jsonl", DOCS[30:])
+    source = build_source("hf", str(folder), 15, BYTES, 0)
+    ref, _ = global_batches(source, 2, 10)
+    seen = torch.cat([i for i, _ in ref]).flatten().tolist()
+    assert "document" in BYTES.decode([t for t in seen if t < 256])
+    _, loaders = global_batches(source, 2, 4)
+    state = {k: v for loader in loaders for k, v in loader.state_dict().items()}
+    got, _ = global_batches(source, 2, 6, state=state)
+    assert all(torch.equal(r[0], g[0]) for r, g in zip(ref[4:], got))
+    with bad("resuming on 1"):
+        global_batches(source, 1, 1, state=state)
+    with bad("cannot stream"):
+        build_source("hf", str(tmp_path / "missing"), 15, BYTES, 0)
+    with bad("no string field 'body' .*text, id"):
+        build_source("hf", str(folder), 15, BYTES, 0, text_field="body")
