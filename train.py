@@ -57,6 +57,9 @@ def main(cfg: JobConfig, env: Env) -> None:
             f"training.global_batch_size {global_batch} is not a multiple of local_batch_size {t.local_batch_size} "
             f"x data-parallel degree {dims.dp}: use a multiple of {t.local_batch_size * dims.dp}")
     source = build_source(t.dataset, t.dataset_path, t.seq_len, tokenizer, t.seed, text_field=t.dataset_text_field)
+    v = cfg.validation
+    val_source = build_source(v.dataset, v.dataset_path, t.seq_len, tokenizer, t.seed, split="validation",
+                              text_field=t.dataset_text_field) if v.enable else None
 
     # ---- Processes, device, mesh.
     device = init_distributed(env)
@@ -102,6 +105,26 @@ def main(cfg: JobConfig, env: Env) -> None:
             stack.enter_context(torch.autocast(device.type, dtype=compute_dtype))
         return stack
 
+    def loss_of(inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Sum of this micro-batch's token losses / `tokens` (a DTensor under loss parallel); call in train_context."""
+        logits = model(inputs.to(device))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(), reduction="sum") / tokens
+
+    def value(loss: torch.Tensor) -> torch.Tensor:
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+
+    @torch.no_grad()
+    def validate() -> float:
+        """Loss on the same held-out batches every time: `validation.steps` global batches from the start."""
+        loader = DataLoader(val_source, global_batch, t.local_batch_size, dp_mesh.get_local_rank(), dims.dp)
+        total = torch.zeros((), device=device)
+        for _ in range(v.steps):
+            for inputs, labels in loader.next_batch():
+                with train_context():
+                    total += value(loss_of(inputs, labels, global_tokens * v.steps))
+        dist.all_reduce(total, group=dp_mesh.get_group())
+        return total.item()
+
     # ---- Checkpoint: resume from the newest complete checkpoint in the folder, or start from
     # checkpoint.initial_load_path. After peak_flops, which draws random numbers, so the restored RNG state stays put.
     train_state = TrainState()
@@ -131,13 +154,10 @@ def main(cfg: JobConfig, env: Env) -> None:
             gc.collect(1)
         loss_sum = torch.zeros((), device=device)
         for inputs, labels in data.next_batch():
-            inputs, labels = inputs.to(device), labels.to(device)
             with train_context():
-                logits = model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-                loss = loss / global_tokens
-                loss.backward()
-            loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+                loss = loss_of(inputs, labels, global_tokens)
+                loss.backward()  # inside the context: loss parallel's backward needs it too
+            loss_sum += value(loss)
         grad_norm = clip_grad_norm_(params, t.max_norm, env.world_size)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -145,7 +165,8 @@ def main(cfg: JobConfig, env: Env) -> None:
         optimizer.zero_grad(set_to_none=True)
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + global_tokens
 
-        if metrics.should_log(step, last=step == t.steps):
+        val_loss = validate() if v.enable and (step % v.freq == 0 or step == t.steps) else None
+        if metrics.should_log(step, last=step == t.steps) or val_loss is not None:
             dist.all_reduce(loss_sum, group=dp_mesh.get_group())
             now = time.perf_counter()
             tps = global_tokens * (step - last_log_step) / env.world_size / (now - last_log_time)
@@ -153,6 +174,7 @@ def main(cfg: JobConfig, env: Env) -> None:
                 "loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr, "tps": tps,
                 "mfu": 100 * tps * fpt / peak, "memory_gib": memory_gib(device),
                 "elapsed_s": train_state.elapsed_s(), "tokens_seen": train_state.tokens_seen,
+                **({} if val_loss is None else {"val_loss": val_loss}),
             })
             last_log_time, last_log_step = now, step
             if device.type == "cuda":

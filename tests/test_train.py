@@ -30,3 +30,12 @@ def test_config_error_returns_2_and_prints_one_line(tmp_path, capsys):
     assert train.run(["--job.config_file", str(TINY), "--training.seq_len", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "training.seq_len" in err[0]
+
+
+def test_dumped_config_alone_reproduces_the_run(tmp_path):
+    first = curve(tmp_path, "first", "--training.local_batch_size", "3", "--optimizer.lr", "3e-4")
+    again = tmp_path / "again"
+    # The dumped config names its own dump folder; only the output location is overridden.
+    assert train.run(["--job.config_file", str(tmp_path / "first" / "config.toml"),
+                      "--job.dump_folder", str(again)]) == 0
+    assert [json.loads(line)["loss"] for line in (again / "metrics.jsonl").read_text().splitlines()] == first

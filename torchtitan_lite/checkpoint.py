@@ -16,6 +16,7 @@ import pickle
 import re
 import shutil
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -24,12 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan_lite.config import Checkpoint, ConfigError
@@ -38,7 +35,6 @@ logger = logging.getLogger("torchtitan_lite")
 
 _STEP = re.compile(r"step-(\d+)")
 _LEFTOVER = re.compile(r"step-\d+\.(tmp|trash)")
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Test hook: seconds the coordinator waits with every shard written and `.metadata` not yet, the moment at which a
 # kill would do the most damage. Only the tests set it.
 _PAUSE_BEFORE_METADATA_S = float(os.environ.get("TORCHTITAN_LITE_TEST_PAUSE_BEFORE_METADATA_S", "0"))
@@ -50,43 +46,24 @@ def complete_checkpoints(folder: str) -> dict[int, str]:
     """step -> path of each complete checkpoint in `folder`, oldest first: a `step-N` folder holding DCP's
     `.metadata`, which exists only once every rank's shards are written. `step-N.tmp` (a save in progress) and
     `step-N.trash` (a deletion in progress) never match."""
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return {}
-    found = {}
-    for name in names:
-        m = _STEP.fullmatch(name)
-        if m and os.path.isfile(os.path.join(folder, name, ".metadata")):
-            found[int(m.group(1))] = os.path.join(folder, name)
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    found = {int(m.group(1)): os.path.join(folder, m.group(0)) for m in map(_STEP.fullmatch, names)
+             if m and os.path.isfile(os.path.join(folder, m.group(0), ".metadata"))}
     return dict(sorted(found.items()))
 
 
 def steps_to_delete(steps: list[int], keep_latest_k: int, just_saved: int) -> list[int]:
     """What keep_latest_k removes: all but the newest k, and never the checkpoint just saved, which is not the newest
     when a run resumed from an older one (checkpoint.load_step). 0 keeps everything."""
-    if keep_latest_k <= 0:
-        return []
-    keep = set(sorted(steps)[-keep_latest_k:]) | {just_saved}
+    keep = set(sorted(steps)[-keep_latest_k:]) | {just_saved} if keep_latest_k > 0 else set(steps)
     return [s for s in sorted(steps) if s not in keep]
 
 
 def _discard(path: str) -> None:
     # Renamed first: rmtree deletes in no particular order, and a half-deleted folder that still held `.metadata`
-    # would look complete.
-    trash = path + ".trash"
-    shutil.rmtree(trash, ignore_errors=True)
-    os.rename(path, trash)
-    shutil.rmtree(trash)
-
-
-def _fsync_dir(path: str) -> None:
-    # Makes a rename durable before anything older is deleted, so a power cut cannot lose both.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    # would look complete. (save() has cleared any older `.trash`.)
+    os.rename(path, path + ".trash")
+    shutil.rmtree(path + ".trash")
 
 
 # ---- Reading without running code from the file. DCP unpickles `.metadata` with plain pickle and non-tensor values
@@ -140,7 +117,9 @@ def read_tensors(path: str) -> dict[str, torch.Tensor]:
     md = read_metadata(path).state_dict_metadata
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items()
              if isinstance(m, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that no process group exists, which is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=True)
     return state
 
 
@@ -165,45 +144,30 @@ class TrainState(Stateful):
         self._elapsed_before, self._start = float(state["elapsed_s"]), time.perf_counter()
 
 
-class _ModelState(Stateful):
-    # DTensor shards as they are: each rank saves what it holds, with no gathering.
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
-        self.model, self.dtype = model, dtype
+class _Stateful(Stateful):
+    """A Stateful made of its two functions."""
 
-    def state_dict(self) -> dict[str, Any]:
-        state = get_model_state_dict(self.model)
-        return state if self.dtype is None else {k: v.to(self.dtype) for k, v in state.items()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state)
+    def __init__(self, get: Callable[[], dict[str, Any]], set: Callable[[dict[str, Any]], None]):
+        self.state_dict, self.load_state_dict = get, set
 
 
-class _OptimizerState(Stateful):
-    # Keyed by parameter name (not index), so it maps onto any mesh and any wrapping.
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+def _model_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> _Stateful:
+    # DTensor shards as they are, keyed by canonical parameter names: each rank saves what it holds, no gathering.
+    def get():
+        return {k: v.to(dtype) if dtype else v for k, v in get_model_state_dict(model).items()}
+    return _Stateful(get, lambda state: set_model_state_dict(model, state))
 
 
-class _RNGState(Stateful):
-    # One copy, not one per rank: every rank seeds the same and draws the same (data and init are counter-based, the
-    # model has no dropout), so the copies are equal, and one copy also loads on another world size. Per-rank
-    # streams (dropout under TP) would need rank-keyed entries, which cannot map onto a different world size.
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state()
-        return state
+def _get_rng() -> dict[str, torch.Tensor]:
+    # One copy, not one per rank: all ranks seed alike and draw alike (no dropout; data and init are counter-based),
+    # so it also loads on another world size. Per-rank streams would need rank keys, which cannot map onto that.
+    return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state:  # absent in a CPU checkpoint: the template's own state is then set back unchanged
-            torch.cuda.set_rng_state(state["cuda"])
+
+def _set_rng(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:  # on a GPU resuming a CPU checkpoint, this is the template's own state, set back unchanged
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def check_config(cfg: Checkpoint, world_size: int) -> None:
@@ -218,21 +182,31 @@ def check_config(cfg: Checkpoint, world_size: int) -> None:
 def _on_rank0(fn: Callable[[], Any]) -> Any:
     """Runs fn on rank 0 and hands every rank its result, or raises its error on every rank, so a rank never waits
     in a collective for a rank that gave up (and ranks never disagree about what a shared folder holds)."""
-    box: list[Any] = [None]
+    box: list[Any] = [(None, None)]
     if dist.get_rank() == 0:
         try:
-            box[0] = ("ok", fn())
-        except ConfigError as e:
-            box[0] = ("config", str(e))
-        except Exception as e:  # noqa: BLE001 - relayed, then re-raised on rank 0 below
-            box[0] = ("other", f"{type(e).__name__}: {e}")
+            box[0] = (None, fn())
+        except Exception as e:  # noqa: BLE001 - relayed to every rank and raised there
+            box[0] = (e if isinstance(e, ConfigError) else RuntimeError(f"checkpoint, on rank 0: {e!r}"), None)
     dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "config":
-        raise ConfigError(value)
-    if kind == "other":
-        raise RuntimeError(f"checkpoint: rank 0 failed: {value}")
+    # gloo (torch 2.13) may abort a process ("terminate called without an active exception") that exits while a
+    # broadcast it sent is in flight, as rank 0 may right after an error or a finished run: wait for every rank.
+    dist.barrier()
+    error, value = box[0]
+    if error is not None:
+        raise error
     return value
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """The dotted keys DCP flattens nested dicts (and lists holding tensors or dicts) into."""
+    if isinstance(value, list) and any(isinstance(v, (dict, list, torch.Tensor)) for v in value):
+        value = dict(enumerate(value))
+    if not isinstance(value, dict):
+        out[prefix] = value
+    for k, v in value.items() if isinstance(value, dict) else ():
+        _flatten(f"{prefix}.{k}", v, out)
+    return out
 
 
 def _check_fits(state: dict[str, Any], path: str) -> None:
@@ -242,20 +216,7 @@ def _check_fits(state: dict[str, Any], path: str) -> None:
         saved = read_metadata(path).state_dict_metadata
     except (OSError, pickle.UnpicklingError, EOFError) as e:
         raise ConfigError(f"{path} is not a readable DCP checkpoint: {e}") from None
-    ours: dict[str, Any] = {}
-
-    def walk(prefix: str, value: Any) -> None:  # the dotted keys DCP flattens nested dicts and lists into
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}.{k}", v)
-        elif isinstance(value, list) and any(isinstance(v, (dict, list, torch.Tensor)) for v in value):
-            for i, v in enumerate(value):
-                walk(f"{prefix}.{i}", v)
-        else:
-            ours[prefix] = value
-
-    for k, v in state.items():
-        walk(k, v)
+    ours = {key: v for k, value in state.items() for key, v in _flatten(k, value, {}).items()}
     for key, value in ours.items():
         if key.startswith("rng."):
             continue  # a CPU checkpoint has no rng.cuda; what is there is loaded
@@ -271,6 +232,11 @@ def _check_fits(state: dict[str, Any], path: str) -> None:
                           f"({len(extra)} such tensors; check model.flavor)")
 
 
+def _is_full(path: str) -> bool:
+    """Whether a checkpoint holds the whole training state, not weights only."""
+    return any(k.startswith("train_state.") for k in read_metadata(path).state_dict_metadata)
+
+
 class CheckpointManager:
     """Saves (every `interval` steps and at the last step) and restores the run's whole state, atomically."""
 
@@ -280,9 +246,14 @@ class CheckpointManager:
         self.model, self.train_state = model, train_state
         # Everything a resume restores, in one place.
         self.states: dict[str, Stateful] = {
-            "model": _ModelState(model), "optimizer": _OptimizerState(model, optimizer), "lr_scheduler": lr_scheduler,
+            "model": _model_state(model),
+            # keyed by parameter name, not index, so it maps onto any mesh and any wrapping
+            "optimizer": _Stateful(lambda: get_optimizer_state_dict(model, optimizer),
+                                   lambda state: set_optimizer_state_dict(model, optimizer, state)),
+            "lr_scheduler": lr_scheduler,
             "dataloader": dataloader,  # a position in the global sample order: the same on every rank, any dp degree
-            "train_state": train_state, "rng": _RNGState(),
+            "train_state": train_state,
+            "rng": _Stateful(_get_rng, _set_rng),
         }
         self._pending: tuple[Any, int, float] | None = None  # in-flight async save: (future, step, start time)
         # An async save runs its collectives from a background thread while training runs its own: a group of its
@@ -298,7 +269,7 @@ class CheckpointManager:
         if plan is None:
             return
         path, what, step = plan
-        if what == "skip":  # a finished run's weights-only export: nothing left to resume
+        if what == "skip":
             self.train_state.step = step
             return
         keys = ["model"] if what == "model" else list(self.states)
@@ -308,43 +279,37 @@ class CheckpointManager:
         dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(allow_partial_load=True))
         for k in keys:
             self.states[k].load_state_dict(state[k])
-        logger.info("loaded %s from %s in %.2fs: training continues after step %d",
-                    "weights" if what == "model" else "full state", path, time.perf_counter() - t0,
-                    self.train_state.step)
+        logger.info("loaded %s from %s in %.2fs: training continues after step %d", "weights" if what == "model"
+                    else "full state", path, time.perf_counter() - t0, self.train_state.step)
 
     def _plan(self) -> tuple[str, str, int] | None:
         """(path, "all" | "model" | "skip", step) of what to load, or None for a fresh start; rank 0 only."""
         cfg = self.cfg
         found = complete_checkpoints(self.folder) if cfg.enable else {}
         if cfg.load_step >= 0 and cfg.load_step not in found:
-            have = ", ".join(f"step-{s}" for s in found) or "none"
             raise ConfigError(f"checkpoint.load_step {cfg.load_step}: {self.folder}/step-{cfg.load_step} is not a "
-                              f"complete checkpoint (complete ones: {have})")
+                              f"complete checkpoint (complete ones: {[f'step-{s}' for s in found]})")
         if found:
             step = cfg.load_step if cfg.load_step >= 0 else max(found)
             if max(found) > step:
                 logger.warning("resuming from step-%d although step-%d exists: a restart without checkpoint.load_step "
                                "will pick step-%d", step, max(found), max(found))
+            if step >= self.total_steps:  # a finished run: nothing to load
+                return found[step], "skip", step
             if _is_full(found[step]):
                 return found[step], "all", step
             if step == 0:  # a seed checkpoint: initial weights only, by design
                 return found[step], "model", 0
-            if step >= self.total_steps:
-                return found[step], "skip", step
             raise ConfigError(f"{found[step]} holds weights only (checkpoint.last_save_model_only) and cannot be "
                               f"resumed: start a new run from it with checkpoint.initial_load_path")
         path = cfg.initial_load_path
-        if not path:
-            return None
-        if not os.path.isfile(os.path.join(path, ".metadata")):
+        if path and not os.path.isfile(os.path.join(path, ".metadata")):
             why = "does not exist" if not os.path.exists(path) else "has no .metadata (not a complete DCP checkpoint)"
             raise ConfigError(f"checkpoint.initial_load_path {path} {why}")
-        if cfg.initial_load_model_only:
-            return path, "model", 0
-        if not _is_full(path):
+        if path and not cfg.initial_load_model_only and not _is_full(path):
             raise ConfigError(f"checkpoint.initial_load_path {path} holds weights only: set "
                               "checkpoint.initial_load_model_only = true")
-        return path, "all", 0
+        return (path, "model" if cfg.initial_load_model_only else "all", 0) if path else None
 
     # ---- Save
 
@@ -355,7 +320,7 @@ class CheckpointManager:
         if self._pending is not None and self._pending[0].done():
             self.wait()  # publish a finished async save now rather than at the next save
         if last and self.cfg.last_save_model_only:
-            self.save(step, model_only=True, dtype=EXPORT_DTYPES[self.cfg.export_dtype])
+            self.save(step, model_only=True, dtype=getattr(torch, self.cfg.export_dtype))
         elif last or step % self.cfg.interval == 0:
             self.save(step)
 
@@ -365,11 +330,10 @@ class CheckpointManager:
         tmp = os.path.join(self.folder, f"step-{step}.tmp")
         if dist.get_rank() == 0:
             os.makedirs(self.folder, exist_ok=True)
-            for name in os.listdir(self.folder):  # left by a crashed save or deletion; never a checkpoint
-                if _LEFTOVER.fullmatch(name):
-                    shutil.rmtree(os.path.join(self.folder, name))
+            for name in filter(_LEFTOVER.fullmatch, os.listdir(self.folder)):  # a crashed save's or deletion's
+                shutil.rmtree(os.path.join(self.folder, name))
         dist.barrier()  # no rank writes into step-N.tmp before rank 0 has cleared an old one
-        states = {"model": _ModelState(self.model, dtype)} if model_only else self.states
+        states = {"model": _model_state(self.model, dtype)} if model_only else self.states
         t0 = time.perf_counter()
         if self._group is None:
             dcp.save(states, storage_writer=_Writer(tmp))
@@ -391,32 +355,23 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+        dist.barrier()  # DCP's save ends with a broadcast: the exit gloo may abort on, as in _on_rank0
 
     def _publish(self, step: int, t0: float) -> None:
-        """Renames step-N.tmp to step-N, then applies keep_latest_k; rank 0 only, no collective.
-
-        DCP alone writes `.metadata` last, so a fresh folder is never seen half-written. The temporary name adds two
-        things: a save over an existing step-N (a run resumed from an older step, saving again) never mixes new shards
-        with the old `.metadata` before the new one is complete, and readers of the folder (evaluation jobs, scripts)
-        never see a step-N that is still being written. DCP's save returns on the coordinator only after every rank
-        has written, so no barrier is needed here."""
+        """Renames step-N.tmp to step-N, then applies keep_latest_k; rank 0 only, after DCP's save has returned there,
+        which is after every rank has written. DCP alone writes `.metadata` last, so a fresh folder is never seen
+        half-written; the temporary name adds that a save over an existing step-N (a run resumed from an older step)
+        never mixes new shards with the old `.metadata`, and that readers (eval jobs, scripts) never see a step-N
+        still being written."""
+        final = os.path.join(self.folder, f"step-{step}")
         if dist.get_rank() == 0:
-            final = os.path.join(self.folder, f"step-{step}")
-            old = None
-            if os.path.exists(final):  # replaced only now that the new one is complete
-                old = final + ".trash"
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
+            if os.path.exists(final):  # an older step-N is moved aside only now that the new one is complete
+                os.rename(final, final + ".trash")
             os.rename(final + ".tmp", final)
-            _fsync_dir(self.folder)
-            if old is not None:
-                shutil.rmtree(old)
+            fd = os.open(self.folder, os.O_RDONLY)  # the rename is durable before anything older is deleted
+            os.fsync(fd)
+            os.close(fd)
+            shutil.rmtree(final + ".trash", ignore_errors=True)
             for s in steps_to_delete(list(complete_checkpoints(self.folder)), self.cfg.keep_latest_k, step):
                 _discard(os.path.join(self.folder, f"step-{s}"))
-        logger.info("saved checkpoint %s in %.2fs", os.path.join(self.folder, f"step-{step}"),
-                    time.perf_counter() - t0)
-
-
-def _is_full(path: str) -> bool:
-    """Whether a checkpoint holds the whole training state, not weights only."""
-    return any(k.startswith("train_state.") for k in read_metadata(path).state_dict_metadata)
+        logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - t0)

@@ -24,4 +24,5 @@ model.init_weights(seed=cfg.training.seed)
 full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in model.named_parameters()}
 if env.rank == 0:
     torch.save(full, out)
+torch.distributed.barrier()  # gloo can abort a process that exits while a peer still sends
 torch.distributed.destroy_process_group()

@@ -1,0 +1,267 @@
+"""Checkpoints end to end: real torchrun jobs on the CPU writing and reading real DCP folders.
+
+Every run uses global batch 8 (local 2) so all layouts see the same samples, and a constant lr after warmup
+(decay_ratio 0), so the schedule does not depend on training.steps: a 4-step run extended to 8 is exactly the first
+half of an 8-step run. The same layout resumed is bitwise equal to a straight run; a resume on another layout agrees
+to 1e-5 (the reductions run in another order), like tests/multiprocess/test_layouts.py.
+"""
+
+import contextlib
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import ROOT, TINY, losses, read_metrics, torchrun
+from torchtitan_lite.checkpoint import complete_checkpoints, read_tensors
+
+COMMON = ("--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0", "--checkpoint.enable",
+          "--checkpoint.interval", "2")
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
+HSDP = ("--parallelism.data_parallel_replicate_degree", "2")
+BPE = str(ROOT / "torchtitan_lite" / "assets" / "stdlib_bpe_2k.tiktoken")
+TOLERANCE = 1e-5
+
+
+def train(nproc, folder, *overrides, steps=8, **kw):
+    return torchrun(nproc, folder, *COMMON, "--training.steps", str(steps), *overrides, **kw)
+
+
+def ckpt(folder, step):
+    return Path(folder) / "checkpoint" / f"step-{step}"
+
+
+def snapshot(folder):
+    """Every file under folder with its content hash and mtime: equal snapshots mean nothing was touched."""
+    out = {}
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
+    return out
+
+
+def descendants(pid):
+    """pid's child processes, recursively: torchrun starts each worker in a session of its own."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return [p for c in children for p in (c, *descendants(c))]
+
+
+def one_error_line(proc, expected):
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    errors = [line for line in output.splitlines() if "error: " in line and expected in line]
+    assert len(errors) == 1, output[-3000:]
+
+
+def assert_continues(resumed, reference, first_step):
+    ref = losses(reference)
+    got = {s: v for s, v in losses(resumed).items() if s >= first_step}
+    assert sorted(got) == list(range(first_step, 9))
+    worst = max(abs(got[s] - ref[s]) for s in got)
+    assert worst <= TOLERANCE, f"resumed curve departs from the original by {worst}: {got} vs {ref}"
+
+
+def assert_same_state(resharded, reference):
+    """Every tensor of two checkpoints agrees to 1e-4 of its tensor's largest value: the optimizer moments too,
+    which a load that dropped or misplaced them would change at the scale of the gradients."""
+    got, ref = read_tensors(str(resharded)), read_tensors(str(reference))
+    assert got.keys() == ref.keys() and any(k.endswith(".exp_avg_sq") for k in ref)
+    for key, value in ref.items():
+        scale = value.abs().max().item() if value.is_floating_point() else 0
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-4 * scale, msg=key)
+
+
+# ---- Runs, shared by the tests below.
+
+@pytest.fixture(scope="module")
+def fsdp_straight(tmp_path_factory):
+    """FSDP 4, 8 steps straight, a synchronous save every 2 steps."""
+    folder = tmp_path_factory.mktemp("fsdp_straight")
+    train(4, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fsdp_split(tmp_path_factory):
+    """FSDP 4 with async saves: 4 steps, stop, then resume to 8 with a half-written-looking step-99 in the way."""
+    folder = tmp_path_factory.mktemp("fsdp_split")
+    train(4, folder, "--checkpoint.async_mode", "async", steps=4)
+    fake = ckpt(folder, 99)
+    fake.mkdir()
+    (fake / "__0_0.distcp").write_bytes(b"not a checkpoint")
+    proc = train(4, folder, "--checkpoint.async_mode", "async")
+    return folder, proc
+
+
+@pytest.fixture(scope="module")
+def tp_straight(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tp_straight")
+    train(4, folder, *TP2)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tp_split(tmp_path_factory):
+    """TP 2 x FSDP 2: 4 steps, stop, resume to 8 keeping the latest 2 checkpoints."""
+    folder = tmp_path_factory.mktemp("tp_split")
+    train(4, folder, *TP2, steps=4)
+    train(4, folder, *TP2, "--checkpoint.keep_latest_k", "2")
+    return folder
+
+
+# ---- Resume
+
+def test_resume_is_bitwise_on_fsdp(fsdp_straight, fsdp_split):
+    folder, _ = fsdp_split
+    assert losses(folder) == losses(fsdp_straight)
+    assert [m["step"] for m in read_metrics(folder)] == list(range(1, 9))  # appended, steps continue
+    assert [m["tokens_seen"] for m in read_metrics(folder)] == [m["tokens_seen"] for m in read_metrics(fsdp_straight)]
+
+
+def test_resume_is_bitwise_on_tp_fsdp(tp_straight, tp_split):
+    assert losses(tp_split) == losses(tp_straight)
+
+
+def test_folder_without_metadata_is_skipped(fsdp_split):
+    folder, proc = fsdp_split
+    assert f"loaded full state from {ckpt(folder, 4)}" in proc.stdout + proc.stderr
+    assert sorted(complete_checkpoints(str(folder / "checkpoint"))) == [2, 4, 6, 8]
+
+
+def test_keep_latest_k_deletes_older_checkpoints(tp_split):
+    assert sorted(os.listdir(tp_split / "checkpoint")) == ["step-6", "step-8"]
+
+
+def test_async_save_equals_sync_save(fsdp_straight, fsdp_split):
+    # step-2 was written in the background while steps 3 and 4 trained: equal tensors mean the state was copied.
+    folder, _ = fsdp_split
+    for step in (2, 4):
+        sync, background = read_tensors(str(ckpt(fsdp_straight, step))), read_tensors(str(ckpt(folder, step)))
+        assert sync.keys() == background.keys() and any(k.startswith("optimizer.state.") for k in sync)
+        for key in sync:
+            assert torch.equal(sync[key], background[key]), key
+
+
+def test_finished_run_has_nothing_to_do(fsdp_straight, tmp_path):
+    shutil.copytree(fsdp_straight, tmp_path / "run")
+    proc = train(1, tmp_path / "run")
+    assert "nothing to do" in proc.stdout + proc.stderr
+    assert len(read_metrics(tmp_path / "run")) == len(read_metrics(fsdp_straight))
+
+
+# ---- Resharding: the data position is global and DCP reshards every DTensor, so the curve goes on.
+
+def test_reshard_fsdp_to_tp_fsdp_to_single_process(fsdp_straight, tmp_path):
+    shutil.copytree(ckpt(fsdp_straight, 4), ckpt(tmp_path, 4))
+    train(4, tmp_path, *TP2, steps=6)
+    assert_same_state(ckpt(tmp_path, 6), ckpt(fsdp_straight, 6))
+    train(1, tmp_path)
+    assert_continues(tmp_path, fsdp_straight, first_step=5)
+    assert_same_state(ckpt(tmp_path, 8), ckpt(fsdp_straight, 8))
+
+
+def test_reshard_fsdp_to_hsdp_to_fsdp_via_initial_load(fsdp_straight, tmp_path):
+    # The first run's own folder is empty, so it starts from initial_load_path (full state) and never writes there;
+    # the second finds its own step-6 and resumes that instead.
+    source = ckpt(fsdp_straight, 4)
+    before = snapshot(source)
+    initial = ("--checkpoint.initial_load_path", str(source), "--no-checkpoint.initial_load_model_only")
+    train(4, tmp_path, *HSDP, *initial, steps=6)
+    assert_same_state(ckpt(tmp_path, 6), ckpt(fsdp_straight, 6))
+    proc = train(4, tmp_path, *initial)
+    assert f"loaded full state from {ckpt(tmp_path, 6)}" in proc.stdout + proc.stderr
+    assert_continues(tmp_path, fsdp_straight, first_step=5)
+    assert_same_state(ckpt(tmp_path, 8), ckpt(fsdp_straight, 8))
+    assert snapshot(source) == before
+
+
+# ---- Seed checkpoint and export
+
+def test_seed_checkpoint_gives_every_mesh_the_same_start(tmp_path):
+    # The seed is made with another training.seed than the runs, so equal weights prove the runs loaded it. An lr of
+    # 1e-30 leaves every fp32 weight unchanged by the first step, so the step-1 export shows the starting weights.
+    torchrun(1, tmp_path / "seed", "--checkpoint.create_seed_checkpoint", "--training.seed", "123")
+    seed = read_tensors(str(ckpt(tmp_path / "seed", 0)))
+    assert seed and all(k.startswith("model.") for k in seed)
+    for name, mesh, dtype in (("fsdp", (), "float32"), ("tp", TP2, "bfloat16")):
+        shutil.copytree(ckpt(tmp_path / "seed", 0), ckpt(tmp_path / name, 0))
+        train(2, tmp_path / name, *mesh, "--optimizer.lr", "1e-30", "--checkpoint.last_save_model_only",
+              "--checkpoint.export_dtype", dtype, steps=1)
+        exported = read_tensors(str(ckpt(tmp_path / name, 1)))
+        assert exported.keys() == seed.keys()
+        for key, value in seed.items():
+            assert exported[key].dtype == getattr(torch, dtype)
+            assert torch.equal(exported[key], value.to(exported[key].dtype)), key
+
+
+def test_seed_checkpoint_on_several_processes_is_refused(tmp_path):
+    proc = torchrun(2, tmp_path, "--checkpoint.create_seed_checkpoint", check=False)
+    one_error_line(proc, "NGPU=1")
+    assert not (tmp_path / "checkpoint").exists()
+
+
+# ---- Failures: a killed save, a checkpoint of another shape, missing paths
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers through /proc")
+def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
+    train(2, tmp_path, steps=4)
+    before = snapshot(ckpt(tmp_path, 4))
+    # Resume from step-2 and save step-4 again; the coordinator pauses with all shards written and no .metadata.
+    log = tmp_path / "killed.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           "--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), *COMMON, "--training.steps", "4",
+           "--checkpoint.load_step", "2"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
+           "TORCHTITAN_LITE_TEST_PAUSE_BEFORE_METADATA_S": "300"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 120
+            while "pausing" not in log.read_text() and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.2)
+            assert "pausing" in log.read_text(), log.read_text()[-3000:]
+        finally:  # like a node failure: every process of the job at once
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+    tmp = ckpt(tmp_path, 4).with_name("step-4.tmp")
+    assert tmp.is_dir() and not (tmp / ".metadata").exists()
+    assert snapshot(ckpt(tmp_path, 4)) == before
+    proc = train(1, tmp_path, steps=6)  # picks step-4, and its first save clears the leftover
+    assert f"loaded full state from {ckpt(tmp_path, 4)}" in proc.stdout + proc.stderr
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-4", "step-6"]
+
+
+def test_checkpoint_of_another_vocab_names_the_tensor(fsdp_straight, tmp_path):
+    shutil.copytree(ckpt(fsdp_straight, 8), ckpt(tmp_path, 8))
+    before = snapshot(tmp_path / "checkpoint")
+    proc = train(2, tmp_path, "--model.tokenizer_path", BPE, steps=10, check=False)
+    one_error_line(proc, "model.tok_embeddings.weight has shape (258, 256) in the checkpoint but (2050, 256) here")
+    assert "exitcode  : 2" in proc.stderr and "DTensor" not in proc.stderr
+    assert snapshot(tmp_path / "checkpoint") == before
+
+
+@pytest.mark.parametrize("override, message", [
+    (("--checkpoint.load_step", "3"), "checkpoint.load_step 3: {folder}/checkpoint/step-3 is not a complete"),
+    (("--checkpoint.initial_load_path", "{folder}/elsewhere/step-5"),
+     "checkpoint.initial_load_path {folder}/elsewhere/step-5 does not exist"),
+])
+def test_missing_checkpoint_is_a_config_error(tmp_path, override, message):
+    override = [o.format(folder=tmp_path) for o in override]
+    proc = train(1, tmp_path, *override, check=False)
+    one_error_line(proc, message.format(folder=tmp_path))
