@@ -26,7 +26,7 @@ import torch
 
 from torchtitan_lite import datasets
 from torchtitan_lite.config import ConfigError
-from torchtitan_lite.init import _keys, _mix32, uniform
+from torchtitan_lite.init import key_words, mix32, uniform
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -77,7 +77,7 @@ class Permutation:
         self.n = n
         self.half = max(1, ((n - 1).bit_length() + 1) // 2)  # bits per Feistel half
         self.mask = (1 << self.half) - 1
-        self.keys = [_keys(f"{key}/{r}")[0] for r in range(self.rounds)]
+        self.keys = [key_words(f"{key}/{r}")[0] for r in range(self.rounds)]
 
     def __call__(self, i: int) -> int:
         x = self._feistel(i)
@@ -88,7 +88,7 @@ class Permutation:
     def _feistel(self, x: int) -> int:
         left, right = x >> self.half, x & self.mask
         for k in self.keys:
-            left, right = right, left ^ (_mix32(right ^ k) & self.mask)
+            left, right = right, left ^ (mix32(right ^ k) & self.mask)
         return (left << self.half) | right
 
 

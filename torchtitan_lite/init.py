@@ -28,7 +28,8 @@ _MAX_CUTOFF = 8.0  # beyond 8 std the normal holds 1e-15 of its mass: "untruncat
 _CHUNK = 1 << 22  # elements generated at once, bounding the int64 temporaries
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def mix32(x):
+    """A 32-bit integer hash, on int64 tensors or Python ints below 2**32."""
     # A 32-bit integer hash (C. Wellons' hash-prospector family). Both multipliers are < 2**31, so with x < 2**32
     # every product fits in a signed int64 and no op ever overflows.
     x = x ^ (x >> 16)
@@ -38,17 +39,18 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def _keys(key: str) -> list[int]:
+def key_words(key: str) -> list[int]:
+    """Four 32-bit words derived from a string key (stable across processes, unlike hash())."""
     digest = hashlib.sha256(key.encode()).digest()
     return [int.from_bytes(digest[4 * i : 4 * i + 4], "little") for i in range(4)]
 
 
 def uniform(index: torch.Tensor, key: str) -> torch.Tensor:
     """float64 values in [0, 1) with 53 random bits, a pure function of (key, index)."""
-    k = _keys(key)
+    k = key_words(key)
     lo, hi = index & _MASK32, index >> 32
-    a = _mix32(_mix32(lo ^ k[0]) ^ hi ^ k[1])
-    b = _mix32(_mix32(lo ^ k[2]) ^ hi ^ k[3])
+    a = mix32(mix32(lo ^ k[0]) ^ hi ^ k[1])
+    b = mix32(mix32(lo ^ k[2]) ^ hi ^ k[3])
     return ((a >> 6) * (1 << 27) + (b >> 5)).to(torch.float64) * 2.0**-53
 
 
