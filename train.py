@@ -145,7 +145,7 @@ def main(cfg: JobConfig, env: Env) -> None:
         gc.disable()  # collect on a schedule instead, so all ranks pause at the same step
     step, start = train_state.step, time.perf_counter()
     last_log_time, last_log_step = start, step
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
 
     # ---- The loop.
     while step < t.steps:
@@ -165,7 +165,11 @@ def main(cfg: JobConfig, env: Env) -> None:
         optimizer.zero_grad(set_to_none=True)
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + global_tokens
 
-        val_loss = validate() if v.enable and (step % v.freq == 0 or step == t.steps) else None
+        val_loss = None
+        if v.enable and (step % v.freq == 0 or step == t.steps):
+            val_start = time.perf_counter()
+            val_loss = validate()
+            last_log_time += time.perf_counter() - val_start  # tokens/s and MFU measure training alone
         if metrics.should_log(step, last=step == t.steps) or val_loss is not None:
             dist.all_reduce(loss_sum, group=dp_mesh.get_group())
             now = time.perf_counter()
