@@ -35,12 +35,12 @@ def init_distributed(env: Env) -> torch.device:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // env.local_world_size))
         backend = "gloo"
-    if env.world_size == 1:  # plain `python train.py`: a one-process group so the mesh code path is the same
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        # Plain `python train.py`: a one-process group, so the mesh code path is the same. Its store lives in this
+        # process, so two such runs on one machine can never race for a port.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(minutes=10))
+    else:
+        dist.init_process_group(backend, timeout=timedelta(minutes=10))
     return device
 
 

@@ -1,7 +1,12 @@
-"""Run under torchrun: build the debug model on the given mesh, initialize it, and have rank 0 save the full
-(gathered) parameters to argv[1], so a test can compare initial weights across layouts."""
+"""Run under torchrun: for each layout, build the debug model on that mesh, initialize it, and have rank 0 save the
+full (gathered) parameters, so a test can compare initial weights across layouts. All layouts share one launch.
 
+    dump_init.py OUT_DIR CONFIG '{"name": [overrides...], ...}'   ->   OUT_DIR/name.pt
+"""
+
+import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -11,18 +16,21 @@ from torchtitan_lite.model import FLAVORS, Transformer
 from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.parallelize import parallelize
 
-out, argv = sys.argv[1], sys.argv[2:]
-cfg, env = load_config(argv), Env.from_environ()
-dims = ParallelDims.from_config(cfg.parallelism, env.world_size)
+out, config, layouts = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+env = Env.from_environ()
 device = init_distributed(env)
-mesh, _ = dims.build_mesh(device.type)
-with torch.device("meta"):
-    model = Transformer(FLAVORS["debugmodel"].with_(vocab_size=258, max_seq_len=cfg.training.seq_len))
-parallelize(model, mesh, dims, cfg)
-model.to_empty(device=device)
-model.init_weights(seed=cfg.training.seed)
-full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in model.named_parameters()}
-if env.rank == 0:
-    torch.save(full, out)
+for name, overrides in layouts.items():
+    cfg = load_config(["--job.config_file", config, *overrides])
+    dims = ParallelDims.from_config(cfg.parallelism, env.world_size)
+    mesh, _ = dims.build_mesh(device.type)
+    with torch.device("meta"):
+        model = Transformer(FLAVORS["debugmodel"].with_(vocab_size=258, max_seq_len=cfg.training.seq_len))
+    parallelize(model, mesh, dims, cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed=cfg.training.seed)
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for n, p in model.named_parameters()}
+    if env.rank == 0:
+        torch.save(full, out / f"{name}.pt")
 torch.distributed.barrier()  # gloo can abort a process that exits while a peer still sends
 torch.distributed.destroy_process_group()

@@ -1,29 +1,121 @@
-"""The shared helper of the multi-process tests: launch real torchrun jobs of train.py on the CPU and read back
-what they wrote."""
+"""The shared helper of the multi-process tests: launch real torchrun jobs of train.py on the CPU, make sure none of
+their processes outlives the test, and read back what they wrote."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "assets" / "tiny.toml"
+TRAIN = ROOT / "train.py"
+# A bound on a whole job, far above any healthy run even on a loaded machine: it detects a hang, it times nothing.
+TIMEOUT_S = 600
+
+# What the shared runs (conftest.py) and the runs that resume or compare with them have in common: global batch 8 on
+# every layout, and a constant lr after warmup, so the schedule does not depend on training.steps and a 4-step run
+# extended to 8 is exactly the first half of an 8-step run.
+STEPS = 8
+COMMON = ("--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0")
+CHECKPOINTED = ("--checkpoint.enable", "--checkpoint.interval", "2")
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
+HSDP = ("--parallelism.data_parallel_replicate_degree", "2")
+TP2_FSDP2 = (*TP2, "--training.local_batch_size", "4", *CHECKPOINTED)  # the shared run "tp2_fsdp2"
 
 
-def torchrun(nproc: int, dump_folder: Path, *overrides: str, config: Path = TINY, timeout: float = 300,
-             check: bool = True) -> subprocess.CompletedProcess:
-    """Run train.py on `nproc` local gloo processes; raise with the output's tail if it fails and `check`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "train.py"), "--job.config_file", str(config), "--job.dump_folder", str(dump_folder),
-           *overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def descendants(pid: int) -> list[int]:
+    """pid's child processes, recursively: torchrun starts each worker in a session of its own, so killing torchrun's
+    process group would leave them running."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            children += [int(c) for c in (task / "children").read_text().split()]
+    return [p for c in children for p in (c, *descendants(c))]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILLs a launcher and every process below it at once, like a node failure, and reaps the launcher."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def torchrun_cmd(nproc: int, script: Path, *args: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a CPU torchrun job: a rendezvous port of its own (--standalone), no GPU."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+           *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    return cmd, env
+
+
+def run_job(cmd: list[str], env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run a launcher command to its end; raise with the output's tail if it fails and `check`. A job still
+    running after TIMEOUT_S is killed, workers included, and fails."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the job hung for {TIMEOUT_S}s:\n{(stdout + stderr)[-4000:]}") from None
+    finally:
+        if proc.poll() is None:  # interrupted (Ctrl-C): leave no worker behind
+            kill_tree(proc)
     if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return proc
+        raise AssertionError(f"the job failed ({proc.returncode}):\n{(stdout + stderr)[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def torchrun(nproc: int, dump_folder: Path, *overrides: str, config: Path = TINY, script: Path = TRAIN,
+             script_args: tuple[str, ...] = (), check: bool = True,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run train.py (or `script script_args...` followed by train.py's arguments) on `nproc` local gloo processes,
+    as run_job does."""
+    cmd, base_env = torchrun_cmd(nproc, script, *script_args, "--job.config_file", str(config), "--job.dump_folder",
+                                 str(dump_folder), *overrides)
+    return run_job(cmd, {**base_env, **(env or {})}, check)
+
+
+def train_in_process(dump_folder: Path, *overrides: str, config: Path = TINY,
+                     check: bool = True) -> subprocess.CompletedProcess:
+    """train.py's run() in this process: one process, without torchrun's seconds of start-up, where the test is not
+    about the launcher. Answers like torchrun(): the log in stdout, what went to stderr (an error line) in stderr."""
+    import train  # noqa: PLC0415 - the trainer's imports are only needed by the tests that run it here
+
+    argv = ["--job.config_file", str(config), "--job.dump_folder", str(dump_folder), *overrides]
+    log, err = io.StringIO(), io.StringIO()
+    handler, logger = logging.StreamHandler(log), logging.getLogger("torchtitan_lite")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with contextlib.redirect_stderr(err):
+            code = train.run(argv)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    if check and code != 0:
+        raise AssertionError(f"train.run failed ({code}):\n{(log.getvalue() + err.getvalue())[-4000:]}")
+    return subprocess.CompletedProcess(argv, code, log.getvalue(), err.getvalue())
+
+
+def error_lines(proc: subprocess.CompletedProcess, expected: str) -> list[str]:
+    """The `error: ...` lines of a job's output that mention `expected`."""
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if "error: " in line and expected in line]
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess, expected: str) -> None:
+    """The job failed and said why exactly once."""
+    assert proc.returncode != 0
+    assert len(error_lines(proc, expected)) == 1, (proc.stdout + proc.stderr)[-3000:]
 
 
 def read_metrics(dump_folder: Path) -> list[dict]:

@@ -1,28 +1,37 @@
-"""Bad input fails fast on every rank: one error line from rank 0 naming the key, a non-zero exit, no hung rank."""
-
-import time
+"""Bad input fails fast: one error line for the whole job naming the key, a non-zero exit, no hung rank, whichever
+rank reaches the verdict first."""
 
 import pytest
 
-from launch import torchrun
+from launch import ROOT, assert_one_error_line, error_lines, torchrun
 
+# Two processes where two show the point; the race between ranks is forced, on four, by the skewed test below, whose
+# rank 0 starts last with a value of the wrong type.
 CASES = {  # processes, overrides, what the error line must name
-    "tp_not_dividing_world": (4, ["--parallelism.tensor_parallel_degree", "3"], "tensor_parallel_degree 3"),
+    "tp_not_dividing_world": (2, ["--parallelism.tensor_parallel_degree", "3"], "tensor_parallel_degree 3"),
     "heads_not_divisible_by_tp": (3, ["--parallelism.tensor_parallel_degree", "3"], "n_heads = 16"),
-    "unknown_key": (4, ["--training.stepz", "3"], "training.stepz"),
-    "wrong_type": (4, ["--training.steps", "abc"], "training.steps"),
-    "global_batch_not_a_multiple": (4, ["--training.global_batch_size", "6"], "training.global_batch_size"),
+    "unknown_key": (2, ["--training.stepz", "3"], "training.stepz"),
+    "global_batch_not_a_multiple": (2, ["--training.global_batch_size", "6"], "training.global_batch_size"),
 }
+SKEWED = ROOT / "tests" / "multiprocess" / "skewed_ranks.py"
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_gives_one_clear_error(tmp_path, case):
     nproc, overrides, expected = CASES[case]
-    start = time.monotonic()
-    proc = torchrun(nproc, tmp_path / "out", *overrides, timeout=120, check=False)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    errors = [line for line in output.splitlines() if "error: " in line and expected in line]
-    assert len(errors) == 1, output[-3000:]
-    assert time.monotonic() - start < 90
+    proc = torchrun(nproc, tmp_path / "out", *overrides, check=False)  # a hang fails at the helper's bound
+    assert_one_error_line(proc, expected)
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_error_is_reported_when_rank_0_is_last_to_reach_it(tmp_path):
+    # Ranks 1-3 reach the verdict seconds before rank 0, as under load: the line must still be printed, once.
+    proc = torchrun(4, tmp_path, "--training.steps", "abc", script=SKEWED, script_args=("3", ""), check=False)
+    assert_one_error_line(proc, "training.steps")
+
+
+def test_error_of_one_rank_alone_is_reported_by_that_rank(tmp_path):
+    # Rank 1 alone has a bad option; rank 0 goes on to wait for its peers. Rank 1 must say so itself, and the job end.
+    proc = torchrun(2, tmp_path, script=SKEWED, check=False, script_args=("0", "--training.stepz 3"))
+    assert_one_error_line(proc, "error: rank 1: unknown option --training.stepz")
+    assert not error_lines(proc, "error: unknown option")

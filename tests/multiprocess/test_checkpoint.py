@@ -1,37 +1,44 @@
 """Checkpoints end to end: real torchrun jobs on the CPU writing and reading real DCP folders.
 
-Every run uses global batch 8 (local 2) so all layouts see the same samples, and a constant lr after warmup
-(decay_ratio 0), so the schedule does not depend on training.steps: a 4-step run extended to 8 is exactly the first
-half of an 8-step run. The same layout resumed is bitwise equal to a straight run; a resume on another layout agrees
-to 1e-5 (the reductions run in another order), like tests/multiprocess/test_layouts.py.
+Every run has the shared runs' settings (launch.COMMON: global batch 8, a constant lr after warmup) and saves every 2
+steps, so a run resumed from the shared FSDP 4 or TP 2 x FSDP 2 run's step-4 continues that very run (conftest.py).
+The same layout resumed is bitwise equal to the straight run; a resume on another layout agrees to 1e-5 (the
+reductions run in another order), like tests/multiprocess/test_layouts.py.
 """
 
-import contextlib
 import hashlib
+import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch import ROOT, TINY, losses, read_metrics, torchrun
+from launch import (CHECKPOINTED, COMMON, HSDP, ROOT, STEPS, TINY, TP2, TP2_FSDP2, assert_one_error_line, kill_tree,
+                    losses, read_metrics, torchrun, torchrun_cmd, train_in_process)
 from torchtitan_lite.checkpoint import complete_checkpoints, read_tensors
 
-COMMON = ("--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0", "--checkpoint.enable",
-          "--checkpoint.interval", "2")
-TP2 = ("--parallelism.tensor_parallel_degree", "2")
-HSDP = ("--parallelism.data_parallel_replicate_degree", "2")
 BPE = str(ROOT / "torchtitan_lite" / "assets" / "stdlib_bpe_2k.tiktoken")
 TOLERANCE = 1e-5
 
 
-def train(nproc, folder, *overrides, steps=8, **kw):
-    return torchrun(nproc, folder, *COMMON, "--training.steps", str(steps), *overrides, **kw)
+def train(nproc, folder, *overrides, steps=STEPS, **kw):
+    """A checkpointing run with the shared runs' settings; with 1 process, in this process (the launcher is not what
+    these tests are about, and it costs seconds)."""
+    args = (folder, *COMMON, *CHECKPOINTED, "--training.steps", str(steps), *overrides)
+    return train_in_process(*args, **kw) if nproc == 1 else torchrun(nproc, *args, **kw)
+
+
+def stopped_after(run, step, folder):
+    """`folder` as if `run` had stopped after `step`: its checkpoints up to there and its metrics up to there."""
+    for s in range(2, step + 1, 2):
+        shutil.copytree(ckpt(run, s), ckpt(folder, s))
+    with open(folder / "metrics.jsonl", "w") as f:
+        f.writelines(line for line in open(run / "metrics.jsonl") if json.loads(line)["step"] <= step)
+    return folder
 
 
 def ckpt(folder, step):
@@ -47,24 +54,6 @@ def snapshot(folder):
             with open(path, "rb") as f:
                 out[os.path.relpath(path, folder)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
     return out
-
-
-def descendants(pid):
-    """pid's child processes, recursively: torchrun starts each worker in a session of its own."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return [p for c in children for p in (c, *descendants(c))]
-
-
-def one_error_line(proc, expected):
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    errors = [line for line in output.splitlines() if "error: " in line and expected in line]
-    assert len(errors) == 1, output[-3000:]
 
 
 def assert_continues(resumed, reference, first_step):
@@ -85,21 +74,18 @@ def assert_same_state(resharded, reference):
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-4 * scale, msg=key)
 
 
-# ---- Runs, shared by the tests below.
+# ---- Resumed runs, shared by the tests below.
 
 @pytest.fixture(scope="module")
-def fsdp_straight(tmp_path_factory):
+def fsdp_straight(runs):
     """FSDP 4, 8 steps straight, a synchronous save every 2 steps."""
-    folder = tmp_path_factory.mktemp("fsdp_straight")
-    train(4, folder)
-    return folder
+    return runs["fsdp4"]
 
 
 @pytest.fixture(scope="module")
-def fsdp_split(tmp_path_factory):
-    """FSDP 4 with async saves: 4 steps, stop, then resume to 8 with a half-written-looking step-99 in the way."""
-    folder = tmp_path_factory.mktemp("fsdp_split")
-    train(4, folder, "--checkpoint.async_mode", "async", steps=4)
+def fsdp_split(fsdp_straight, tmp_path_factory):
+    """FSDP 4 stopped after step 4, resumed to 8 with async saves, a half-written-looking step-99 in the way."""
+    folder = stopped_after(fsdp_straight, 4, tmp_path_factory.mktemp("fsdp_split"))
     fake = ckpt(folder, 99)
     fake.mkdir()
     (fake / "__0_0.distcp").write_bytes(b"not a checkpoint")
@@ -108,18 +94,15 @@ def fsdp_split(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp_straight(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tp_straight")
-    train(4, folder, *TP2)
-    return folder
+def tp_straight(runs):
+    return runs["tp2_fsdp2"]
 
 
 @pytest.fixture(scope="module")
-def tp_split(tmp_path_factory):
-    """TP 2 x FSDP 2: 4 steps, stop, resume to 8 keeping the latest 2 checkpoints."""
-    folder = tmp_path_factory.mktemp("tp_split")
-    train(4, folder, *TP2, steps=4)
-    train(4, folder, *TP2, "--checkpoint.keep_latest_k", "2")
+def tp_split(tp_straight, tmp_path_factory):
+    """TP 2 x FSDP 2 stopped after step 4, resumed to 8 keeping the latest 2 checkpoints."""
+    folder = stopped_after(tp_straight, 4, tmp_path_factory.mktemp("tp_split"))
+    train(4, folder, *TP2_FSDP2, "--checkpoint.keep_latest_k", "2")
     return folder
 
 
@@ -147,9 +130,9 @@ def test_keep_latest_k_deletes_older_checkpoints(tp_split):
 
 
 def test_async_save_equals_sync_save(fsdp_straight, fsdp_split):
-    # step-2 was written in the background while steps 3 and 4 trained: equal tensors mean the state was copied.
+    # step-6 was written in the background while steps 7 and 8 trained: equal tensors mean the state was copied.
     folder, _ = fsdp_split
-    for step in (2, 4):
+    for step in (6, 8):
         sync, background = read_tensors(str(ckpt(fsdp_straight, step))), read_tensors(str(ckpt(folder, step)))
         assert sync.keys() == background.keys() and any(k.startswith("optimizer.state.") for k in sync)
         for key in sync:
@@ -175,14 +158,14 @@ def test_reshard_fsdp_to_tp_fsdp_to_single_process(fsdp_straight, tmp_path):
 
 
 def test_reshard_fsdp_to_hsdp_to_fsdp_via_initial_load(fsdp_straight, tmp_path):
-    # The first run's own folder is empty, so it starts from initial_load_path (full state) and never writes there;
-    # the second finds its own step-6 and resumes that instead.
+    # FSDP 4 -> HSDP 2 x 2 -> FSDP 2. The first run's own folder is empty, so it starts from initial_load_path (full
+    # state) and never writes there; the second finds its own step-6 and resumes that instead.
     source = ckpt(fsdp_straight, 4)
     before = snapshot(source)
     initial = ("--checkpoint.initial_load_path", str(source), "--no-checkpoint.initial_load_model_only")
     train(4, tmp_path, *HSDP, *initial, steps=6)
     assert_same_state(ckpt(tmp_path, 6), ckpt(fsdp_straight, 6))
-    proc = train(4, tmp_path, *initial)
+    proc = train(2, tmp_path, *initial)
     assert f"loaded full state from {ckpt(tmp_path, 6)}" in proc.stdout + proc.stderr
     assert_continues(tmp_path, fsdp_straight, first_step=5)
     assert_same_state(ckpt(tmp_path, 8), ckpt(fsdp_straight, 8))
@@ -194,7 +177,7 @@ def test_reshard_fsdp_to_hsdp_to_fsdp_via_initial_load(fsdp_straight, tmp_path):
 def test_seed_checkpoint_gives_every_mesh_the_same_start(tmp_path):
     # The seed is made with another training.seed than the runs, so equal weights prove the runs loaded it. An lr of
     # 1e-30 leaves every fp32 weight unchanged by the first step, so the step-1 export shows the starting weights.
-    torchrun(1, tmp_path / "seed", "--checkpoint.create_seed_checkpoint", "--training.seed", "123")
+    train_in_process(tmp_path / "seed", "--checkpoint.create_seed_checkpoint", "--training.seed", "123")
     seed = read_tensors(str(ckpt(tmp_path / "seed", 0)))
     assert seed and all(k.startswith("model.") for k in seed)
     for name, mesh, dtype in (("fsdp", (), "float32"), ("tp", TP2, "bfloat16")):
@@ -210,35 +193,30 @@ def test_seed_checkpoint_gives_every_mesh_the_same_start(tmp_path):
 
 def test_seed_checkpoint_on_several_processes_is_refused(tmp_path):
     proc = torchrun(2, tmp_path, "--checkpoint.create_seed_checkpoint", check=False)
-    one_error_line(proc, "NGPU=1")
+    assert_one_error_line(proc, "NGPU=1")
     assert not (tmp_path / "checkpoint").exists()
 
 
 # ---- Failures: a killed save, a checkpoint of another shape, missing paths
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers through /proc")
-def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
-    train(2, tmp_path, steps=4)
+def test_kill_during_save_leaves_the_previous_checkpoint(fsdp_straight, tmp_path):
+    stopped_after(fsdp_straight, 4, tmp_path)
     before = snapshot(ckpt(tmp_path, 4))
     # Resume from step-2 and save step-4 again; the coordinator pauses with all shards written and no .metadata.
     log = tmp_path / "killed.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
-           "--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), *COMMON, "--training.steps", "4",
-           "--checkpoint.load_step", "2"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-           "TORCHTITAN_LITE_TEST_PAUSE_BEFORE_METADATA_S": "300"}
+    cmd, env = torchrun_cmd(2, ROOT / "train.py", "--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path),
+                            *COMMON, *CHECKPOINTED, "--training.steps", "4", "--checkpoint.load_step", "2")
+    env["TORCHTITAN_LITE_TEST_PAUSE_BEFORE_METADATA_S"] = "300"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 120
-            while "pausing" not in log.read_text() and proc.poll() is None and time.time() < deadline:
+        try:  # polls the log, bounded only as a hang detector
+            deadline = time.monotonic() + 300
+            while "pausing" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert "pausing" in log.read_text(), log.read_text()[-3000:]
         finally:  # like a node failure: every process of the job at once
-            for pid in [proc.pid, *descendants(proc.pid)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            proc.wait()
+            kill_tree(proc)
     tmp = ckpt(tmp_path, 4).with_name("step-4.tmp")
     assert tmp.is_dir() and not (tmp / ".metadata").exists()
     assert snapshot(ckpt(tmp_path, 4)) == before
@@ -251,7 +229,8 @@ def test_checkpoint_of_another_vocab_names_the_tensor(fsdp_straight, tmp_path):
     shutil.copytree(ckpt(fsdp_straight, 8), ckpt(tmp_path, 8))
     before = snapshot(tmp_path / "checkpoint")
     proc = train(2, tmp_path, "--model.tokenizer_path", BPE, steps=10, check=False)
-    one_error_line(proc, "model.tok_embeddings.weight has shape (258, 256) in the checkpoint but (2050, 256) here")
+    assert_one_error_line(proc, "model.tok_embeddings.weight has shape (258, 256) in the checkpoint but (2050, 256) "
+                                "here")
     assert "exitcode  : 2" in proc.stderr and "DTensor" not in proc.stderr
     assert snapshot(tmp_path / "checkpoint") == before
 
@@ -264,4 +243,4 @@ def test_checkpoint_of_another_vocab_names_the_tensor(fsdp_straight, tmp_path):
 def test_missing_checkpoint_is_a_config_error(tmp_path, override, message):
     override = [o.format(folder=tmp_path) for o in override]
     proc = train(1, tmp_path, *override, check=False)
-    one_error_line(proc, message.format(folder=tmp_path))
+    assert_one_error_line(proc, message.format(folder=tmp_path))

@@ -1,5 +1,6 @@
-"""Real torchrun jobs on real text: JSON lines and pre-tokenized shards train, feed the model the same stream, and a
-stopped run resumes with the exact next samples (also on another data-parallel degree, for shards)."""
+"""Training on real text: JSON lines and pre-tokenized shards train, feed the model the same stream, and a stopped
+run resumes with the exact next samples, also on another data-parallel degree (a real torchrun job, for shards).
+The one-process runs run in this process: the launcher is not what these tests are about."""
 
 import json
 import shutil
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from launch import ROOT, losses, torchrun
+from launch import ROOT, losses, torchrun, train_in_process
 from torchtitan_lite.datasets import stdlib_files
 
 needs_checkpointing = pytest.mark.skipif(not (ROOT / "torchtitan_lite/checkpoint.py").exists(),
@@ -37,13 +38,17 @@ def data(tmp_path_factory):
     }
 
 
+# Global batch 4 on every layout: 1 process accumulates 2 micro-batches, FSDP 2 runs one each.
+BATCH = ("--training.global_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "4")
+
+
 @pytest.fixture(scope="module")
 def straight_runs(data, tmp_path_factory):
-    """8 steps on 2 processes (dp 2) for each format, saving a checkpoint every 4 steps when the trainer can."""
+    """8 steps on 1 process for each format, saving a checkpoint every 4 steps when the trainer can."""
     runs = {}
     for name, args in data.items():
         runs[name] = tmp_path_factory.mktemp(f"straight_{name}")
-        torchrun(2, runs[name], *args, "--checkpoint.enable", "--checkpoint.interval", "4")
+        train_in_process(runs[name], *args, *BATCH)
     return runs
 
 
@@ -55,15 +60,15 @@ def test_jsonl_and_shards_train_on_the_same_stream(straight_runs):
 
 
 @needs_checkpointing
-@pytest.mark.parametrize("name, layout, tolerance", [
-    ("jsonl", [], 1e-6),  # same mesh: the same numbers
-    # dp 2 -> 1 (TP 2), accumulating 2 micro-batches to keep the global batch: other reduction order, same samples
-    ("tokens", ["--parallelism.tensor_parallel_degree", "2", "--training.global_batch_size", "4"], 1e-5),
+@pytest.mark.parametrize("name, nproc, tolerance", [
+    ("jsonl", 1, 1e-6),  # same layout: the same numbers
+    ("tokens", 2, 1e-5),  # dp 1 -> FSDP 2: other reduction order, same samples
 ])
-def test_stopped_run_resumes_with_the_next_samples(data, straight_runs, tmp_path, name, layout, tolerance):
+def test_stopped_run_resumes_with_the_next_samples(data, straight_runs, tmp_path, name, nproc, tolerance):
     # A run stopped after step 4 is the straight run's dump with only its step-4 checkpoint.
     shutil.copytree(straight_runs[name] / "checkpoint" / "step-4", tmp_path / "checkpoint" / "step-4")
-    torchrun(2, tmp_path, *data[name], "--checkpoint.enable", "--checkpoint.interval", "4", *layout)
+    args = (*data[name], *BATCH)
+    train_in_process(tmp_path, *args) if nproc == 1 else torchrun(nproc, tmp_path, *args)
     resumed, straight = losses(tmp_path), losses(straight_runs[name])
     assert sorted(resumed) == [5, 6, 7, 8]
     assert resumed == pytest.approx({s: straight[s] for s in resumed}, abs=tolerance)

@@ -1,14 +1,27 @@
 """Initial weights are bit-identical on every mesh, with no seed checkpoint (real torchrun processes)."""
 
-import os
-import subprocess
-import sys
+import json
 
 import pytest
 import torch
 
-from launch import ROOT, TINY
+from launch import ROOT, TINY, run_job, torchrun_cmd
 from torchtitan_lite.model import FLAVORS, Transformer
+
+LAYOUTS = {
+    "tp2_fsdp2": ["--parallelism.tensor_parallel_degree", "2"],  # FSDP over TP: a _StridedShard on dim 0
+    "tp4": ["--parallelism.tensor_parallel_degree", "4"],
+    "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory):
+    """The full initial parameters of every layout, all built in one 4-process launch."""
+    out = tmp_path_factory.mktemp("init")
+    cmd, env = torchrun_cmd(4, ROOT / "tests/multiprocess/dump_init.py", str(out), str(TINY), json.dumps(LAYOUTS))
+    run_job(cmd, env)
+    return out
 
 
 def single_process_weights(seed: int) -> dict[str, torch.Tensor]:
@@ -19,19 +32,9 @@ def single_process_weights(seed: int) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("layout", [
-    ["--parallelism.tensor_parallel_degree", "2"],  # FSDP over TP: a _StridedShard on dim 0
-    ["--parallelism.tensor_parallel_degree", "4"],
-    ["--parallelism.data_parallel_replicate_degree", "2"],  # HSDP
-])
-def test_full_parameters_match_single_process(tmp_path, layout):
-    out = tmp_path / "init.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(ROOT / "tests/multiprocess/dump_init.py"), str(out), "--job.config_file", str(TINY), *layout]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got, ref = torch.load(out, weights_only=True), single_process_weights(seed=7)  # tiny.toml's seed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_full_parameters_match_single_process(dumped, layout):
+    got, ref = torch.load(dumped / f"{layout}.pt", weights_only=True), single_process_weights(seed=7)  # tiny's seed
     assert got.keys() == ref.keys()
     for name in ref:
         assert torch.equal(got[name], ref[name]), name

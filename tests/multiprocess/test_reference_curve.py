@@ -12,14 +12,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launch import ROOT, losses, torchrun
+from launch import ROOT, losses, train_in_process
 
 REFERENCE = ROOT / "tests/assets/losses/debugmodel_cpu.txt"
 STEPS, TOLERANCE = 50, 1e-4
 
 
 def current_curve(folder: Path) -> dict[int, float]:
-    torchrun(1, folder, "--training.steps", str(STEPS))
+    train_in_process(folder, "--training.steps", str(STEPS))
     return losses(folder)
 
 
