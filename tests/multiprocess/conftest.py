@@ -15,19 +15,29 @@ import pytest
 # The tests here import the shared launcher as a plain module.
 sys.path.insert(0, str(Path(__file__).parent))
 
-from launch import CHECKPOINTED, COMMON, HSDP, STEPS, TP2, TP2_FSDP2, torchrun  # noqa: E402
+from launch import (CHECKPOINTED, COMMON, HSDP, STEPS, TP2, TP2_FSDP2, stopped_after, torchrun,  # noqa: E402
+                    train_in_process)
 
-# name -> (processes, overrides), all with global batch 8. Accumulation is exercised where it matters (1 process,
-# TP x FSDP); elsewhere one micro-batch per rank, since under TP every micro-batch costs ~8 collectives per block.
+# name -> (processes, overrides), all with global batch 8. One process and DDP accumulate; the 4-process layouts take
+# one micro-batch per rank, since under TP each costs ~8 collectives per block (test_checkpoint.py accumulates on
+# TP 2 x FSDP 2 too).
 SHARED_RUNS = {
     "single": (1, ()),  # 4 micro-batches of 2
     "fsdp4": (4, CHECKPOINTED),  # 1 of 2 per rank
     "tp2_fsdp2": (4, TP2_FSDP2),  # 1 of 4 per rank
     "tp4": (4, ("--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "8")),  # 1 of 8
     "hsdp2x2": (4, HSDP),  # 1 of 2 per rank
-    "ddp4": (4, ("--parallelism.data_parallel_replicate_degree", "4", "--parallelism.data_parallel_shard_degree", "1")),
-    # 2 micro-batches of 2 per rank, each block recomputed in backward: accumulation and AC leave the numerics alone.
-    "tp2_fsdp2_full_ac": (4, (*TP2, "--activation_checkpoint.mode", "full")),
+    # DDP is FSDP2 on a (replicate, shard = 1) mesh; 2 replicas show it as well as 4. 2 micro-batches of 2 per rank.
+    "ddp2": (2, ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1")),
+    # 1 of 4 per rank, each block recomputed in backward: AC leaves the numerics alone.
+    "tp2_fsdp2_full_ac": (4, (*TP2, "--activation_checkpoint.mode", "full", "--training.local_batch_size", "4")),
+}
+# name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
+RESUMED_RUNS = {
+    # Validating at steps 6 and 8 and keeping only the newest 2 checkpoints: steps 7 and 8 must still equal the
+    # straight run's, bitwise.
+    "tp2_fsdp2_resumed": ("tp2_fsdp2", 4, 4, (*TP2_FSDP2, "--checkpoint.keep_latest_k", "2", "--validation.enable",
+                                              "--validation.freq", "2", "--validation.steps", "2")),
 }
 
 
@@ -38,8 +48,13 @@ class SharedRuns:
     def __getitem__(self, name: str) -> Path:
         """The dump folder of the shared run `name` (COMMON settings, STEPS steps), launched on first use."""
         if name not in self.done:
-            nproc, overrides = SHARED_RUNS[name]
-            torchrun(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *overrides)
+            if name in RESUMED_RUNS:
+                run, step, nproc, overrides = RESUMED_RUNS[name]
+                stopped_after(self[run], step, self.root / name)
+            else:
+                nproc, overrides = SHARED_RUNS[name]
+            args = (self.root / name, *COMMON, "--training.steps", str(STEPS), *overrides)
+            train_in_process(*args) if nproc == 1 else torchrun(nproc, *args)  # 1 process: no launcher to test
             self.done[name] = self.root / name
         return self.done[name]
 

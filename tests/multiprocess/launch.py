@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,6 +117,19 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, expected: str) -> N
     """The job failed and said why exactly once."""
     assert proc.returncode != 0
     assert len(error_lines(proc, expected)) == 1, (proc.stdout + proc.stderr)[-3000:]
+
+
+def ckpt(folder: Path, step: int) -> Path:
+    return Path(folder) / "checkpoint" / f"step-{step}"
+
+
+def stopped_after(run: Path, step: int, folder: Path) -> Path:
+    """`folder` as if `run` (saving every 2 steps) had stopped after `step`: its checkpoints and metrics up to there."""
+    for s in range(2, step + 1, 2):
+        shutil.copytree(ckpt(run, s), ckpt(folder, s))
+    with open(run / "metrics.jsonl") as src, open(folder / "metrics.jsonl", "w") as dst:
+        dst.writelines(line for line in src if json.loads(line)["step"] <= step)
+    return folder
 
 
 def read_metrics(dump_folder: Path) -> list[dict]:

@@ -7,7 +7,6 @@ reductions run in another order), like tests/multiprocess/test_layouts.py.
 """
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -17,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import (CHECKPOINTED, COMMON, HSDP, ROOT, STEPS, TINY, TP2, TP2_FSDP2, assert_one_error_line, kill_tree,
-                    losses, read_metrics, torchrun, torchrun_cmd, train_in_process)
+from launch import (CHECKPOINTED, COMMON, HSDP, ROOT, STEPS, TINY, TP2, assert_one_error_line, ckpt, kill_tree, losses,
+                    read_metrics, stopped_after, torchrun, torchrun_cmd, train_in_process)
 from torchtitan_lite.checkpoint import complete_checkpoints, read_tensors
 
 BPE = str(ROOT / "torchtitan_lite" / "assets" / "stdlib_bpe_2k.tiktoken")
@@ -30,19 +29,6 @@ def train(nproc, folder, *overrides, steps=STEPS, **kw):
     these tests are about, and it costs seconds)."""
     args = (folder, *COMMON, *CHECKPOINTED, "--training.steps", str(steps), *overrides)
     return train_in_process(*args, **kw) if nproc == 1 else torchrun(nproc, *args, **kw)
-
-
-def stopped_after(run, step, folder):
-    """`folder` as if `run` had stopped after `step`: its checkpoints up to there and its metrics up to there."""
-    for s in range(2, step + 1, 2):
-        shutil.copytree(ckpt(run, s), ckpt(folder, s))
-    with open(folder / "metrics.jsonl", "w") as f:
-        f.writelines(line for line in open(run / "metrics.jsonl") if json.loads(line)["step"] <= step)
-    return folder
-
-
-def ckpt(folder, step):
-    return Path(folder) / "checkpoint" / f"step-{step}"
 
 
 def snapshot(folder):
@@ -99,11 +85,9 @@ def tp_straight(runs):
 
 
 @pytest.fixture(scope="module")
-def tp_split(tp_straight, tmp_path_factory):
-    """TP 2 x FSDP 2 stopped after step 4, resumed to 8 keeping the latest 2 checkpoints."""
-    folder = stopped_after(tp_straight, 4, tmp_path_factory.mktemp("tp_split"))
-    train(4, folder, *TP2_FSDP2, "--checkpoint.keep_latest_k", "2")
-    return folder
+def tp_split(runs):
+    """TP 2 x FSDP 2 stopped after step 4, resumed to 8 keeping the latest 2 checkpoints (conftest.py)."""
+    return runs["tp2_fsdp2_resumed"]
 
 
 # ---- Resume
@@ -157,15 +141,15 @@ def test_reshard_fsdp_to_tp_fsdp_to_single_process(fsdp_straight, tmp_path):
     assert_same_state(ckpt(tmp_path, 8), ckpt(fsdp_straight, 8))
 
 
-def test_reshard_fsdp_to_hsdp_to_fsdp_via_initial_load(fsdp_straight, tmp_path):
-    # FSDP 4 -> HSDP 2 x 2 -> FSDP 2. The first run's own folder is empty, so it starts from initial_load_path (full
-    # state) and never writes there; the second finds its own step-6 and resumes that instead.
+def test_reshard_fsdp_to_hsdp_via_initial_load_to_single_process(fsdp_straight, tmp_path):
+    # FSDP 4 -> HSDP 2 x 2 -> 1 process. The first run's own folder is empty, so it starts from initial_load_path
+    # (full state) and never writes there; the second finds its own step-6 and resumes that instead.
     source = ckpt(fsdp_straight, 4)
     before = snapshot(source)
     initial = ("--checkpoint.initial_load_path", str(source), "--no-checkpoint.initial_load_model_only")
     train(4, tmp_path, *HSDP, *initial, steps=6)
     assert_same_state(ckpt(tmp_path, 6), ckpt(fsdp_straight, 6))
-    proc = train(2, tmp_path, *initial)
+    proc = train(1, tmp_path, *initial)
     assert f"loaded full state from {ckpt(tmp_path, 6)}" in proc.stdout + proc.stderr
     assert_continues(tmp_path, fsdp_straight, first_step=5)
     assert_same_state(ckpt(tmp_path, 8), ckpt(fsdp_straight, 8))
