@@ -3,6 +3,7 @@ import importlib.util
 import itertools
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,34 @@ def test_python_stdlib_holds_out_every_50th_file_for_validation():
     source = build_source("python_stdlib", "", 64, BYTES, seed=0, split="validation")
     text = BYTES.decode(source.windows(torch.arange(source.n)).flatten().tolist())
     assert "def " in text or "import " in text
+
+
+def test_builtin_corpus_is_tokenized_once_and_shared(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(tmp_path / "cache"))
+    files = datasets.stdlib_files()[:40]
+    direct = torch.tensor(stream([f.read_text(errors="replace") for f in files], BPE), dtype=torch.uint16)
+    # Ranks starting together: one tokenizes under the lock, the others wait and map its shard.
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: datasets.cached_tokens(files, BPE), range(3)))
+    assert all(torch.equal(r, direct) for r in results)
+    assert len(list((tmp_path / "cache").glob("*.bin"))) == 1
+    # The next run reads the shard without tokenizing; another tokenizer or corpus gets a shard of its own.
+    monkeypatch.setattr(datasets, "tokenize_documents", lambda *a: pytest.fail("tokenized again"))
+    assert torch.equal(datasets.cached_tokens(files, BPE), direct)
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(tmp_path / "cache"))
+    datasets.cached_tokens(files, BYTES)
+    datasets.cached_tokens(files[:39], BPE)
+    assert len(list((tmp_path / "cache").glob("*.bin"))) == 3
+
+
+def test_unwritable_cache_only_costs_time(tmp_path, monkeypatch, caplog):
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(tmp_path / "file" / "cache"))
+    files = datasets.stdlib_files()[:5]
+    expected = stream([f.read_text(errors="replace") for f in files], BYTES)
+    assert datasets.cached_tokens(files, BYTES).tolist() == expected
+    assert "tokenizing without the cache" in caplog.text
 
 
 # ---- Files, shards, pretokenize

@@ -249,9 +249,12 @@ def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int, split
         chunks = [datasets.open_shard(f, tokenizer) for f in files]
     elif name in ("python_stdlib", "text", "jsonl"):
         files = datasets.corpus_files(name, path, split, key)
-        kind = "jsonl" if name == "jsonl" else "text"
-        docs = (doc for f in files for doc in datasets.read_documents(f, kind, text_field))
-        chunks = [datasets.as_tensor(datasets.tokenize_documents(docs, tokenizer))]
+        if name == "python_stdlib":  # the built-in corpus: tokenized once per machine, then memory-mapped
+            chunks = [datasets.cached_tokens(files, tokenizer)]
+        else:  # the user's files: large corpora belong in pre-tokenized shards (scripts/pretokenize.py)
+            kind = "jsonl" if name == "jsonl" else "text"
+            docs = (doc for f in files for doc in datasets.read_documents(f, kind, text_field))
+            chunks = [datasets.as_tensor(datasets.tokenize_documents(docs, tokenizer))]
         if not len(chunks[0]):
             raise ConfigError(f"{section}.dataset {name}: the {len(files)} files of {path!r} hold no text")
     else:

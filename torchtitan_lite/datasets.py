@@ -8,9 +8,12 @@ JSON lines file holds one document per line, in the field `training.dataset_text
 from __future__ import annotations
 
 import array
+import fcntl
 import glob
 import gzip
+import hashlib
 import json
+import logging
 import os
 import sys
 import sysconfig
@@ -30,6 +33,7 @@ _TYPECODES = {"uint16": "H", "uint32": "I"}  # array module typecodes, both of e
 _TORCH_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
 STDLIB_HOLDOUT = 50  # python_stdlib: every 50th file is validation data, never trained on
 assert sys.byteorder == "little", "token shards are little-endian"
+logger = logging.getLogger("torchtitan_lite")
 
 
 def stdlib_files() -> list[Path]:
@@ -182,6 +186,45 @@ def open_shard(path: Path, tokenizer) -> torch.Tensor:
     # shared=False maps the file copy-on-write: read-only files work, and nothing is ever written back.
     data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
     return data[HEADER_BYTES:].view(dtype)
+
+
+# ---- The built-in corpus, tokenized once per machine
+
+
+def cache_dir() -> Path:
+    """Where tokenized corpora are kept: $TORCHTITAN_LITE_CACHE, else $XDG_CACHE_HOME/torchtitan_lite."""
+    if os.environ.get("TORCHTITAN_LITE_CACHE"):
+        return Path(os.environ["TORCHTITAN_LITE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchtitan_lite"
+
+
+def cached_tokens(files: list[Path], tokenizer) -> torch.Tensor:
+    """The tokens of text files, read from a token shard in cache_dir() when one exists, else tokenized and kept.
+
+    Every rank of every run used to tokenize the standard library at start (seconds per rank). The shard is named by
+    a hash of the tokenizer and each file's path, size and modification time, so an edited file, another tokenizer or
+    another interpreter gets a shard of its own. Ranks and runs that start together queue on a lock: the first
+    tokenizes, the others map its shard. A folder that cannot be written costs only the time, never the run.
+    """
+    key = hashlib.sha256(tokenizer.identity.encode())
+    for f in files:
+        stat = f.stat()
+        key.update(f"{f.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    path = cache_dir() / f"{key.hexdigest()[:32]}.bin"
+
+    def docs() -> Iterator[str]:
+        return (doc for f in files for doc in read_documents(f, "text", ""))
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():  # write_shard publishes by rename: a shard that exists is complete
+                write_shard(path, (tokenize_documents(iter([d]), tokenizer) for d in docs()), tokenizer)
+        return open_shard(path, tokenizer)
+    except (OSError, ConfigError) as e:  # read-only or full disk, a lock the filesystem refuses, a damaged shard
+        logger.warning("tokenizing without the cache (%s: %s)", path, e)
+        return as_tensor(tokenize_documents(docs(), tokenizer))
 
 
 # ---- Hugging Face streams

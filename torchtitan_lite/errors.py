@@ -12,11 +12,14 @@ comes: rank 0 posts `passed` when its own checks before the process group are do
 its own line, naming its rank. Once the process group exists, errors are decided on rank 0 and raised on every rank
 together (checkpoint._on_rank0), so the others wait for `reported` alone, for a bounded time.
 
-Outside torchrun (plain `python train.py`, or a launcher without an agent store) each rank prints for itself.
+Such a rank writes its line into torchrun's error file rather than to its output, so that torchrun's failure summary
+shows it even when only rank 0's output is shown (run_train.sh's LOG_RANK). Outside torchrun (plain
+`python train.py`, or a launcher without an agent store) each rank prints for itself.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -48,6 +51,16 @@ def _key(name: str) -> str:
     return f"torchtitan_lite/{run}/{attempt}/{name}"
 
 
+def _say(line: str, env: Env) -> None:
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if env.rank != 0 and error_file:  # torchrun's summary prints an error file's "py_callstack" for its rank
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
 def checks_passed(env: Env) -> None:
     """Rank 0 found nothing wrong before the process group: a rank with an error of its own must report it itself."""
     if env.rank == 0 and env.world_size > 1 and (store := _agent_store()) is not None:
@@ -59,7 +72,7 @@ def report(error: Exception, env: Env) -> None:
     Returns only once the line is out, so the caller may exit."""
     store = _agent_store() if env.world_size > 1 else None
     if env.rank == 0 or store is None:
-        print(f"error: {error}" if env.rank == 0 else f"error: rank {env.rank}: {error}", file=sys.stderr, flush=True)
+        _say(f"error: {error}" if env.rank == 0 else f"error: rank {env.rank}: {error}", env)
         if store is not None:
             store.set(_key("reported"), "1")
         return
@@ -71,4 +84,4 @@ def report(error: Exception, env: Env) -> None:
         if not after_group and store.check([_key("passed")]):
             break
         time.sleep(_POLL_S)
-    print(f"error: rank {env.rank}: {error}", file=sys.stderr, flush=True)
+    _say(f"error: rank {env.rank}: {error}", env)
