@@ -8,8 +8,8 @@ store (the agent's TCPStore: it exists before any worker starts and needs no pro
 that key and exit without a word.
 
 A rank whose error rank 0 does not share (a file missing on one node only) must not wait for a report that never
-comes: rank 0 posts `passed` when its own checks before the process group are done, and a rank that sees it prints
-its own line, naming its rank. Once the process group exists, errors are decided on rank 0 and raised on every rank
+comes: rank 0 posts `passed` when its own checks before the process group are done, and a rank that sees it reports
+the error itself, naming its rank. Once the process group exists, errors are decided on rank 0 and raised on every rank
 together (checkpoint._on_rank0), so the others wait for `reported` alone, for a bounded time.
 
 Such a rank writes its line into torchrun's error file rather than to its output, so that torchrun's failure summary
