@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from launch import (CHECKPOINTED, COMMON, HSDP, STEPS, TP2, TP2_FSDP2, stopped_after, torchrun,  # noqa: E402
                     train_in_process)
 
+SHORT = ("--training.steps", "6")  # after STEPS on the command line, so it wins
 # name -> (processes, overrides), all with global batch 8. One process and DDP accumulate; the 4-process layouts take
 # one micro-batch per rank, since under TP each costs ~8 collectives per block (test_checkpoint.py accumulates on
 # TP 2 x FSDP 2 too).
@@ -25,12 +26,15 @@ SHARED_RUNS = {
     "single": (1, ()),  # 4 micro-batches of 2
     "fsdp4": (4, CHECKPOINTED),  # 1 of 2 per rank
     "tp2_fsdp2": (4, TP2_FSDP2),  # 1 of 4 per rank
-    "tp4": (4, ("--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "8")),  # 1 of 8
-    "hsdp2x2": (4, HSDP),  # 1 of 2 per rank
+    # Read by the layout test alone, which compares the steps both runs have: 6 show parity as well as 8.
+    "tp4": (4, ("--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "8", *SHORT)),  # 1 of 8
+    "hsdp2x2": (4, (*HSDP, *SHORT)),  # 1 of 2 per rank
     # DDP is FSDP2 on a (replicate, shard = 1) mesh; 2 replicas show it as well as 4. 2 micro-batches of 2 per rank.
-    "ddp2": (2, ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1")),
+    "ddp2": (2, ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                 *SHORT)),
     # 1 of 4 per rank, each block recomputed in backward: AC leaves the numerics alone.
-    "tp2_fsdp2_full_ac": (4, (*TP2, "--activation_checkpoint.mode", "full", "--training.local_batch_size", "4")),
+    "tp2_fsdp2_full_ac": (4, (*TP2, "--activation_checkpoint.mode", "full", "--training.local_batch_size", "4",
+                              *SHORT)),
 }
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
 RESUMED_RUNS = {
