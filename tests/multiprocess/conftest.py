@@ -25,16 +25,15 @@ SHORT = ("--training.steps", "6")  # after STEPS on the command line, so it wins
 SHARED_RUNS = {
     "single": (1, ()),  # 4 micro-batches of 2
     "fsdp4": (4, CHECKPOINTED),  # 1 of 2 per rank
-    "tp2_fsdp2": (4, TP2_FSDP2),  # 1 of 4 per rank
+    # 1 of 4 per rank, each block recomputed in backward: AC leaves the numerics alone (the TP 2 x FSDP 2 reshard leg
+    # of test_checkpoint.py runs without it).
+    "tp2_fsdp2": (4, TP2_FSDP2),
     # Read by the layout test alone, which compares the steps both runs have: 6 show parity as well as 8.
     "tp4": (4, ("--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "8", *SHORT)),  # 1 of 8
     "hsdp2x2": (4, (*HSDP, *SHORT)),  # 1 of 2 per rank
     # DDP is FSDP2 on a (replicate, shard = 1) mesh; 2 replicas show it as well as 4. 2 micro-batches of 2 per rank.
     "ddp2": (2, ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                  *SHORT)),
-    # 1 of 4 per rank, each block recomputed in backward: AC leaves the numerics alone.
-    "tp2_fsdp2_full_ac": (4, (*TP2, "--activation_checkpoint.mode", "full", "--training.local_batch_size", "4",
-                              *SHORT)),
 }
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
 RESUMED_RUNS = {
