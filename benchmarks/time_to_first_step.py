@@ -40,7 +40,8 @@ def time_once(repo: Path, extra: list[str]) -> float:
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
-            subprocess.run(["pkill", "-f", f"--job.dump_folder {dump}"], check=False)  # workers: sessions of their own
+            # torchrun stops its workers on SIGTERM; any left over (sessions of their own) are found by name.
+            subprocess.run(["pkill", "-f", "--", f"--job.dump_folder {dump}"], check=False)
 
 
 def main() -> None:
