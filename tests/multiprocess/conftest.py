@@ -15,7 +15,7 @@ import pytest
 # The tests here import the shared launcher as a plain module.
 sys.path.insert(0, str(Path(__file__).parent))
 
-from launch import (CHECKPOINTED, COMMON, HSDP, STEPS, TP2, TP2_FSDP2, stopped_after, torchrun,  # noqa: E402
+from launch import (CHECKPOINTED, COMMON, HSDP, STEPS, TP2_FSDP2, stopped_after, torchrun,  # noqa: E402
                     train_in_process)
 
 SHORT = ("--training.steps", "6")  # after STEPS on the command line, so it wins
