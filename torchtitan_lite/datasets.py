@@ -220,7 +220,7 @@ def cached_tokens(files: list[Path], tokenizer) -> torch.Tensor:
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not path.exists():  # write_shard publishes by rename: a shard that exists is complete
-                write_shard(path, (tokenize_documents(iter([d]), tokenizer) for d in docs()), tokenizer)
+                write_shard(path, [tokenize_documents(docs(), tokenizer)], tokenizer)
         return open_shard(path, tokenizer)
     except (OSError, ConfigError) as e:  # read-only or full disk, a lock the filesystem refuses, a damaged shard
         logger.warning("tokenizing without the cache (%s: %s)", path, e)

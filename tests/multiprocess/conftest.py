@@ -15,8 +15,7 @@ import pytest
 # The tests here import the shared launcher as a plain module.
 sys.path.insert(0, str(Path(__file__).parent))
 
-from launch import (CHECKPOINTED, COMMON, HSDP, STEPS, TP2_FSDP2, stopped_after, torchrun,  # noqa: E402
-                    train_in_process)
+from launch import CHECKPOINTED, COMMON, HSDP, STEPS, TP2_FSDP2, stopped_after, train_job  # noqa: E402
 
 SHORT = ("--training.steps", "6")  # after STEPS on the command line, so it wins
 # name -> (processes, overrides), all with global batch 8. One process and DDP accumulate; the 4-process layouts take
@@ -56,8 +55,7 @@ class SharedRuns:
                 stopped_after(self[run], step, self.root / name)
             else:
                 nproc, overrides = SHARED_RUNS[name]
-            args = (self.root / name, *COMMON, "--training.steps", str(STEPS), *overrides)
-            train_in_process(*args) if nproc == 1 else torchrun(nproc, *args)  # 1 process: no launcher to test
+            train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *overrides)
             self.done[name] = self.root / name
         return self.done[name]
 

@@ -109,6 +109,14 @@ def train_in_process(dump_folder: Path, *overrides: str, config: Path = TINY,
     return subprocess.CompletedProcess(argv, code, log.getvalue(), err.getvalue())
 
 
+def train_job(nproc: int, dump_folder: Path, *overrides: str, **kw) -> subprocess.CompletedProcess:
+    """A training run on `nproc` processes: a torchrun job, or with one process train_in_process, since a test
+    whose subject is not the launcher need not pay its seconds of start-up."""
+    if nproc == 1:
+        return train_in_process(dump_folder, *overrides, **kw)
+    return torchrun(nproc, dump_folder, *overrides, **kw)
+
+
 def error_lines(proc: subprocess.CompletedProcess, expected: str) -> list[str]:
     """The `error: ...` lines of a job's output that mention `expected`."""
     return [line for line in (proc.stdout + proc.stderr).splitlines() if "error: " in line and expected in line]

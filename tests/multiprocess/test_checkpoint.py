@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import (CHECKPOINTED, COMMON, HSDP, ROOT, STEPS, TINY, TP2, assert_one_error_line, ckpt, kill_tree, losses,
-                    read_metrics, stopped_after, torchrun, torchrun_cmd, train_in_process)
+from launch import (CHECKPOINTED, COMMON, HSDP, ROOT, STEPS, TINY, TP2, TRAIN, assert_one_error_line, ckpt, kill_tree,
+                    losses, read_metrics, stopped_after, torchrun, torchrun_cmd, train_in_process, train_job)
 from torchtitan_lite.checkpoint import complete_checkpoints, read_tensors
 
 BPE = str(ROOT / "torchtitan_lite" / "assets" / "stdlib_bpe_2k.tiktoken")
@@ -25,10 +25,8 @@ TOLERANCE = 1e-5
 
 
 def train(nproc, folder, *overrides, steps=STEPS, **kw):
-    """A checkpointing run with the shared runs' settings; with 1 process, in this process (the launcher is not what
-    these tests are about, and it costs seconds)."""
-    args = (folder, *COMMON, *CHECKPOINTED, "--training.steps", str(steps), *overrides)
-    return train_in_process(*args, **kw) if nproc == 1 else torchrun(nproc, *args, **kw)
+    """A checkpointing run with the shared runs' settings (with 1 process, in this process: see launch.train_job)."""
+    return train_job(nproc, folder, *COMMON, *CHECKPOINTED, "--training.steps", str(steps), *overrides, **kw)
 
 
 def snapshot(folder):
@@ -189,7 +187,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint(fsdp_straight, tmp_path
     before = snapshot(ckpt(tmp_path, 4))
     # Resume from step-2 and save step-4 again; the coordinator pauses with all shards written and no .metadata.
     log = tmp_path / "killed.log"
-    cmd, env = torchrun_cmd(2, ROOT / "train.py", "--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path),
+    cmd, env = torchrun_cmd(2, TRAIN, "--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path),
                             *COMMON, *CHECKPOINTED, "--training.steps", "4", "--checkpoint.load_step", "2")
     env["TORCHTITAN_LITE_TEST_PAUSE_BEFORE_METADATA_S"] = "300"
     with open(log, "w") as out:

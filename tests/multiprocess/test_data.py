@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from launch import ROOT, losses, torchrun, train_in_process
+from launch import ROOT, losses, train_in_process, train_job
 from torchtitan_lite.datasets import stdlib_files
 
 needs_checkpointing = pytest.mark.skipif(not (ROOT / "torchtitan_lite/checkpoint.py").exists(),
@@ -68,7 +68,7 @@ def test_stopped_run_resumes_with_the_next_samples(data, straight_runs, tmp_path
     # A run stopped after step 4 is the straight run's dump with only its step-4 checkpoint.
     shutil.copytree(straight_runs[name] / "checkpoint" / "step-4", tmp_path / "checkpoint" / "step-4")
     args = (*data[name], *BATCH)
-    train_in_process(tmp_path, *args) if nproc == 1 else torchrun(nproc, tmp_path, *args)
+    train_job(nproc, tmp_path, *args)
     resumed, straight = losses(tmp_path), losses(straight_runs[name])
     assert sorted(resumed) == [5, 6, 7, 8]
     assert resumed == pytest.approx({s: straight[s] for s in resumed}, abs=tolerance)
