@@ -33,7 +33,8 @@ from torchtitan_lite.metrics import MetricLogger, flops_per_token, memory_gib, p
 from torchtitan_lite.model import FLAVORS, Transformer, count_params
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from torchtitan_lite.parallel_dims import ParallelDims
-from torchtitan_lite.parallelize import DTYPES, parallelize
+from torchtitan_lite.parallelize import parallelize
+from torchtitan_lite.precision import DTYPES, LossScaler, warn_if_slow
 from torchtitan_lite.tokenizer import build_tokenizer
 
 logger = logging.getLogger("torchtitan_lite")
@@ -96,6 +97,11 @@ def main(cfg: JobConfig, env: Env) -> None:
     compute_dtype = DTYPES[t.mixed_precision_param]
     # FSDP applies mixed precision itself; without it (1 process, TP only) autocast does.
     autocast = not dims.fsdp and compute_dtype != torch.float32
+    warn_if_slow(device, compute_dtype)
+    scaler = LossScaler(device, compute_dtype)
+    # Reducing gradients after the last micro-batch only: FSDP accumulates unsharded gradients until then.
+    defer_reduce = dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce
+    micro_batches = global_batch // (t.local_batch_size * dims.dp)
     fpt = flops_per_token(n_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len,
                           n_embedding)
     peak = peak_flops(device, compute_dtype if (dims.fsdp or autocast) else torch.float32)
@@ -132,7 +138,7 @@ def main(cfg: JobConfig, env: Env) -> None:
     # checkpoint.initial_load_path. After peak_flops, which draws random numbers, so the restored RNG state stays put.
     train_state = TrainState()
     checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, optimizer, scheduler, data, train_state,
-                                   t.steps)
+                                   scaler, t.steps)
     if cfg.checkpoint.create_seed_checkpoint:
         checkpoint.save(0, model_only=True)
         logger.info("seed checkpoint written: runs on any mesh with this checkpoint folder start from it")
@@ -156,14 +162,17 @@ def main(cfg: JobConfig, env: Env) -> None:
         if t.gc_freq > 0 and step % t.gc_freq == 0:
             gc.collect(1)
         loss_sum = torch.zeros((), device=device)
-        for inputs, labels in data.next_batch():
+        for i, (inputs, labels) in enumerate(data.next_batch()):
+            if defer_reduce:
+                model.set_requires_gradient_sync(i == micro_batches - 1)
             with train_context():
                 loss = loss_of(inputs, labels, global_tokens)
-                loss.backward()  # inside the context: loss parallel's backward needs it too
+                scaler.scale(loss).backward()  # inside the context: loss parallel's backward needs it too
             loss_sum += value(loss)
+        scaler.unscale_(optimizer)  # clipping and the logged norm see the true gradients
         grad_norm = clip_grad_norm_(params, t.max_norm, env.world_size)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
+        scaler.step(optimizer, grad_norm)  # skipped (fp16 only) when a gradient is inf/NaN
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + global_tokens
@@ -180,7 +189,7 @@ def main(cfg: JobConfig, env: Env) -> None:
             metrics.log(step, {
                 "loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr, "tps": tps,
                 "mfu": 100 * tps * fpt / peak, "memory_gib": memory_gib(device),
-                "elapsed_s": train_state.elapsed_s(), "tokens_seen": train_state.tokens_seen,
+                "elapsed_s": train_state.elapsed_s(), "tokens_seen": train_state.tokens_seen, **scaler.metrics(),
                 **({} if val_loss is None else {"val_loss": val_loss}),
             })
             last_log_time, last_log_step = now, step

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from torchtitan_lite.config import ConfigError, Parallelism
 from torchtitan_lite.model import FLAVORS
@@ -29,3 +30,24 @@ def test_tp_must_divide_heads_and_ffn():
         ParallelDims(1, 1, 32, 32).validate_model(args)
     with pytest.raises(ConfigError, match="n_kv_heads = 8"):
         ParallelDims(1, 1, 16, 16).validate_model(FLAVORS["8B"].with_(vocab_size=8))
+
+
+def test_hpz_group_must_divide_the_shard_degree():
+    hpz = lambda group, **kw: ParallelDims.from_config(  # noqa: E731
+        Parallelism(fsdp_reshard_after_forward=group, **kw), 8)
+    assert hpz("4").dp_shard == 8
+    with pytest.raises(ConfigError, match="fsdp_reshard_after_forward = 3 must divide the FSDP shard degree 8: "
+                                          "choose one of 1, 2, 4, 8"):
+        hpz("3")
+    with pytest.raises(ConfigError, match="shard degree 4"):
+        hpz("8", tensor_parallel_degree=2)
+
+
+def test_pinned_offload_is_refused_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    offload = Parallelism(fsdp_cpu_offload=True)
+    with pytest.raises(ConfigError, match="--no-parallelism.fsdp_offload_pin_memory"):
+        ParallelDims.from_config(offload, 2)
+    offload.fsdp_offload_pin_memory = False
+    assert ParallelDims.from_config(offload, 2).fsdp

@@ -73,8 +73,13 @@ class Training:
     dataset: str = opt("synthetic", "training dataset name")
     dataset_path: str = opt("", "local path of the dataset, if it needs one")
     dataset_text_field: str = opt("text", "jsonl and hf datasets: the field that holds a document's text")
-    mixed_precision_param: str = opt("bfloat16", "FSDP parameter dtype for compute", choices=("bfloat16", "float32"))
+    mixed_precision_param: str = opt("bfloat16", "compute dtype of parameters (float16 adds loss scaling)",
+                                     choices=("bfloat16", "float32", "float16"))
     mixed_precision_reduce: str = opt("float32", "FSDP gradient reduce dtype", choices=("float32", "bfloat16"))
+    mixed_precision_output: str = opt("none", "FSDP casts the model's output to this dtype; none = leave it",
+                                      choices=("none", "float32", "bfloat16", "float16"))
+    mixed_precision_cast_forward_inputs: bool = opt(True, "FSDP casts each sharded module's float inputs to the "
+                                                    "param dtype")
     seed: int = opt(0, "random seed")
     deterministic: bool = opt(False, "torch.use_deterministic_algorithms, for bitwise-reproducible runs")
     gc_freq: int = opt(50, "Python GC every N steps, so ranks pause together; 0 leaves automatic GC on")
@@ -87,8 +92,15 @@ class Parallelism:
     data_parallel_shard_degree: int = opt(-1, "FSDP shards; -1 = the rest of the world size")
     tensor_parallel_degree: int = opt(1, "heads and FFN split across this many devices")
     disable_loss_parallel: bool = opt(False, "gather logits before the loss instead of a sharded loss under TP")
-    fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward",
-                                          choices=("default", "always", "never"))
+    fsdp_reshard_after_forward: str = opt(
+        "default", "after forward: default (every block but the last), always, never, or N = keep parameters "
+        "sharded over groups of N ranks (hpZ; N divides the shard degree) so backward's all-gather stays within them")
+    fsdp_cpu_offload: bool = opt(False, "keep sharded parameters, gradients and optimizer state in host memory; "
+                                 "the optimizer step runs on the CPU")
+    fsdp_offload_pin_memory: bool = opt(True, "offload into page-locked host memory (faster copies; needs a GPU)")
+    fsdp_prefetch: int = opt(0, "all-gather the next N blocks ahead in forward and backward; 0 = FSDP2's implicit one")
+    fsdp_defer_grad_reduce: bool = opt(False, "with accumulation, reduce gradients after the last micro-batch only "
+                                       "(fewer collectives; unsharded gradients held between micro-batches)")
 
 
 @dataclass
@@ -317,6 +329,9 @@ _RULES = [
     ("parallelism.data_parallel_replicate_degree", ">= 1", lambda v: v >= 1),
     ("parallelism.data_parallel_shard_degree", "-1 (the rest of the world) or >= 1", lambda v: v == -1 or v >= 1),
     ("parallelism.tensor_parallel_degree", ">= 1", lambda v: v >= 1),
+    ("parallelism.fsdp_reshard_after_forward", "default, always, never or a group size >= 1",
+     lambda v: v in ("default", "always", "never") or (v.isdecimal() and int(v) >= 1)),
+    ("parallelism.fsdp_prefetch", ">= 0", lambda v: v >= 0),
     ("checkpoint.interval", ">= 1", lambda v: v >= 1),
     ("checkpoint.keep_latest_k", ">= 0 (0 keeps all)", lambda v: v >= 0),
     ("activation_checkpoint.selective_ac_option", '"op" or a positive integer',

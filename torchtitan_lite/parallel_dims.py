@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan_lite.config import ConfigError, Parallelism
@@ -32,6 +33,14 @@ class ParallelDims:
                 f"parallelism degrees multiply to {replicate * shard * tp} (replicate {replicate} x shard {shard} "
                 f"x tp {tp}) but the world size is {world_size}: make them multiply to {world_size}, or set "
                 f"parallelism.data_parallel_shard_degree = -1")
+        group = cfg.fsdp_reshard_after_forward
+        if group.isdecimal() and replicate * shard > 1 and shard % int(group):
+            divisors = [d for d in range(1, shard + 1) if shard % d == 0]
+            raise ConfigError(f"parallelism.fsdp_reshard_after_forward = {group} must divide the FSDP shard degree "
+                              f"{shard}: choose one of {', '.join(map(str, divisors))} (e.g. the GPUs per node)")
+        if cfg.fsdp_cpu_offload and cfg.fsdp_offload_pin_memory and not torch.cuda.is_available():
+            raise ConfigError("parallelism.fsdp_offload_pin_memory needs a GPU (pinned memory speeds host-to-device "
+                              "copies): pass --no-parallelism.fsdp_offload_pin_memory to offload on this machine")
         return cls(replicate, shard, tp, world_size)
 
     @property

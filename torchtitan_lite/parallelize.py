@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -15,10 +17,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan_lite.config import JobConfig
+from torchtitan_lite.config import JobConfig, Parallelism
 from torchtitan_lite.parallel_dims import ParallelDims
+from torchtitan_lite.precision import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger("torchtitan_lite")
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig) -> None:
@@ -32,6 +35,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
     if dims.fsdp:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         apply_fsdp(model, dp_mesh, cfg)
+    else:
+        p, default = cfg.parallelism, Parallelism()
+        unused = [f"parallelism.{k}" for k in vars(p) if k.startswith("fsdp_") and getattr(p, k) != getattr(default, k)]
+        if unused:
+            logger.warning("no data parallelism in this layout, so FSDP is not applied: %s ignored", ", ".join(unused))
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
@@ -87,15 +95,28 @@ def apply_ac(model: nn.Module, mode: str, option: str) -> None:
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig) -> None:
     """FSDP2 on each block, then the root. A 2-D mesh (replicate, shard) gives HSDP; shard size 1 gives DDP."""
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.mixed_precision_param],
-                              reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce])
-    policy = cfg.parallelism.fsdp_reshard_after_forward
-    n = len(model.layers)
-    for i, block in enumerate(model.layers.values()):
-        # "default": the last block's parameters are needed first in backward, so keep them gathered.
-        reshard = policy == "always" or (policy == "default" and i < n - 1)
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=policy == "always")
+    t, p = cfg.training, cfg.parallelism
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[t.mixed_precision_param],
+                              reduce_dtype=DTYPES[t.mixed_precision_reduce],
+                              cast_forward_inputs=t.mixed_precision_cast_forward_inputs)
+    # Only the root's output is the model's output; a block's would be cast back by the next block's input cast.
+    root_mp = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype, DTYPES.get(t.mixed_precision_output),
+                                   mp.cast_forward_inputs)
+    offload = CPUOffloadPolicy(pin_memory=p.fsdp_offload_pin_memory) if p.fsdp_cpu_offload else OffloadPolicy()
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, i == len(blocks) - 1))
+    # The root (embedding, final norm, output) is needed first in backward: kept gathered unless "always".
+    fully_shard(model, mesh=dp_mesh, mp_policy=root_mp, offload_policy=offload,
+                reshard_after_forward=p.fsdp_reshard_after_forward == "always")
+    if p.fsdp_prefetch > 0:
+        # Explicit prefetching issues the next N blocks' all-gathers at once, so they overlap more compute than
+        # FSDP2's implicit one-ahead, at the cost of N blocks' unsharded parameters held at a time.
+        for order, setter in ((blocks, "set_modules_to_forward_prefetch"),
+                              (blocks[::-1], "set_modules_to_backward_prefetch")):
+            for i, block in enumerate(order):
+                getattr(block, setter)(order[i + 1:i + 1 + p.fsdp_prefetch])
     # The loss is already normalized by the global token count, so gradients must be summed across data-parallel
     # ranks, not averaged: one exact rule for every layout and accumulation. Plain SUM collectives, since gloo
     # has no PREMUL_SUM (and NCCL's SUM is its zero-copy path).
@@ -103,3 +124,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def reshard_after_forward(policy: str, last_block: bool) -> bool | int:
+    """A block's `reshard_after_forward` under `parallelism.fsdp_reshard_after_forward`. "default" reshards every
+    block but the last, whose parameters backward needs first; an integer N (hpZ) keeps them sharded over groups of
+    N ranks after forward, so backward all-gathers within a group (a node) instead of across the whole shard dim."""
+    if policy in ("always", "never"):
+        return policy == "always"
+    return not last_block and (True if policy == "default" else int(policy))
