@@ -8,7 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python}
 if [ -z "${NGPU:-}" ]; then
-  NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 4)")
+  if ls /dev/nvidia[0-9]* /dev/kfd >/dev/null 2>&1; then  # a GPU driver: let torch count (honours CUDA_VISIBLE_DEVICES)
+    NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 4)")
+  else  # none: skip importing torch just to learn that (~1.5 s of start-up)
+    NGPU=4
+  fi
 fi
 CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
 LOG_RANK=${LOG_RANK:-0}

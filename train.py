@@ -84,10 +84,11 @@ def main(cfg: JobConfig, env: Env) -> None:
     model.to_empty(device=device)
     model.init_weights(seed=t.seed)
     model.train()
+    params = list(model.parameters())
     logger.info("%s %s: %.2fM parameters, mesh %s", cfg.model.name, cfg.model.flavor, n_params / 1e6,
                 dict(zip(mesh.mesh_dim_names, mesh.shape)))
 
-    optimizer = build_optimizer(model, cfg.optimizer, device.type)
+    optimizer = build_optimizer(model, cfg.optimizer, params[0].device.type)  # on the host under CPU offload
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
 
     # ---- Numerics of the step. The loss is a sum of token losses over the global token count, and gradients are
@@ -154,7 +155,6 @@ def main(cfg: JobConfig, env: Env) -> None:
         gc.disable()  # collect on a schedule instead, so all ranks pause at the same step
     step, start = train_state.step, time.perf_counter()
     last_log_time, last_log_step = start, step
-    params = list(model.parameters())
 
     # ---- The loop.
     while step < t.steps:

@@ -77,15 +77,17 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int
             p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
     grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    sq = torch.zeros((), dtype=torch.float32, device=local[0].device if local else "cpu")
+    # Summed on the process group's device: under CPU offload the gradients live on the host, NCCL does not.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
     for g, norm in zip(grads, torch._foreach_norm(local, 2.0) if local else []):
-        sq += norm.float() ** 2 * (_shard_count(g) / world_size)
+        sq += norm.float().to(device) ** 2 * (_shard_count(g) / world_size)
     if world_size > 1:
         dist.all_reduce(sq)
     total = sq.sqrt()
-    if max_norm > 0:
+    if max_norm > 0 and local:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(local, coef.to(local[0].dtype) if local else coef)
+        torch._foreach_mul_(local, coef.to(local[0].device, local[0].dtype))
     return total
 
 
