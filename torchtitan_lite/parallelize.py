@@ -82,7 +82,8 @@ def apply_ac(model: nn.Module, mode: str, option: str) -> None:
 
         def policy(ctx, op, *args, **kwargs):
             save = op in (torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
-                          torch.ops.aten._scaled_dot_product_efficient_attention.default)
+                          torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
             return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
         context_fn = partial(create_selective_checkpoint_contexts, policy)

@@ -1,0 +1,83 @@
+"""Per-rank memory of a training config on a mesh, without GPUs and without allocating the model.
+
+    python scripts/estimate_memory.py --job.config_file train_configs/llama3_70b.toml [--world_size 64] [overrides]
+
+`--world_size` (this script's only option) defaults to NGPU when set, else to the product of the degrees when none
+is -1, else to the config's usual cluster (DEFAULT_WORLD): the degrees leave the world size open, the estimate needs
+one. Everything else is a trainer option. How the figures are obtained and what they leave out: see
+torchtitan_lite/memory.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchtitan_lite.config import ConfigError, JobConfig, load_config
+from torchtitan_lite.memory import Estimate, estimate_memory
+
+# torchtitan's usual cluster per flavor; any other flavor: one 8-GPU node.
+DEFAULT_WORLD = {"8B": 8, "70B": 64, "405B": 128}
+
+
+def split_world_size(argv: list[str]) -> tuple[int | None, list[str]]:
+    """(--world_size N or None, the other arguments) from argv."""
+    rest, world = [], None
+    args = iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name != "--world_size":
+            rest.append(arg)
+            continue
+        value = value if eq else next(args, "")
+        if not value.isdecimal() or int(value) < 1:
+            raise ConfigError(f"--world_size expects a positive integer (got {value!r})")
+        world = int(value)
+    return world, rest
+
+
+def default_world_size(cfg: JobConfig) -> int:
+    if os.environ.get("NGPU", "").isdecimal():
+        return int(os.environ["NGPU"])
+    p = cfg.parallelism
+    degrees = (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree)
+    if -1 not in degrees:
+        return degrees[0] * degrees[1] * degrees[2]
+    return DEFAULT_WORLD.get(cfg.model.flavor, 8)
+
+
+def table(e: Estimate, cfg: JobConfig) -> str:
+    unit, scale = ("GiB", 2**30) if e.peak_bytes >= 2**30 else ("MiB", 2**20)
+    mesh = " x ".join(f"{name} {size}" for name, size in e.mesh.items())
+    t = cfg.training
+    header = (f"{cfg.model.name} {e.flavor} (vocab {e.vocab_size}), {t.local_batch_size} x {t.seq_len} tokens, "
+              f"{t.mixed_precision_param} compute, AC {cfg.activation_checkpoint.mode}, mesh {mesh} "
+              f"({math.prod(e.mesh.values())} ranks); per rank, {unit}")
+    lines = [header]
+    if e.vocab_note:
+        lines.append(f"  ({e.vocab_note})")
+    where = " (host)" if e.host_bytes else ""
+    rows = [(f"parameters{where}", e.param_bytes), (f"gradients{where}", e.grad_bytes),
+            (f"optimizer state{where}", e.optimizer_bytes), ("activations", e.activation_bytes),
+            ("transient buffers", e.transient_bytes), ("peak (device)" if e.host_bytes else "peak", e.peak_bytes)]
+    lines += [f"  {name:<24}{value / scale:10.2f}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        world, rest = split_world_size(argv)
+        cfg = load_config(rest)
+        print(table(estimate_memory(cfg, world or default_world_size(cfg)), cfg))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,77 @@
+"""memory.py: held_bytes counts real storages; the fake-tensor estimate reproduces them on any world size."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtitan_lite.config import load_config
+from torchtitan_lite.memory import (
+    LLAMA3_VOCAB,
+    estimate_memory,
+    held_bytes,
+    model_args,
+    storage_bytes,
+)
+from torchtitan_lite.model import Transformer
+from torchtitan_lite.optim import build_optimizer
+
+TINY = ["--job.config_file", "tests/assets/tiny.toml"]
+STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+def test_storage_bytes_counts_a_shared_storage_once():
+    base = torch.zeros(100)
+    assert storage_bytes([base[:10], base[10:], None]) == 400
+    assert storage_bytes([torch.zeros(3), torch.zeros(3)]) == 24
+
+
+@pytest.fixture(scope="module")
+def one_process_held() -> dict[str, int]:
+    """held_bytes of the tiny model really materialized and stepped in this process (the trainer's 1-rank path)."""
+    cfg = load_config(TINY)
+    torch.manual_seed(0)
+    model = Transformer(model_args(cfg)[0])  # torch's default init: the values do not matter here
+    optimizer = build_optimizer(model, cfg.optimizer, "cpu")
+    tokens = torch.randint(0, model.args.vocab_size, (2, cfg.training.seq_len))
+    F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    optimizer.step()
+    return held_bytes(model, optimizer)
+
+
+def test_one_rank_estimate_equals_a_materialized_model(one_process_held):
+    estimate = estimate_memory(load_config(TINY), 1)
+    assert {k: getattr(estimate, k) for k in STATE} == one_process_held
+    n_params = sum(p.numel() for p in Transformer(model_args(load_config(TINY))[0]).parameters())
+    assert one_process_held["param_bytes"] == 4 * n_params  # fp32, no padding on one rank
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sharded_state_is_one_nth_up_to_padding(one_process_held, world_size):
+    estimate = estimate_memory(load_config(TINY), world_size)
+    assert estimate.mesh["dp_shard"] == world_size
+    for key in STATE:
+        whole, shard = one_process_held[key], getattr(estimate, key)
+        # Rank 0 holds the largest shard: a dim that does not split evenly rounds up, by < 1% on this model.
+        assert whole <= world_size * shard <= 1.01 * whole, key
+    assert 0 < estimate.activation_bytes < estimate.peak_bytes
+
+
+def test_8b_state_follows_from_its_parameter_count():
+    # Short sequences: the parameter, gradient and optimizer bytes do not depend on them, and the trace is faster.
+    cfg = load_config(["--job.config_file", "train_configs/llama3_8b.toml", "--training.seq_len", "64",
+                       "--activation_checkpoint.mode", "none"])
+    estimate = estimate_memory(cfg, 8)
+    assert estimate.vocab_size == LLAMA3_VOCAB == 128256
+    n_params, n_tensors = 8_030_261_248, 32 * 9 + 3  # Llama 3 8B; per block 2 norms + 7 linears; embedding, norm, out
+    # Every dim of 8B splits evenly over 8 ranks: no padding. fp32 everything; AdamW's step is one fp32 scalar.
+    assert estimate.param_bytes == estimate.grad_bytes == 4 * n_params // 8
+    assert estimate.optimizer_bytes == 2 * 4 * n_params // 8 + 4 * n_tensors
+    assert estimate.peak_bytes > estimate.param_bytes + estimate.grad_bytes + estimate.optimizer_bytes
+
+
+def test_cpu_offload_moves_the_state_to_the_host():
+    device = estimate_memory(load_config(TINY), 2)
+    offload = estimate_memory(load_config([*TINY, "--parallelism.fsdp_cpu_offload"]), 2)
+    state = offload.param_bytes + offload.grad_bytes + offload.optimizer_bytes
+    assert offload.host_bytes == state > 0 and device.host_bytes == 0
+    assert offload.peak_bytes < device.peak_bytes

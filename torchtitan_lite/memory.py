@@ -1,0 +1,250 @@
+"""Per-rank memory: what a rank really holds (`held_bytes`) and what a config would need (`estimate_memory`).
+
+Held bytes count storages, not tensor sizes. FSDP2 pads each parameter's shard to an even split and keeps the padded
+buffer; its sharded gradients of one block are views into one reduce-scatter output. So a parameter's bytes are its
+storage's `nbytes()`, and a storage shared by several tensors counts once. Storages are told apart by their
+StorageImpl (`_cdata`), not by `data_ptr()`, which is 0 for every meta and fake tensor and would merge them all.
+
+The estimate runs the trainer's own code on fake tensors instead of a formula: a fake process group of the target
+world size (rank 0, which holds the largest shards), the real ParallelDims mesh, the model built on meta and
+parallelized by the real `parallelize()`, materialized as FakeTensors, and two training steps (forward, loss,
+backward, AdamW step, zero_grad) traced by torch's FSDPMemTracker, which follows every storage's life, FSDP2's
+all-gather and reduce-scatter buffers and the storage resizes that free gathered parameters. Fake tensors allocate
+nothing and compute nothing, so the cost is Python time per op (on one CPU core: 8B ~30 s, 70B ~3-5 min, 405B
+~5-8 min), and every layout rule (TP shards, FSDP padding, hpZ, which block stays gathered after forward, what
+activation checkpointing saves) is the trainer's by construction: a formula would have to be kept in step with
+parallelize.py by hand. Two steps, because the optimizer
+state only exists from the first step on, so the second step is the steady state.
+
+What the figures mean (bytes of rank 0):
+- parameters, gradients, optimizer state: `held_bytes` of the fake model after the optimizer step, exactly what the
+  trainer logs at step 1 (tests/multiprocess/test_estimate_memory.py compares the two).
+- activations: the tensors the forward and the loss leave alive for backward (saved tensors, logits, the loss).
+- transient: at the peak, everything that is neither state nor activation: gathered parameters (the current block,
+  the prefetched ones, those kept gathered or hpZ-sharded after forward, in the compute dtype), all-gather and
+  reduce-scatter buffers, backward temporaries (the logits' gradient among them). The optimizer step's own
+  temporaries are left out: under fake tensors an in-place kernel allocates its outputs anew (fused AdamW on a GPU
+  allocates nothing).
+- peak: the most bytes alive at once on the device during the second step. With `fsdp_cpu_offload`, parameters,
+  gradients and optimizer state live on the host: they are reported as host bytes and left out of the device peak.
+Not included: the caching allocator's rounding and fragmentation, NCCL's and cuBLAS's workspaces, the CUDA context
+(together often 1-5 GiB on a GPU), and torch.compile's effect on activations: the model runs eager here, because fake
+tensors cannot be compiled. The trace runs on the CPU, so attention is the CPU's SDPA kernel, whose saved tensors
+(output and log-sum-exp) match flash attention's.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torchtitan_lite.config import ConfigError, JobConfig
+from torchtitan_lite.model import FLAVORS, ModelArgs, Transformer
+from torchtitan_lite.optim import build_optimizer, clip_grad_norm_
+from torchtitan_lite.parallel_dims import ParallelDims
+from torchtitan_lite.parallelize import parallelize
+from torchtitan_lite.precision import DTYPES
+from torchtitan_lite.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
+
+LLAMA3_VOCAB = LLAMA3_N_RANKS + len(LLAMA3_SPECIALS)  # 128256: the vocabulary the 8B/70B/405B configs are made for
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (DTensors count their local shard; None is skipped)."""
+    seen = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state; call after backward, before zero_grad."""
+    params = list(model.parameters())
+    return {
+        "param_bytes": storage_bytes(params),
+        "grad_bytes": storage_bytes(p.grad for p in params),
+        "optimizer_bytes": storage_bytes(v for state in optimizer.state.values() for v in state.values()
+                                         if isinstance(v, torch.Tensor)),
+    }
+
+
+@dataclass
+class Estimate:
+    """Bytes of one rank (rank 0); `host_bytes` is what CPU offload keeps in host memory instead of the device."""
+    flavor: str
+    vocab_size: int
+    vocab_note: str
+    mesh: dict[str, int]
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    transient_bytes: int
+    peak_bytes: int
+    host_bytes: int
+
+
+def model_args(cfg: JobConfig) -> tuple[ModelArgs, str]:
+    """The trainer's model args for `cfg`, and a note when the tokenizer file is missing and Llama 3's vocabulary
+    is assumed (the big configs point at Meta's tokenizer, which an estimate should not need)."""
+    if cfg.model.flavor not in FLAVORS:
+        raise ConfigError(f"model.flavor {cfg.model.flavor!r} is unknown: choose one of {', '.join(FLAVORS)}")
+    try:
+        vocab, note = build_tokenizer(cfg.model.tokenizer_path).n_words, ""
+    except FileNotFoundError:
+        vocab, note = LLAMA3_VOCAB, f"{cfg.model.tokenizer_path} not found: Llama 3's vocabulary assumed"
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.tokenizer_path: {e}") from None
+    return FLAVORS[cfg.model.flavor].with_(vocab_size=vocab, max_seq_len=cfg.training.seq_len), note
+
+
+class _DevicePeak:
+    """Mixed into torch's MemTracker (FSDPMemTracker under FSDP, which requires it): keeps the peak of what the
+    device holds (without the `host` categories), and ignores DTensor's shape propagation.
+
+    DTensor derives an op's output shape by running it on fake tensors of the global shape, in the active fake mode,
+    which is ours: loss parallel's log-softmax alone would count as a (tokens x full vocab) fp32 tensor. Those ops
+    run under ShardingPropagator._fake_mode_lock (a no-op context by default), so the tracker swaps in a context of
+    its own that pauses it.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, host: tuple[str, ...]):
+        super().__init__(model, optimizer) if isinstance(model, FSDPModule) else super().__init__()
+        if not isinstance(model, FSDPModule):
+            self.track_external(model, optimizer)
+        self.host, self.device_peak, self.device_snap, self.paused = host, 0, {}, False
+
+    def __enter__(self):
+        self._saved_lock, ShardingPropagator._fake_mode_lock = ShardingPropagator._fake_mode_lock, self._Pause(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        ShardingPropagator._fake_mode_lock = self._saved_lock
+        return super().__exit__(*exc)
+
+    class _Pause:
+        def __init__(self, tracker: _DevicePeak):
+            self.tracker = tracker
+
+        def __enter__(self):
+            self.tracker.paused = True
+
+        def __exit__(self, *exc):
+            self.tracker.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.paused:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        if self._in_opt:
+            return  # under fake tensors an in-place optimizer kernel allocates its outputs anew: not real memory
+        snap = self.now()
+        on_device = snap["Total"] - sum(snap[k] for k in self.host)
+        if on_device > self.device_peak:
+            self.device_peak, self.device_snap = on_device, snap
+
+    def now(self) -> dict[str, int]:
+        """Bytes alive by category, under FSDPMemTracker's names (MemTracker's PARAM and GRAD are unsharded)."""
+        out = dict.fromkeys(("SHARDED_PARAM", "BUFFER", "SHARDED_GRAD", "ACT", "OPT", "Total"), 0)
+        for snap in self._curr_mem_snap.values():
+            for kind, size in snap.items():
+                name = getattr(kind, "name", kind)  # an enum member, or "Total"
+                name = {"PARAM": "SHARDED_PARAM", "GRAD": "SHARDED_GRAD"}.get(name, name)
+                out[name] = out.get(name, 0) + size
+        return out
+
+
+class _FSDPTracker(_DevicePeak, FSDPMemTracker):
+    pass
+
+
+class _Tracker(_DevicePeak, MemTracker):
+    pass
+
+
+def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
+    """Per-rank memory of training `cfg` on `world_size` ranks; see the module docstring for what each figure holds.
+    Raises ConfigError for a config the trainer would reject. Needs no process group (it makes a fake one)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.compile.enable = False  # fake tensors cannot be compiled: the estimate is of the eager model
+    if cfg.parallelism.fsdp_cpu_offload:
+        cfg.parallelism.fsdp_offload_pin_memory = False  # pinned or not, the same bytes; pinning needs a GPU here
+    args, vocab_note = model_args(cfg)
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    dims.validate_model(args)
+    # Imported here: the fake backend registers itself on import, and only the estimate needs it.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        mesh, _ = dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(args)
+        # Outside fake mode: FSDP on top of TP builds meshes, from real (small) tensors.
+        parallelize(model, mesh, dims, cfg)
+        # Real tensors may still come in (mesh coordinates, DTensor's bookkeeping): fake mode lets them through.
+        fake = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            model.to_empty(device="cpu")
+        # Outside fake mode: build_optimizer may probe the CPU's fused AdamW with real tensors; it allocates nothing.
+        optimizer = build_optimizer(model, cfg.optimizer, "cpu")
+        offload = cfg.parallelism.fsdp_cpu_offload
+        host = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT") if offload else ()
+        tracker_class = _FSDPTracker if isinstance(model, FSDPModule) else _Tracker
+        with fake, tracker_class(model, optimizer, host) as tracker:
+            activations, held = _two_steps(model, optimizer, cfg, dims, args, tracker)
+    finally:
+        dist.destroy_process_group()
+    state = sum(held.values())
+    snap = tracker.device_snap
+    at_peak_state = snap["SHARDED_PARAM"] + snap["BUFFER"] + snap["SHARDED_GRAD"] + snap["OPT"]
+    transient = tracker.device_peak - (0 if offload else at_peak_state) - snap["ACT"]
+    return Estimate(cfg.model.flavor, args.vocab_size, vocab_note, dict(zip(mesh.mesh_dim_names, mesh.shape)),
+                    **held, activation_bytes=activations, transient_bytes=transient,
+                    peak_bytes=tracker.device_peak, host_bytes=state if offload else 0)
+
+
+def _two_steps(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: JobConfig, dims: ParallelDims,
+               args: ModelArgs, tracker: _DevicePeak) -> tuple[int, dict[str, int]]:
+    """train.py's step twice on fake data, one micro-batch each: (activation bytes, held bytes after step 1).
+    Step 1 creates the optimizer state; step 2, the steady state, is the one measured."""
+    t = cfg.training
+    tokens = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len))
+    use_loss_parallel = dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
+    compute_dtype = DTYPES[t.mixed_precision_param]
+    autocast = not dims.fsdp and compute_dtype != torch.float32  # as in train.py: FSDP casts, else autocast does
+    activations, held = 0, {}
+    for step in (1, 2):
+        tracker.reset_mod_stats()  # per-module statistics only; the peaks carry over
+        tracker.device_peak = 0
+        with loss_parallel() if use_loss_parallel else torch.enable_grad(), \
+                torch.autocast("cpu", dtype=compute_dtype, enabled=autocast):
+            before = tracker.now()["ACT"]
+            logits = model(tokens)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
+            activations = tracker.now()["ACT"] - before
+            del logits
+            loss.backward()
+        clip_grad_norm_(list(model.parameters()), t.max_norm, dims.world_size)
+        optimizer.step()
+        if step == 1:
+            held = held_bytes(model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    return activations, held
