@@ -215,6 +215,7 @@ def run(argv: list[str] | None = None) -> int:
         report(e, env)  # one line for the whole job, printed before any rank exits
         return 2
     finally:
+        gc.enable()  # main() may have turned automatic collection off; a caller in this process gets it back
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
