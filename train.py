@@ -29,8 +29,7 @@ from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.data import DataLoader, build_source
 from torchtitan_lite.distributed import Env, init_distributed, set_determinism
 from torchtitan_lite.errors import checks_passed, report
-from torchtitan_lite.memory import held_bytes
-from torchtitan_lite.metrics import MetricLogger, flops_per_token, memory_gib, peak_flops
+from torchtitan_lite.metrics import MetricLogger, flops_per_token, held_bytes, memory_gib, peak_flops
 from torchtitan_lite.model import FLAVORS, Transformer, count_params
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from torchtitan_lite.parallel_dims import ParallelDims
@@ -155,7 +154,7 @@ def main(cfg: JobConfig, env: Env) -> None:
     if cfg.training.gc_freq > 0:
         gc.disable()  # collect on a schedule instead, so all ranks pause at the same step
     step, start = train_state.step, time.perf_counter()
-    first_step = step + 1  # its metrics record carries the bytes held for state (memory.held_bytes)
+    first_step, held = step + 1, {}  # the bytes held for state, measured at the first step, go in the next record
     last_log_time, last_log_step = start, step
 
     # ---- The loop.
@@ -175,7 +174,8 @@ def main(cfg: JobConfig, env: Env) -> None:
         grad_norm = clip_grad_norm_(params, t.max_norm, env.world_size)
         lr = scheduler.get_last_lr()[0]
         scaler.step(optimizer, grad_norm)  # skipped (fp16 only) when a gradient is inf/NaN
-        held = held_bytes(model, optimizer) if step == first_step else {}
+        if step == first_step:
+            held = held_bytes(model, optimizer)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + global_tokens
@@ -196,7 +196,7 @@ def main(cfg: JobConfig, env: Env) -> None:
                 **scaler.metrics(), **held,
                 **({} if val_loss is None else {"val_loss": val_loss}),
             })
-            last_log_time, last_log_step = now, step
+            last_log_time, last_log_step, held = now, step, {}
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
         checkpoint.maybe_save(step, last=step == t.steps)

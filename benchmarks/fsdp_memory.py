@@ -6,7 +6,7 @@ backward.
 
 Each layout is a torchrun job of this file (CUDA_VISIBLE_DEVICES="", --standalone) that builds the model like the
 trainer (meta, parallelize, to_empty), runs one step of the debug model on 2 x 64 random tokens and records
-memory.held_bytes on rank 0; no training loop, so the figures are the state alone. Between forward and backward it
+metrics.held_bytes on rank 0; no training loop, so the figures are the state alone. Between forward and backward it
 walks the FSDP parameters (private FSDP2 attributes, acceptable in a benchmark) and counts what each keeps: the
 sharded parameter always, plus the unsharded parameter (not resharded) or hpZ's post-forward shard.
 The last line is the one figure: 4-rank state bytes as a fraction of 1 rank's, plus the constant left over.
@@ -46,7 +46,7 @@ def params_between_forward_and_backward(model) -> int:
     """Bytes of parameter storage alive after forward: shards, kept unsharded parameters, hpZ post-forward shards."""
     from torch.distributed.fsdp import FSDPModule
 
-    from torchtitan_lite.memory import storage_bytes
+    from torchtitan_lite.metrics import storage_bytes
 
     kept = []
     for module in model.modules():
@@ -66,7 +66,8 @@ def worker(out: str, argv: list[str]) -> None:
     import torch.nn.functional as F
 
     from torchtitan_lite.config import load_config
-    from torchtitan_lite.memory import held_bytes, model_args
+    from torchtitan_lite.memory import model_args
+    from torchtitan_lite.metrics import held_bytes
     from torchtitan_lite.model import Transformer
     from torchtitan_lite.optim import build_optimizer
     from torchtitan_lite.parallel_dims import ParallelDims

@@ -1,17 +1,12 @@
-"""memory.py: held_bytes counts real storages; the fake-tensor estimate reproduces them on any world size."""
+"""metrics.held_bytes counts real storages; memory.py's fake-tensor estimate reproduces them on any world size."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from torchtitan_lite.config import load_config
-from torchtitan_lite.memory import (
-    LLAMA3_VOCAB,
-    estimate_memory,
-    held_bytes,
-    model_args,
-    storage_bytes,
-)
+from torchtitan_lite.memory import LLAMA3_VOCAB, estimate_memory, model_args
+from torchtitan_lite.metrics import held_bytes, storage_bytes
 from torchtitan_lite.model import Transformer
 from torchtitan_lite.optim import build_optimizer
 

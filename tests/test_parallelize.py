@@ -71,3 +71,23 @@ def test_fsdp_defaults(fake_world):
     assert [group(b).post_forward_mesh_info is not None for b in blocks] == [True] * 5 + [False]
     assert type(group(model).offload_policy).__name__ == "OffloadPolicy"
     assert state(blocks[0])._states_to_forward_prefetch in (None, [])
+
+
+def test_bf16_compute_keeps_the_rope_table_exact():
+    """FSDP's MixedPrecisionPolicy casts each block's floating-point inputs to the param dtype: a real-valued rotary
+    table passed to the blocks would reach attention in bf16. The complex table is left alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_lite.parallelize import apply_fsdp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = JobConfig()  # mixed_precision_param defaults to bfloat16
+        model = Transformer(FLAVORS["debugmodel"].with_(vocab_size=256, n_layers=1, max_seq_len=8))
+        apply_fsdp(model, init_device_mesh("cpu", (1,)), cfg)
+        seen = []
+        model.layers["0"].attention.register_forward_pre_hook(lambda m, args: seen.append(args[1].dtype))
+        model(torch.zeros(1, 8, dtype=torch.long))
+        assert seen == [torch.complex64]
+    finally:
+        dist.destroy_process_group()

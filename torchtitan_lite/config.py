@@ -50,7 +50,8 @@ class Optimizer:
     beta2: float = opt(0.95, "Adam second-moment decay")
     eps: float = opt(1e-8, "Adam denominator epsilon")
     weight_decay: float = opt(0.1, "decoupled weight decay")
-    implementation: str = opt("foreach", "kernel flavour of the update", choices=("foreach", "fused", "for-loop"))
+    implementation: str = opt("fused", "kernel flavour of the update (fused: one kernel, and the fastest first step "
+                              "over DTensors)", choices=("foreach", "fused", "for-loop"))
 
 
 @dataclass

@@ -1,9 +1,5 @@
-"""Per-rank memory: what a rank really holds (`held_bytes`) and what a config would need (`estimate_memory`).
-
-Held bytes count storages, not tensor sizes. FSDP2 pads each parameter's shard to an even split and keeps the padded
-buffer; its sharded gradients of one block are views into one reduce-scatter output. So a parameter's bytes are its
-storage's `nbytes()`, and a storage shared by several tensors counts once. Storages are told apart by their
-StorageImpl (`_cdata`), not by `data_ptr()`, which is 0 for every meta and fake tensor and would merge them all.
+"""Per-rank memory a config would need (`estimate_memory`), without GPUs; what a rank really holds is
+`metrics.held_bytes`, which the trainer records at its first step.
 
 The estimate runs the trainer's own code on fake tensors instead of a formula: a fake process group of the target
 world size (rank 0, which holds the largest shards), the real ParallelDims mesh, the model built on meta and
@@ -50,6 +46,7 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan_lite.config import ConfigError, JobConfig
+from torchtitan_lite.metrics import held_bytes
 from torchtitan_lite.model import FLAVORS, ModelArgs, Transformer
 from torchtitan_lite.optim import build_optimizer, clip_grad_norm_
 from torchtitan_lite.parallel_dims import ParallelDims
@@ -58,28 +55,6 @@ from torchtitan_lite.precision import DTYPES
 from torchtitan_lite.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
 
 LLAMA3_VOCAB = LLAMA3_N_RANKS + len(LLAMA3_SPECIALS)  # 128256: the vocabulary the 8B/70B/405B configs are made for
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (DTensors count their local shard; None is skipped)."""
-    seen = {}
-    for t in tensors:
-        if t is None:
-            continue
-        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-        seen[storage._cdata] = storage.nbytes()
-    return sum(seen.values())
-
-
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state; call after backward, before zero_grad."""
-    params = list(model.parameters())
-    return {
-        "param_bytes": storage_bytes(params),
-        "grad_bytes": storage_bytes(p.grad for p in params),
-        "optimizer_bytes": storage_bytes(v for state in optimizer.state.values() for v in state.values()
-                                         if isinstance(v, torch.Tensor)),
-    }
 
 
 @dataclass

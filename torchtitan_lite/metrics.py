@@ -13,6 +13,8 @@ import sys
 import time
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -101,6 +103,33 @@ def memory_gib(device: torch.device) -> float:
     except (OSError, ValueError, IndexError):  # no /proc (macOS): the max RSS, in bytes there, KiB on Linux
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return rss / 2**30 if sys.platform == "darwin" else rss * 1024 / 2**30
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (DTensors count their local shard; None is skipped).
+
+    Storages, not tensor sizes: FSDP2 pads each parameter's shard to an even split and keeps the padded buffer, and
+    its sharded gradients of one block are views into one reduce-scatter output, so a storage shared by several
+    tensors counts once. Told apart by StorageImpl (`_cdata`), not `data_ptr()`, which is 0 for every meta and fake
+    tensor (memory.py's estimate counts fake ones) and would merge them all."""
+    seen = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state; call after backward, before zero_grad."""
+    params = list(model.parameters())
+    return {
+        "param_bytes": storage_bytes(params),
+        "grad_bytes": storage_bytes(p.grad for p in params),
+        "optimizer_bytes": storage_bytes(v for state in optimizer.state.values() for v in state.values()
+                                         if isinstance(v, torch.Tensor)),
+    }
 
 
 def _plain(v):

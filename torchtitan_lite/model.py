@@ -62,7 +62,9 @@ FLAVORS: dict[str, ModelArgs] = {
 
 
 def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """(max_seq_len, head_dim/2, 2) table of cos and sin for rotary embeddings."""
+    """(max_seq_len, head_dim/2) table of cos + i·sin for rotary embeddings, complex64: FSDP's mixed precision casts
+    a block's floating-point inputs to the compute dtype, and a bf16 table would lose the positions' precision;
+    complex tensors are left alone."""
     dim = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device)[: dim // 2].float() / dim))
     if args.rope_scaling:  # Llama 3.1: stretch low frequencies 8x, keep high ones, blend in between
@@ -73,15 +75,15 @@ def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Ten
         freqs = torch.where(wavelen > old_ctx / low_ff, freqs / scale,
                             torch.where(wavelen < old_ctx / high_ff, freqs, blended))
     angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), freqs)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    return torch.complex(angles.cos(), angles.sin())
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     # Meta's layout: consecutive pairs (x[2i], x[2i+1]) rotate together. x: (bs, seq, heads, head_dim).
-    # One complex multiplication (a kernel forward, one backward) instead of ~10 element-wise ops and a stack: 5% of
-    # the debug model's CPU step (benchmarks/model_step.py). The table stays real, viewed as complex here.
+    # One complex multiplication (a kernel forward, one backward) instead of ~10 real element-wise ops and a stack:
+    # 5% of the debug model's CPU step (benchmarks/model_step.py).
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * torch.view_as_complex(rope[: x.shape[1], None])).flatten(-2).type_as(x)
+    return torch.view_as_real(pairs * rope[: x.shape[1], None]).flatten(-2).type_as(x)
 
 
 class RMSNorm(nn.Module):

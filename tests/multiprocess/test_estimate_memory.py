@@ -16,5 +16,5 @@ def test_estimate_equals_the_trainers_held_bytes(runs, name):
     cfg = load_config(["--job.config_file", str(TINY), *COMMON, "--training.steps", str(STEPS), *overrides])
     estimate = estimate_memory(cfg, nproc)
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
-        assert key in first, f"the trainer's step-1 record has no {key}: is memory.held_bytes wired into train.py?"
+        assert key in first, f"the trainer's step-1 record has no {key}: is metrics.held_bytes wired into train.py?"
         assert first[key] == getattr(estimate, key), key
