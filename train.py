@@ -34,7 +34,7 @@ from torchtitan_lite.model import FLAVORS, Transformer, count_params
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.parallelize import parallelize
-from torchtitan_lite.precision import DTYPES, LossScaler, warn_if_slow
+from torchtitan_lite.precision import DTYPES, NonFiniteError, UpdateGuard, warn_if_slow
 from torchtitan_lite.tokenizer import build_tokenizer
 
 logger = logging.getLogger("torchtitan_lite")
@@ -99,7 +99,7 @@ def main(cfg: JobConfig, env: Env) -> None:
     # FSDP applies mixed precision itself; without it (1 process, TP only) autocast does.
     autocast = not dims.fsdp and compute_dtype != torch.float32
     warn_if_slow(device, compute_dtype)
-    scaler = LossScaler(device, compute_dtype)
+    guard = UpdateGuard(device, compute_dtype, t.skip_nonfinite_steps)
     # Reducing gradients after the last micro-batch only: FSDP accumulates unsharded gradients until then.
     defer_reduce = dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce
     micro_batches = global_batch // (t.local_batch_size * dims.dp)
@@ -139,7 +139,7 @@ def main(cfg: JobConfig, env: Env) -> None:
     # checkpoint.initial_load_path. After peak_flops, which draws random numbers, so the restored RNG state stays put.
     train_state = TrainState()
     checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, optimizer, scheduler, data, train_state,
-                                   scaler, t.steps)
+                                   guard, t.steps)
     if cfg.checkpoint.create_seed_checkpoint:
         checkpoint.save(0, model_only=True)
         logger.info("seed checkpoint written: runs on any mesh with this checkpoint folder start from it")
@@ -168,12 +168,12 @@ def main(cfg: JobConfig, env: Env) -> None:
                 model.set_requires_gradient_sync(i == micro_batches - 1)
             with train_context():
                 loss = loss_of(inputs, labels, global_tokens)
-                scaler.scale(loss).backward()  # inside the context: loss parallel's backward needs it too
+                guard.scale(loss).backward()  # inside the context: loss parallel's backward needs it too
             loss_sum += value(loss)
-        scaler.unscale_(optimizer)  # clipping and the logged norm see the true gradients
+        guard.unscale_(optimizer)  # fp16: clipping and the logged norm see the true gradients
         grad_norm = clip_grad_norm_(params, t.max_norm, env.world_size)
         lr = scheduler.get_last_lr()[0]
-        scaler.step(optimizer, grad_norm)  # skipped (fp16 only) when a gradient is inf/NaN
+        guard.step(optimizer, grad_norm, step)  # skipped, or the run stops, when a gradient is inf/NaN
         if step == first_step:
             held = held_bytes(model, optimizer)
         scheduler.step()
@@ -193,7 +193,7 @@ def main(cfg: JobConfig, env: Env) -> None:
                 "loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr, "tps": tps,
                 "mfu": 100 * tps * fpt / peak, "memory_gib": memory_gib(device),
                 "elapsed_s": train_state.elapsed_s(), "tokens_seen": train_state.tokens_seen,
-                **scaler.metrics(), **held,
+                **guard.metrics(), **held,
                 **({} if val_loss is None else {"val_loss": val_loss}),
             })
             last_log_time, last_log_step, held = now, step, {}
@@ -214,6 +214,9 @@ def run(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         report(e, env)  # one line for the whole job, printed before any rank exits
         return 2
+    except NonFiniteError as e:  # every rank stops at the same step: the gradient norm is global
+        report(e, env)
+        return 1
     finally:
         gc.enable()  # main() may have turned automatic collection off; a caller in this process gets it back
         if dist.is_initialized():

@@ -34,7 +34,7 @@ from torchtitan_lite.data import DataLoader, SyntheticSource  # noqa: E402
 from torchtitan_lite.distributed import Env, init_distributed  # noqa: E402
 from torchtitan_lite.model import FLAVORS, Transformer  # noqa: E402
 from torchtitan_lite.optim import build_lr_scheduler  # noqa: E402
-from torchtitan_lite.precision import LossScaler  # noqa: E402
+from torchtitan_lite.precision import UpdateGuard  # noqa: E402
 
 SEQ, BATCH, VOCAB = 64, 2, 258
 
@@ -74,7 +74,7 @@ class Run:
         self.state = TrainState()
         cfg = Checkpoint(enable=True, folder=os.path.basename(folder), async_mode=async_mode)
         self.ckpt = CheckpointManager(cfg, os.path.dirname(folder), self.model, self.optimizer, self.scheduler,
-                                      self.data, self.state, LossScaler(torch.device("cpu"), torch.float32), 1000)
+                                      self.data, self.state, UpdateGuard(torch.device("cpu"), torch.float32), 1000)
 
     def steps(self, n: int) -> float:
         t0 = time.perf_counter()

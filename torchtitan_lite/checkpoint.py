@@ -218,8 +218,8 @@ def _check_fits(state: dict[str, Any], path: str) -> None:
         raise ConfigError(f"{path} is not a readable DCP checkpoint: {e}") from None
     ours = {key: v for k, value in state.items() for key, v in _flatten(k, value, {}).items()}
     for key, value in ours.items():
-        if key.startswith(("rng.", "loss_scaler.")):
-            continue  # a CPU checkpoint has no rng.cuda, nor a non-fp16 one a loss scale: what is there is loaded
+        if key.startswith(("rng.", "update_guard.")):
+            continue  # a CPU checkpoint has no rng.cuda, nor an fp32 one a loss scale: what is there is loaded
         if key not in saved:
             raise ConfigError(f"checkpoint {path} has no {key}: it was saved from another model or setup")
         if isinstance(value, torch.Tensor) and tuple(saved[key].size) != tuple(value.shape):
@@ -241,7 +241,7 @@ class CheckpointManager:
     """Saves (every `interval` steps and at the last step) and restores the run's whole state, atomically."""
 
     def __init__(self, cfg: Checkpoint, dump_folder: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Stateful, dataloader: Stateful, train_state: TrainState, loss_scaler: Stateful,
+                 lr_scheduler: Stateful, dataloader: Stateful, train_state: TrainState, update_guard: Stateful,
                  total_steps: int):
         self.cfg, self.folder, self.total_steps = cfg, os.path.join(dump_folder, cfg.folder), total_steps
         self.model, self.train_state = model, train_state
@@ -254,7 +254,7 @@ class CheckpointManager:
             "lr_scheduler": lr_scheduler,
             "dataloader": dataloader,  # a position in the global sample order: the same on every rank, any dp degree
             "train_state": train_state,
-            "loss_scaler": loss_scaler,  # fp16's scale and skipped steps; empty in other precisions
+            "update_guard": update_guard,  # fp16's loss scale, skipped steps; empty unless fp16 or skipping
             "rng": _Stateful(_get_rng, _set_rng),
         }
         self._pending: tuple[Any, int, float] | None = None  # in-flight async save: (future, step, start time)

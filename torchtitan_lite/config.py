@@ -83,6 +83,8 @@ class Training:
                                                     "param dtype")
     seed: int = opt(0, "random seed")
     deterministic: bool = opt(False, "torch.use_deterministic_algorithms, for bitwise-reproducible runs")
+    skip_nonfinite_steps: int = opt(0, "a NaN/Inf gradient norm stops the run; N > 0 skips such updates, N in a row at "
+                                    "most")
     gc_freq: int = opt(50, "Python GC every N steps, so ranks pause together; 0 leaves automatic GC on")
 
 
@@ -323,6 +325,7 @@ _RULES = [
     ("training.global_batch_size", "-1 (local x data-parallel degree) or >= 1", lambda v: v == -1 or v >= 1),
     ("training.max_norm", ">= 0 (0 disables clipping)", lambda v: v >= 0),
     ("training.gc_freq", ">= 0 (0 leaves automatic GC on)", lambda v: v >= 0),
+    ("training.skip_nonfinite_steps", ">= 0", lambda v: v >= 0),
     ("optimizer.lr", "> 0", lambda v: v > 0),
     ("lr_scheduler.warmup_steps", ">= 0", lambda v: v >= 0),
     ("lr_scheduler.decay_ratio", "none or in [0, 1]", lambda v: v is None or 0 <= v <= 1),

@@ -1,4 +1,4 @@
-"""Mixed precision: which dtype computes, and fp16's loss scaling.
+"""Numerics of the update: which dtype computes, fp16's loss scaling, and steps whose gradients are not finite.
 
 Parameters, gradients and optimizer state stay float32; `training.mixed_precision_param` is the dtype matmuls run
 in. Under FSDP the MixedPrecisionPolicy casts (parallelize.py); without it (one process, TP only) autocast does.
@@ -30,14 +30,21 @@ def warn_if_slow(device: torch.device, dtype: torch.dtype) -> None:
                        str(dtype)[6:])
 
 
-class LossScaler(Stateful):
-    """GradScaler when computing in float16, and a pass-through otherwise, so the loop has one shape. Counts the
-    steps it skipped."""
+class UpdateGuard(Stateful):
+    """Applies each optimizer step, or skips it when its gradients are not finite, and counts the steps it skipped.
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.enabled = dtype == torch.float16
+    In float16 that is GradScaler's work: it scales the loss, unscales the gradients, skips overflowed steps and lowers
+    the scale; overflow is routine there. In other precisions a NaN or Inf gradient norm (a NaN loss gives one) means
+    the update would poison the weights: the run stops before it is applied, naming the step, or with
+    `training.skip_nonfinite_steps = N` skips it and stops only at the (N+1)-th such step in a row. The norm is
+    global (all-reduced), so every rank decides alike. Knowing it costs one host sync per step, before the update.
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, skip_nonfinite: int = 0):
+        self.enabled = dtype == torch.float16  # loss scaling
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.enabled)
-        self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # on device: counting never syncs
+        self.skip_nonfinite, self.in_a_row = skip_nonfinite, 0
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # on device: counting fp16 skips never syncs
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss)
@@ -45,22 +52,51 @@ class LossScaler(Stateful):
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, step: int) -> None:
         """The optimizer step, unless a gradient is inf/NaN; `grad_norm` (global, of the unscaled gradients) is
         non-finite exactly then, on every rank."""
         if self.enabled:
             self.skipped += ~torch.isfinite(grad_norm)
-        self.scaler.step(optimizer)
-        self.scaler.update()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            return
+        if torch.isfinite(grad_norm):
+            self.in_a_row = 0
+            optimizer.step()
+            return
+        self.in_a_row += 1
+        if self.in_a_row > self.skip_nonfinite:
+            raise NonFiniteError(
+                f"step {step}: the gradient norm is {grad_norm.item()} (a NaN or Inf loss or gradient); stopped before "
+                f"updating the weights ({self.in_a_row} such step(s) in a row, training.skip_nonfinite_steps = "
+                f"{self.skip_nonfinite}). Resume from the last checkpoint with a lower optimizer.lr or "
+                f"training.max_norm, or set training.skip_nonfinite_steps to skip such steps")
+        self.skipped += 1
+        logger.warning("step %d: gradient norm %s, update skipped (%d in a row of at most %d)", step,
+                       grad_norm.item(), self.in_a_row, self.skip_nonfinite)
+
+    @property
+    def counts(self) -> bool:
+        return self.enabled or self.skip_nonfinite > 0
 
     def metrics(self) -> dict[str, float]:
-        """What metrics.jsonl records: the scale after this step's update, and the steps skipped so far."""
-        return {"loss_scale": self.scaler.get_scale(), "skipped_steps": self.skipped.item()} if self.enabled else {}
+        """What metrics.jsonl records: the skipped steps so far, and in fp16 the scale after this step's update."""
+        if not self.counts:
+            return {}
+        return {**({"loss_scale": self.scaler.get_scale()} if self.enabled else {}),
+                "skipped_steps": self.skipped.item()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.scaler.state_dict(), "skipped_steps": self.skipped.item()} if self.enabled else {}
+        if not self.counts:
+            return {}
+        return {**self.scaler.state_dict(), "skipped_steps": self.skipped.item(), "in_a_row": self.in_a_row}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.enabled:
+        if self.counts:
             self.skipped.fill_(int(state.pop("skipped_steps")))
+            self.in_a_row = int(state.pop("in_a_row"))
             self.scaler.load_state_dict(state)
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradients were not finite and the run may not skip it: the message names the step."""

@@ -1,0 +1,41 @@
+"""A NaN loss on one rank stops the whole job before the update, naming the step, and leaves only finite
+checkpoints; with training.skip_nonfinite_steps the update is skipped and counted instead.
+
+The NaN comes from rank 1's loss alone (nan_loss.py): the gradient reduce-scatter spreads it to every rank's
+gradients, so the global gradient norm every rank checks is NaN on all of them, and they stop (or skip) together.
+"""
+
+import math
+from pathlib import Path
+
+import torch
+
+from launch import CHECKPOINTED, COMMON, assert_one_error_line, ckpt, read_metrics, torchrun
+from torchtitan_lite.checkpoint import complete_checkpoints, read_tensors
+
+SHIM = Path(__file__).parent / "nan_loss.py"
+RUN = (*COMMON, "--training.steps", "6", *CHECKPOINTED)
+
+
+def assert_checkpoints_finite(folder: Path) -> None:
+    for path in complete_checkpoints(str(folder / "checkpoint")).values():
+        for key, t in read_tensors(path).items():
+            assert not t.is_floating_point() or torch.isfinite(t).all(), f"{path}: {key}"
+
+
+def test_nan_loss_stops_the_job_before_the_update(tmp_path):
+    proc = torchrun(2, tmp_path, *RUN, script=SHIM, script_args=("1", "3"), check=False)
+    assert_one_error_line(proc, "step 3: the gradient norm is nan")
+    assert proc.returncode != 0
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
+    assert list(complete_checkpoints(str(tmp_path / "checkpoint"))) == [2]
+    assert_checkpoints_finite(tmp_path)
+
+
+def test_nan_steps_are_skipped_and_counted_when_allowed(tmp_path):
+    torchrun(2, tmp_path, *RUN, "--training.skip_nonfinite_steps", "1", script=SHIM, script_args=("1", "3,5"))
+    m = read_metrics(tmp_path)
+    assert [r["skipped_steps"] for r in m] == [0, 0, 1, 1, 2, 2]
+    assert [math.isfinite(r["grad_norm"]) for r in m] == [True, True, False, True, False, True]
+    assert ckpt(tmp_path, 6).exists()
+    assert_checkpoints_finite(tmp_path)
