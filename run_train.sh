@@ -18,6 +18,17 @@ CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
 LOG_RANK=${LOG_RANK:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 export PYTHONUNBUFFERED=1
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
+"$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  train.py --job.config_file "$CONFIG_FILE" "$@"
+  train.py --job.config_file "$CONFIG_FILE" "$@" &
+launcher=$!
+# Preemption (SIGTERM from Slurm or Kubernetes, SIGUSR1 as Slurm's early warning) goes to the workers, torchrun's
+# children: they agree on a step, save it and exit 0, and torchrun with them. Given to torchrun itself, the signal
+# would also reach them, but torchrun would report it as a failure (exit 1).
+trap 'pkill -TERM -P "$launcher"' TERM
+trap 'pkill -USR1 -P "$launcher"' USR1
+while true; do
+  status=0
+  wait "$launcher" || status=$?  # returns early when a trap ran: wait again until torchrun is gone
+  kill -0 "$launcher" 2>/dev/null || exit "$status"
+done

@@ -35,6 +35,7 @@ from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, clip_grad
 from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.parallelize import parallelize
 from torchtitan_lite.precision import DTYPES, NonFiniteError, UpdateGuard, warn_if_slow
+from torchtitan_lite.signals import Preemption, restore_signals
 from torchtitan_lite.tokenizer import build_tokenizer
 
 logger = logging.getLogger("torchtitan_lite")
@@ -154,6 +155,8 @@ def main(cfg: JobConfig, env: Env) -> None:
     if cfg.training.gc_freq > 0:
         gc.disable()  # collect on a schedule instead, so all ranks pause at the same step
     step, start = train_state.step, time.perf_counter()
+    # Agreeing on a signal takes a collective: on the CPU, so it overlaps GPU work (gloo is the CPU's default group).
+    preemption = Preemption(dist.new_group(backend="gloo") if device.type == "cuda" else None)
     first_step, held = step + 1, {}  # the bytes held for state, measured at the first step, go in the next record
     last_log_time, last_log_step = start, step
 
@@ -162,6 +165,7 @@ def main(cfg: JobConfig, env: Env) -> None:
         step += 1
         if t.gc_freq > 0 and step % t.gc_freq == 0:
             gc.collect(1)
+        preemption.begin_step()
         loss_sum = torch.zeros((), device=device)
         for i, (inputs, labels) in enumerate(data.next_batch()):
             if defer_reduce:
@@ -200,6 +204,12 @@ def main(cfg: JobConfig, env: Env) -> None:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
         checkpoint.maybe_save(step, last=step == t.steps)
+        if (received := preemption.requested()) and step < t.steps:
+            if cfg.checkpoint.enable and step % cfg.checkpoint.interval:
+                checkpoint.save(step)  # the full state, whatever the last save would be: the run goes on elsewhere
+            logger.warning("%s: stopped after step %d%s", received, step, ", checkpoint saved: rerun the same command "
+                           "to resume" if cfg.checkpoint.enable else " (checkpoint.enable is off: nothing saved)")
+            break
     checkpoint.close()  # waits for an async save still being written
     metrics.close()
     logger.info("training done: %d steps in %.1fs", step, time.perf_counter() - start)
@@ -219,6 +229,7 @@ def run(argv: list[str] | None = None) -> int:
         return 1
     finally:
         gc.enable()  # main() may have turned automatic collection off; a caller in this process gets it back
+        restore_signals()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

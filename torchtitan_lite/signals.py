@@ -1,0 +1,57 @@
+"""Preemption: SIGTERM (what Slurm and Kubernetes send before they kill a job) and SIGUSR1 (Slurm's early warning,
+`sbatch --signal=USR1@120`) end the run at a step boundary, with a checkpoint of that step, and exit 0.
+
+A handler runs between two bytecodes of whatever the rank was doing, a collective included, so it only records the
+signal. Ranks receive it at different moments (torchrun forwards it to each worker in turn), so they must agree on
+the step after which they stop: each step starts a one-element MAX all-reduce of "signalled yet?" in the background,
+on the CPU (gloo), and reads it when the step is done. The all-reduce overlaps the step's compute instead of adding
+to it, and every rank reads the same value, so all stop after the same step and none waits in a collective for a
+rank that left. A second signal only records itself again: the save in progress is not interrupted (and were the
+job killed outright, the save is atomic: checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("torchtitan_lite")
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_installed: list[Preemption] = []
+
+
+class Preemption:
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.received: int | None = None
+        self._group, self._flag, self._work = group, torch.zeros(1, dtype=torch.int32), None
+        self._previous = {s: signal.signal(s, self._record) for s in SIGNALS}
+        _installed.append(self)
+
+    def _record(self, signum: int, frame) -> None:
+        self.received = signum
+
+    def begin_step(self) -> None:
+        self._flag.fill_(self.received is not None)
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+
+    def requested(self) -> str | None:
+        """After a step: the name of the signal some rank received before the step began, or None; the same answer
+        on every rank."""
+        self._work.wait()
+        if not self._flag.item():
+            return None
+        return signal.Signals(self.received).name if self.received is not None else "a signal to another rank"
+
+    def close(self) -> None:
+        """Gives the signals back to their previous handlers."""
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def restore_signals() -> None:
+    """Undoes every Preemption still installed: a caller of train.run in this process keeps its own handlers."""
+    while _installed:
+        _installed.pop().close()
