@@ -53,7 +53,7 @@ def main(cfg: JobConfig, env: Env) -> None:
         raise ConfigError(f"model.flavor {cfg.model.flavor!r} is unknown: choose one of {', '.join(FLAVORS)}")
     model_args = FLAVORS[cfg.model.flavor].with_(vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len)
     dims.validate_model(model_args)
-    check_config(cfg.checkpoint, env.world_size)
+    check_config(cfg.checkpoint, env.world_size, cfg.job.dump_folder)
     t = cfg.training
     global_batch = t.local_batch_size * dims.dp if t.global_batch_size == -1 else t.global_batch_size
     if global_batch % (t.local_batch_size * dims.dp):

@@ -112,6 +112,18 @@ def test_train_state_continues_elapsed_time():
     assert 100.0 <= resumed.elapsed_s() < 101.0
 
 
+def test_unwritable_folders_are_refused_at_start(tmp_path):
+    check_config(Checkpoint(enable=True), 1, str(tmp_path / "run"))
+    assert (tmp_path / "run" / "checkpoint").is_dir()
+    (tmp_path / "file").write_text("")  # a path below a file cannot be created, even by root
+    with pytest.raises(ConfigError, match="job.dump_folder: cannot write to .*file/run"):
+        check_config(Checkpoint(), 1, str(tmp_path / "file" / "run"))
+    (tmp_path / "run2").mkdir()
+    (tmp_path / "run2" / "ckpt").write_text("")
+    with pytest.raises(ConfigError, match="checkpoint.folder: cannot write to .*run2/ckpt"):
+        check_config(Checkpoint(enable=True, folder="ckpt"), 1, str(tmp_path / "run2"))
+
+
 def test_check_config():
     check_config(Checkpoint(create_seed_checkpoint=True), world_size=1)
     with pytest.raises(ConfigError, match="NGPU=1"):

@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import shutil
+import tempfile
 import time
 import warnings
 from typing import Any, Callable
@@ -170,8 +171,18 @@ def _set_rng(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def check_config(cfg: Checkpoint, world_size: int) -> None:
-    """Checks that need no files, run before any process talks to another."""
+def check_config(cfg: Checkpoint, world_size: int, dump_folder: str = "") -> None:
+    """Checks run before any process talks to another: the options, and that the folders a run writes can be
+    written (a read-only or missing mount should stop the run now, not at its first save hours later)."""
+    for path, key in ((dump_folder, "job.dump_folder"), (os.path.join(dump_folder, cfg.folder), "checkpoint.folder")):
+        if not dump_folder or (key == "checkpoint.folder" and not cfg.enable):
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+            tempfile.TemporaryFile(dir=path).close()
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot write to {path} ({e.strerror}): choose another folder or make it "
+                              "writable") from None
     if cfg.create_seed_checkpoint and world_size > 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process (got {world_size}): run with NGPU=1; "
                           "runs on any mesh then start from its step-0")
