@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan_lite.checkpoint import CheckpointManager, TrainState, check_config
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.data import DataLoader, build_source
-from torchtitan_lite.distributed import Env, init_distributed, set_determinism
+from torchtitan_lite.distributed import Env, init_distributed, peer_timeout, set_determinism, set_timeout
 from torchtitan_lite.errors import checks_passed, report
 from torchtitan_lite.metrics import MetricLogger, flops_per_token, held_bytes, memory_gib, peak_flops
 from torchtitan_lite.model import FLAVORS, Transformer, count_params
@@ -67,7 +67,7 @@ def main(cfg: JobConfig, env: Env) -> None:
 
     # ---- Processes, device, mesh.
     checks_passed(env)  # from here on, errors are decided on rank 0 and raised on every rank
-    device = init_distributed(env)
+    device = init_distributed(env, cfg.comm.init_timeout_seconds)
     set_determinism(t.seed, t.deterministic, device)
     mesh, dp_mesh = dims.build_mesh(device.type)
     if env.rank == 0:
@@ -180,6 +180,7 @@ def main(cfg: JobConfig, env: Env) -> None:
         guard.step(optimizer, grad_norm, step)  # skipped, or the run stops, when a gradient is inf/NaN
         if step == first_step:
             held = held_bytes(model, optimizer)
+            set_timeout(cfg.comm.train_timeout_seconds)  # start-up is over: a peer silent this long is hung
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + global_tokens
@@ -226,6 +227,11 @@ def run(argv: list[str] | None = None) -> int:
         return 2
     except NonFiniteError as e:  # every rank stops at the same step: the gradient norm is global
         report(e, env)
+        return 1
+    except RuntimeError as e:
+        if (timeout := peer_timeout(e)) is None:
+            raise
+        report(timeout, env)
         return 1
     finally:
         gc.enable()  # main() may have turned automatic collection off; a caller in this process gets it back

@@ -107,6 +107,13 @@ class Parallelism:
 
 
 @dataclass
+class Comm:
+    """how long a rank waits for its peers before the job is ended as hung"""
+    init_timeout_seconds: int = opt(600, "collective timeout from start-up through the first step (which may compile)")
+    train_timeout_seconds: int = opt(100, "collective timeout once training is under way")
+
+
+@dataclass
 class Checkpoint:
     """saving and resuming (DCP)"""
     enable: bool = opt(False, "save checkpoints and resume from the newest one")
@@ -161,6 +168,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    comm: Comm = field(default_factory=Comm)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
@@ -336,6 +344,8 @@ _RULES = [
     ("parallelism.fsdp_reshard_after_forward", "default, always, never or a group size >= 1",
      lambda v: v in ("default", "always", "never") or (v.isdecimal() and int(v) >= 1)),
     ("parallelism.fsdp_prefetch", ">= 0", lambda v: v >= 0),
+    ("comm.init_timeout_seconds", ">= 1", lambda v: v >= 1),
+    ("comm.train_timeout_seconds", ">= 1", lambda v: v >= 1),
     ("checkpoint.interval", ">= 1", lambda v: v >= 1),
     ("checkpoint.keep_latest_k", ">= 0 (0 keeps all)", lambda v: v >= 0),
     ("activation_checkpoint.selective_ac_option", '"op" or a positive integer',

@@ -24,7 +24,7 @@ class Env:
         return cls(get("RANK", 0), get("LOCAL_RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_WORLD_SIZE", 1))
 
 
-def init_distributed(env: Env) -> torch.device:
+def init_distributed(env: Env, timeout_s: int = 600) -> torch.device:
     """CUDA + NCCL when there are GPUs, else CPU + gloo with the cores shared among the local processes."""
     if torch.cuda.is_available():
         device = torch.device("cuda", env.local_rank)
@@ -38,10 +38,31 @@ def init_distributed(env: Env) -> torch.device:
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         # Plain `python train.py`: a one-process group, so the mesh code path is the same. Its store lives in this
         # process, so two such runs on one machine can never race for a port.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(minutes=10))
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
     else:
-        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return device
+
+
+_timeout = "comm.init_timeout_seconds"  # the option whose bound is in force
+
+
+def set_timeout(seconds: int) -> None:
+    """Every process group's collective timeout, for training (the mesh's subgroups took the start-up one)."""
+    global _timeout
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    _timeout = f"comm.train_timeout_seconds = {seconds}"
+
+
+def peer_timeout(error: RuntimeError) -> RuntimeError | None:
+    """gloo's "Timed out waiting" as a message naming the cause and the bound, or None for any other error. (NCCL's
+    watchdog ends the process itself after the same timeout, with its own message.)"""
+    message = str(error)
+    if "Timed out" not in message:
+        return None
+    return RuntimeError(f"a collective waited longer than {_timeout} s: a peer rank is hung, stopped or dead "
+                        f"(gloo: {message[message.index('Timed out'):].splitlines()[0]})")
 
 
 def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:

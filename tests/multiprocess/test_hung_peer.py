@@ -1,0 +1,48 @@
+"""A rank that stops responding (SIGSTOP) ends the job once its peers' collective timeout runs out, with one line
+naming the cause and the option that bounds the wait (comm.train_timeout_seconds, in force after the first step),
+instead of a job that hangs forever."""
+
+import os
+import signal
+import subprocess
+import time
+
+from launch import COMMON, TIMEOUT_S, TINY, TRAIN, descendants, kill_tree, torchrun_cmd
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_stopped_rank_ends_the_job_with_the_reason(tmp_path):
+    cmd, env = torchrun_cmd(2, TRAIN, "--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), *COMMON,
+                            "--training.steps", "1000", "--comm.train_timeout_seconds", "3")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers = []
+    try:
+        metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + TIMEOUT_S  # hang detector, not a timing
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job never reached step 3"
+            time.sleep(0.05)
+        workers = sorted(descendants(proc.pid))  # spawned in rank order
+        os.kill(workers[1], signal.SIGSTOP)
+        while running(workers[0]):
+            assert time.monotonic() < deadline, "rank 0 never gave up on its stopped peer"
+            time.sleep(0.1)
+        os.kill(workers[1], signal.SIGKILL)  # what torchrun does to a stopped worker 30 s after its SIGTERM
+        out = proc.communicate(timeout=TIMEOUT_S)[0]
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode != 0
+    lines = [line for line in out.splitlines() if "error: a collective waited longer than" in line]
+    assert len(lines) == 1 and "comm.train_timeout_seconds = 3 s: a peer rank is hung" in lines[0], out[-3000:]
