@@ -50,8 +50,7 @@ class Optimizer:
     beta2: float = opt(0.95, "Adam second-moment decay")
     eps: float = opt(1e-8, "Adam denominator epsilon")
     weight_decay: float = opt(0.1, "decoupled weight decay")
-    implementation: str = opt("fused", "kernel flavour of the update (fused: one kernel, and the fastest first step "
-                              "over DTensors)", choices=("foreach", "fused", "for-loop"))
+    implementation: str = opt("fused", "kernel flavour of the update", choices=("foreach", "fused", "for-loop"))
 
 
 @dataclass
@@ -74,17 +73,15 @@ class Training:
     dataset: str = opt("synthetic", "training dataset name")
     dataset_path: str = opt("", "local path of the dataset, if it needs one")
     dataset_text_field: str = opt("text", "jsonl and hf datasets: the field that holds a document's text")
-    mixed_precision_param: str = opt("bfloat16", "compute dtype of parameters (float16 adds loss scaling)",
+    mixed_precision_param: str = opt("bfloat16", "compute dtype; float16 adds loss scaling",
                                      choices=("bfloat16", "float32", "float16"))
     mixed_precision_reduce: str = opt("float32", "FSDP gradient reduce dtype", choices=("float32", "bfloat16"))
     mixed_precision_output: str = opt("none", "FSDP casts the model's output to this dtype; none = leave it",
                                       choices=("none", "float32", "bfloat16", "float16"))
-    mixed_precision_cast_forward_inputs: bool = opt(True, "FSDP casts each sharded module's float inputs to the "
-                                                    "param dtype")
+    mixed_precision_cast_forward_inputs: bool = opt(True, "FSDP casts sharded modules' float inputs to param dtype")
     seed: int = opt(0, "random seed")
     deterministic: bool = opt(False, "torch.use_deterministic_algorithms, for bitwise-reproducible runs")
-    skip_nonfinite_steps: int = opt(0, "a NaN/Inf gradient norm stops the run; N > 0 skips such updates, N in a row at "
-                                    "most")
+    skip_nonfinite_steps: int = opt(0, "a NaN/Inf gradient norm stops the run; N > 0 skips up to N such in a row")
     gc_freq: int = opt(50, "Python GC every N steps, so ranks pause together; 0 leaves automatic GC on")
 
 
@@ -98,8 +95,7 @@ class Parallelism:
     fsdp_reshard_after_forward: str = opt(
         "default", "after forward: default (every block but the last), always, never, or N = keep parameters "
         "sharded over groups of N ranks (hpZ; N divides the shard degree) so backward's all-gather stays within them")
-    fsdp_cpu_offload: bool = opt(False, "keep sharded parameters, gradients and optimizer state in host memory; "
-                                 "the optimizer step runs on the CPU")
+    fsdp_cpu_offload: bool = opt(False, "sharded params, grads and optimizer state in host memory; AdamW runs there")
     fsdp_offload_pin_memory: bool = opt(True, "offload into page-locked host memory (faster copies; needs a GPU)")
     fsdp_prefetch: int = opt(0, "all-gather the next N blocks ahead in forward and backward; 0 = FSDP2's implicit one")
     fsdp_defer_grad_reduce: bool = opt(False, "with accumulation, reduce gradients after the last micro-batch only "
