@@ -103,7 +103,6 @@ def main(cfg: JobConfig, env: Env) -> None:
     guard = UpdateGuard(device, compute_dtype, t.skip_nonfinite_steps)
     # Reducing gradients after the last micro-batch only: FSDP accumulates unsharded gradients until then.
     defer_reduce = dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce
-    micro_batches = global_batch // (t.local_batch_size * dims.dp)
     fpt = flops_per_token(n_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len,
                           n_embedding)
     peak = peak_flops(device, compute_dtype if (dims.fsdp or autocast) else torch.float32)
@@ -167,9 +166,10 @@ def main(cfg: JobConfig, env: Env) -> None:
             gc.collect(1)
         preemption.begin_step()
         loss_sum = torch.zeros((), device=device)
-        for i, (inputs, labels) in enumerate(data.next_batch()):
+        batches = data.next_batch()
+        for i, (inputs, labels) in enumerate(batches):
             if defer_reduce:
-                model.set_requires_gradient_sync(i == micro_batches - 1)
+                model.set_requires_gradient_sync(i == len(batches) - 1)
             with train_context():
                 loss = loss_of(inputs, labels, global_tokens)
                 guard.scale(loss).backward()  # inside the context: loss parallel's backward needs it too

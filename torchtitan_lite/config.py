@@ -76,8 +76,7 @@ class Training:
     mixed_precision_param: str = opt("bfloat16", "compute dtype; float16 adds loss scaling",
                                      choices=("bfloat16", "float32", "float16"))
     mixed_precision_reduce: str = opt("float32", "FSDP gradient reduce dtype", choices=("float32", "bfloat16"))
-    mixed_precision_output: str = opt("none", "FSDP casts the model's output to this dtype; none = leave it",
-                                      choices=("none", "float32", "bfloat16", "float16"))
+    mixed_precision_output: str = opt("none", "output dtype", choices=("none", "float32", "bfloat16", "float16"))
     mixed_precision_cast_forward_inputs: bool = opt(True, "FSDP casts sharded modules' float inputs to param dtype")
     seed: int = opt(0, "random seed")
     deterministic: bool = opt(False, "torch.use_deterministic_algorithms, for bitwise-reproducible runs")
@@ -98,8 +97,7 @@ class Parallelism:
     fsdp_cpu_offload: bool = opt(False, "sharded params, grads and optimizer state in host memory; AdamW runs there")
     fsdp_offload_pin_memory: bool = opt(True, "offload into page-locked host memory (faster copies; needs a GPU)")
     fsdp_prefetch: int = opt(0, "all-gather the next N blocks ahead in forward and backward; 0 = FSDP2's implicit one")
-    fsdp_defer_grad_reduce: bool = opt(False, "with accumulation, reduce gradients after the last micro-batch only "
-                                       "(fewer collectives; unsharded gradients held between micro-batches)")
+    fsdp_defer_grad_reduce: bool = opt(False, "accumulation: reduce gradients after the last micro-batch only")
 
 
 @dataclass
