@@ -18,6 +18,9 @@ CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
 LOG_RANK=${LOG_RANK:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 export PYTHONUNBUFFERED=1
+# torchrun's agent shares one store with every round of workers (torch >= 2.5): a new node then deadlocks the
+# rendezvous, and restarted workers read the dead ones' addresses. Unshared, rank 0 serves a fresh store each round.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   train.py --job.config_file "$CONFIG_FILE" "$@" &

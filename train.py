@@ -35,7 +35,7 @@ from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, clip_grad
 from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.parallelize import parallelize
 from torchtitan_lite.precision import DTYPES, NonFiniteError, UpdateGuard, warn_if_slow
-from torchtitan_lite.signals import Preemption, restore_signals
+from torchtitan_lite.signals import Preemption, restore_signals, stop_with_launcher
 from torchtitan_lite.tokenizer import build_tokenizer
 
 logger = logging.getLogger("torchtitan_lite")
@@ -55,11 +55,7 @@ def main(cfg: JobConfig, env: Env) -> None:
     dims.validate_model(model_args)
     check_config(cfg.checkpoint, env.world_size, cfg.job.dump_folder)
     t = cfg.training
-    global_batch = t.local_batch_size * dims.dp if t.global_batch_size == -1 else t.global_batch_size
-    if global_batch % (t.local_batch_size * dims.dp):
-        raise ConfigError(
-            f"training.global_batch_size {global_batch} is not a multiple of local_batch_size {t.local_batch_size} "
-            f"x data-parallel degree {dims.dp}: use a multiple of {t.local_batch_size * dims.dp}")
+    global_batch = dims.global_batch(t.local_batch_size, t.global_batch_size)
     source = build_source(t.dataset, t.dataset_path, t.seq_len, tokenizer, t.seed, text_field=t.dataset_text_field)
     v = cfg.validation
     val_source = build_source(v.dataset, v.dataset_path, t.seq_len, tokenizer, t.seed, split="validation",
@@ -150,7 +146,7 @@ def main(cfg: JobConfig, env: Env) -> None:
         return
 
     metrics = MetricLogger(cfg.job.dump_folder, env.rank, cfg.metrics.log_freq, cfg.metrics.enable_tensorboard,
-                           cfg.metrics.save_tb_folder)
+                           cfg.metrics.save_tb_folder, start_step=train_state.step, config=to_toml(cfg))
     if cfg.training.gc_freq > 0:
         gc.disable()  # collect on a schedule instead, so all ranks pause at the same step
     step, start = train_state.step, time.perf_counter()
@@ -198,6 +194,7 @@ def main(cfg: JobConfig, env: Env) -> None:
                 "loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr, "tps": tps,
                 "mfu": 100 * tps * fpt / peak, "memory_gib": memory_gib(device),
                 "elapsed_s": train_state.elapsed_s(), "tokens_seen": train_state.tokens_seen,
+                "world_size": env.world_size,  # changes when an elastic job shrinks or grows
                 **guard.metrics(), **held,
                 **({} if val_loss is None else {"val_loss": val_loss}),
             })
@@ -218,6 +215,7 @@ def main(cfg: JobConfig, env: Env) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     env = Env.from_environ()
+    stop_with_launcher()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         cfg = load_config(argv)

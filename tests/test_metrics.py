@@ -2,10 +2,13 @@ import json
 import logging
 import math
 import os
+import shutil
+import tomllib
 
 import pytest
 import torch
 
+from tests.multiprocess.launch import ckpt, losses, read_metrics, train_in_process
 from torchtitan_lite import metrics
 from torchtitan_lite.metrics import MetricLogger, _cpu_peak, flops_per_token, memory_gib, peak_flops
 
@@ -54,13 +57,13 @@ def test_memory_gib_cpu_positive():
 
 
 def test_jsonl_round_trips_exact_floats_and_appends(tmp_path):
-    values = dict(loss=1 / 3, grad_norm=torch.tensor(2.0, dtype=torch.float64) / 3, lr=math.pi * 1e-4,
-                  tps=12345.678, mfu=1.2345, memory_gib=0.45, elapsed_s=0.1)
+    values = {"loss": 1 / 3, "grad_norm": torch.tensor(2.0, dtype=torch.float64) / 3, "lr": math.pi * 1e-4,
+              "tps": 12345.678, "mfu": 1.2345, "memory_gib": 0.45, "elapsed_s": 0.1}
     ml = MetricLogger(str(tmp_path), rank=0, log_freq=10, enable_tensorboard=False, tb_folder="tb")
     ml.log(1, values)
     ml.close()
     ml = MetricLogger(str(tmp_path), rank=0, log_freq=10, enable_tensorboard=False, tb_folder="tb")
-    ml.log(2, dict(values, loss=0.1))
+    ml.log(2, {**values, "loss": 0.1})
     ml.close()
     rows = _read_jsonl(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
@@ -72,7 +75,7 @@ def test_jsonl_round_trips_exact_floats_and_appends(tmp_path):
 def test_other_ranks_write_nothing(tmp_path, caplog):
     ml = MetricLogger(str(tmp_path), rank=1, log_freq=1, enable_tensorboard=True, tb_folder="tb")
     with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
-        ml.log(1, dict(loss=1.0))
+        ml.log(1, {"loss": 1.0})
     ml.close()
     assert os.listdir(tmp_path) == []
     assert caplog.text == ""
@@ -81,9 +84,9 @@ def test_other_ranks_write_nothing(tmp_path, caplog):
 def test_console_line_shape(tmp_path, caplog):
     ml = MetricLogger(str(tmp_path), rank=0, log_freq=1, enable_tensorboard=False, tb_folder="tb")
     with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
-        ml.log(3, dict(loss=5.12345, grad_norm=1.23454, lr=8e-4, tps=12345.4, mfu=1.234, memory_gib=0.449,
-                       elapsed_s=1.0))
-        ml.log(4, dict(val_loss=4.5))
+        ml.log(3, {"loss": 5.12345, "grad_norm": 1.23454, "lr": 8e-4, "tps": 12345.4, "mfu": 1.234,
+                   "memory_gib": 0.449, "elapsed_s": 1.0})
+        ml.log(4, {"val_loss": 4.5})
     ml.close()
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == ("step: 3  loss: 5.1235  grad_norm: 1.2345  lr: 8.0000e-04  tps: 12,345  mfu: 1.23%  "
@@ -94,10 +97,41 @@ def test_console_line_shape(tmp_path, caplog):
 def test_tensorboard_writes_event_file(tmp_path):
     pytest.importorskip("tensorboard")
     ml = MetricLogger(str(tmp_path), rank=0, log_freq=1, enable_tensorboard=True, tb_folder="tb")
-    ml.log(1, dict(loss=1.0, lr=1e-3))
+    ml.log(1, {"loss": 1.0, "lr": 1e-3})
     ml.close()
     events = [f for f in os.listdir(tmp_path / "tb") if f.startswith("events.out.tfevents")]
     assert len(events) == 1 and os.path.getsize(tmp_path / "tb" / events[0]) > 0
+
+
+def _tensorboard_events(folder):
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    acc = ea.EventAccumulator(str(folder), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})  # 0: keep every event
+    acc.Reload()
+    return acc
+
+
+def test_tensorboard_resumed_run_shows_each_step_once_with_its_later_value_and_the_config(tmp_path):
+    pytest.importorskip("tensorboard")
+    flags = ("--checkpoint.enable", "--checkpoint.interval", "2", "--metrics.enable_tensorboard")
+    train_in_process(tmp_path, "--training.steps", "6", *flags)
+    shutil.rmtree(ckpt(tmp_path, 6))  # as if it had crashed before saving step 6: steps 5 and 6 are logged again
+    # Tighter clipping after the resume changes step 6's loss, so the stale record and the new one can be told apart.
+    train_in_process(tmp_path, "--training.steps", "8", "--training.max_norm", "0.01", *flags)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    later = losses(tmp_path)
+    assert records[5]["loss"] != later[6]
+
+    acc = _tensorboard_events(tmp_path / "tb")
+    loss = acc.Scalars("loss")
+    assert [e.step for e in loss] == list(range(1, 9))
+    # TensorBoard stores scalars as float32.
+    assert [e.value for e in loss] == [torch.tensor(later[s]).item() for s in range(1, 9)]
+    # Each run's config at its first step; the resumed run's is the config.toml it wrote.
+    text = {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors("config/text_summary")}
+    assert sorted(text) == [1, 5]
+    assert text[5] == f"```toml\n{(tmp_path / 'config.toml').read_text()}```"
+    assert tomllib.loads(text[1].removeprefix("```toml").removesuffix("```"))["training"]["steps"] == 6
 
 
 def test_should_log_first_every_freq_and_last(tmp_path):

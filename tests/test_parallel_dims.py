@@ -51,3 +51,14 @@ def test_pinned_offload_is_refused_without_a_gpu():
         ParallelDims.from_config(offload, 2)
     offload.fsdp_offload_pin_memory = False
     assert ParallelDims.from_config(offload, 2).fsdp
+
+
+def test_global_batch_is_kept_across_world_sizes_and_a_size_that_cannot_hold_it_names_those_that_can():
+    # An elastic job keeps global batch 8 of micro-batches of 2: 4 on 1 rank, 2 on 2, 1 on 4.
+    assert [dims(w).global_batch(2, 8) for w in (1, 2, 4)] == [8, 8, 8]
+    assert dims(3).global_batch(2, -1) == 6
+    with pytest.raises(ConfigError, match=r"8 is not a multiple of local_batch_size 2 x data-parallel degree 3: use "
+                                          r"a multiple of 6, or a world size of 1, 2, 4$"):
+        dims(3).global_batch(2, 8)
+    with pytest.raises(ConfigError, match="or a world size of 4, 8, 16$"):  # TP 2, 2 replicas: even dp degrees
+        dims(12, replicate=2, tp=2).global_batch(2, 16)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,7 +23,7 @@ class Env:
     @classmethod
     def from_environ(cls) -> Env:
         """What torchrun set (or a single process when run as plain `python train.py`)."""
-        get = lambda name, default: int(os.environ.get(name, default))  # noqa: E731
+        get = lambda name, default: int(os.environ.get(name, default))
         return cls(get("RANK", 0), get("LOCAL_RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_WORLD_SIZE", 1))
 
 
@@ -35,13 +38,77 @@ def init_distributed(env: Env, timeout_s: int = 600) -> torch.device:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // env.local_world_size))
         backend = "gloo"
+    timeout = timedelta(seconds=timeout_s)
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         # Plain `python train.py`: a one-process group, so the mesh code path is the same. Its store lives in this
         # process, so two such runs on one machine can never race for a port.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
-    else:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif (agent := agent_store()) is not None:
+        store = _round_store(agent, env, timeout)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    else:  # another launcher: rank 0 serves a store at MASTER_ADDR:MASTER_PORT
+        dist.init_process_group(backend, timeout=timeout)
     return device
+
+
+def agent_store() -> dist.Store | None:
+    """A client of the torchrun agent's store (it exists before any worker starts), or None without one."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=30), wait_for_workers=False)
+    except (KeyError, ValueError, RuntimeError):
+        return None
+
+
+@functools.cache
+def job_store(env: Env) -> dist.Store | None:
+    """A store every rank of the job reaches before the process group exists: the agent's, or else (torchrun with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, another launcher) the one rank 0 serves at MASTER_ADDR:MASTER_PORT, which
+    env:// then shares (multi-tenant); None for a single process. Cached: rank 0's server lives as long as the
+    process."""
+    if env.world_size == 1 or "MASTER_ADDR" not in os.environ:
+        return None
+    if (store := agent_store()) is not None:
+        return store
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                             is_master=env.rank == 0, multi_tenant=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=30))
+    except (KeyError, ValueError, RuntimeError):
+        return None
+
+
+def _round_store(agent: dist.Store, env: Env, timeout: timedelta) -> dist.Store:
+    """A store born with this round of workers, for the process group's rendezvous.
+
+    torchrun's agent keeps one store for its whole life, shared with its workers, and env:// uses it without a
+    per-round prefix (pytorch/pytorch#135712: TORCHELASTIC_RESTART_COUNT, the old prefix, differs between nodes).
+    Workers restarted after a failure, or after a node left or joined, read the dead workers' addresses there, and
+    gloo fails in connectFullMesh with "Connection refused". So rank 0 serves a fresh store on a free port and posts
+    the port in the agent's store, with a nonce it keeps inside the fresh store: a rank that read the previous
+    round's post cannot connect (that store died with its rank 0) or finds another nonce, and reads again.
+    """
+    key, host = "torchtitan_lite/round_store", os.environ["MASTER_ADDR"]
+    if env.rank == 0:
+        store = dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
+        nonce = os.urandom(8).hex()
+        store.set("nonce", nonce)
+        agent.set(key, f"{store.port} {nonce}")
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        port, nonce = agent.get(key).decode().split()
+        with contextlib.suppress(RuntimeError):  # DistStoreError (a RuntimeError): no server there any more
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2),
+                                  wait_for_workers=False)
+            if store.get("nonce").decode() == nonce:
+                store.set_timeout(timeout)
+                return store
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0 of this round posted no store in {timeout.total_seconds():.0f} s")
+        time.sleep(0.1)
 
 
 _timeout = "comm.init_timeout_seconds"  # the option whose bound is in force

@@ -1,7 +1,9 @@
 """Throughput accounting (FLOPs, peak FLOP/s, memory) and the per-step metric logger.
 
 The logger writes the two formats fixed in CONTRACT.md: `metrics.jsonl` (what scripts and tests read) and the
-console line `step: N  loss: X  ...` (torchtitan's shape). TensorBoard is optional and imported only when enabled.
+console line `step: N  loss: X  ...` (torchtitan's shape). TensorBoard is optional and imported only when enabled;
+it gets the run's resolved config as text, and a resumed run continues its curves without the stale tail a crash
+leaves (see MetricLogger).
 """
 
 import functools
@@ -48,7 +50,7 @@ _GPU_PEAKS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpu_peak(name: str, dtype: torch.dtype, tf32: bool) -> float:
     entry = next((e for e in _GPU_PEAKS if e[0] in name), None)
     if entry is None:  # lru_cache makes this warn once per device name
@@ -70,7 +72,7 @@ def _tf32_allowed() -> bool:
     return matmul.allow_tf32
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_peak(dtype: torch.dtype, num_threads: int) -> float:
     # A CPU has no datasheet peak we can trust (turbo, AVX-512/AMX, shared cores), so "peak" is what a large
     # matmul in the training dtype achieves here with this thread count; MFU is the model's share of that rate.
@@ -151,7 +153,10 @@ _CONSOLE = [
 class MetricLogger:
     """Writes each logged step to metrics.jsonl, the console and optionally TensorBoard; rank 0 only."""
 
-    def __init__(self, dump_folder: str, rank: int, log_freq: int, enable_tensorboard: bool, tb_folder: str):
+    def __init__(self, dump_folder: str, rank: int, log_freq: int, enable_tensorboard: bool, tb_folder: str, *,
+                 start_step: int = 0, config: str = ""):
+        """`start_step`: the step this run resumes after (0 for a fresh run); `config`: the resolved config as TOML,
+        shown in TensorBoard's text tab."""
         self.log_freq = log_freq
         self._file = None
         self._tb = None
@@ -159,7 +164,7 @@ class MetricLogger:
             return
         os.makedirs(dump_folder, exist_ok=True)
         # Append: a resumed run continues the same file and its steps carry on from the checkpoint.
-        self._file = open(os.path.join(dump_folder, "metrics.jsonl"), "a")
+        self._file = open(os.path.join(dump_folder, "metrics.jsonl"), "a")  # noqa: SIM115 - open for the run
         if enable_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -168,7 +173,15 @@ class MetricLogger:
                     "metrics.enable_tensorboard is set but tensorboard is not installed: "
                     "`pip install tensorboard` or pass --no-metrics.enable_tensorboard"
                 ) from e
-            self._tb = SummaryWriter(os.path.join(dump_folder, tb_folder))
+            # A crash leaves events for the steps between the last checkpoint and the crash, which the resumed run
+            # logs again. purge_step writes a restart marker at the first step this run logs, and TensorBoard drops
+            # every earlier event at or past it: each curve stays one line, as metrics.jsonl's readers keep a
+            # step's later record. Not start_step itself: the earlier run's record of that step is still valid.
+            self._tb = SummaryWriter(os.path.join(dump_folder, tb_folder), purge_step=start_step + 1)
+            if config:
+                # At this run's first step, not at 0: a resume with other settings (more steps) shows both configs
+                # on the text tab's step slider, and a resume after a crash replaces the stale one with the scalars.
+                self._tb.add_text("config", f"```toml\n{config}```", start_step + 1)
 
     def should_log(self, step: int, last: bool = False) -> bool:
         # Same answer on every rank, so the trainer can gate collectives (loss all-reduce) on it.

@@ -52,6 +52,21 @@ class ParallelDims:
         """Whether data parallelism is applied (FSDP, HSDP, or DDP as HSDP with shard degree 1)."""
         return self.dp > 1
 
+    def global_batch(self, local_batch: int, global_batch: int) -> int:
+        """training.global_batch_size, resolved (-1: one micro-batch per data-parallel rank). It must split into
+        whole micro-batches on every rank, a condition an elastic job meets or fails anew at every size."""
+        per_step = local_batch * self.dp
+        if global_batch == -1:
+            return per_step
+        if global_batch % per_step:
+            n = global_batch // local_batch if global_batch % local_batch == 0 else 0
+            sizes = [d * self.tp for d in range(1, n + 1) if n % d == 0 and d % self.dp_replicate == 0]
+            raise ConfigError(
+                f"training.global_batch_size {global_batch} is not a multiple of local_batch_size {local_batch} x "
+                f"data-parallel degree {self.dp}: use a multiple of {per_step}"
+                + (f", or a world size of {', '.join(map(str, sizes))}" if sizes else ""))
+        return global_batch
+
     def validate_model(self, args: ModelArgs) -> None:
         """The model's shapes must split evenly across tensor-parallel ranks."""
         for name, size in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),

@@ -1,4 +1,6 @@
-"""Preemption: SIGTERM (what Slurm and Kubernetes send before they kill a job) and SIGUSR1 (Slurm's early warning,
+"""Signals and a vanished launcher.
+
+Preemption: SIGTERM (what Slurm and Kubernetes send before they kill a job) and SIGUSR1 (Slurm's early warning,
 `sbatch --signal=USR1@120`) end the run at a step boundary, with a checkpoint of that step, and exit 0.
 
 A handler runs between two bytecodes of whatever the rank was doing, a collective included, so it only records the
@@ -13,7 +15,11 @@ job killed outright, the save is atomic: checkpoint.py).
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -55,3 +61,24 @@ def restore_signals() -> None:
     """Undoes every Preemption still installed: a caller of train.run in this process keeps its own handlers."""
     while _installed:
         _installed.pop().close()
+
+
+def stop_with_launcher(poll_s: float = 1.0) -> None:
+    """Under torchrun, ends this worker within `poll_s` of its launcher's death. torchrun starts each worker in a
+    session of its own, so a launcher killed outright (SIGKILL, the OOM killer) takes no worker with it: they would
+    train on as orphans, nobody watching them, writing checkpoints beside a restarted job. A worker's parent is its
+    launcher; once the parent is another process (the orphan was re-parented), the launcher is gone."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        try:
+            print(f"error: rank {os.environ.get('RANK')}: the launcher (pid {launcher}) is gone: this worker stops "
+                  "rather than train unsupervised", file=sys.stderr, flush=True)
+        finally:  # no cleanup: checkpoints are atomic, and a collective in progress cannot be left politely
+            os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

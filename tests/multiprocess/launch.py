@@ -50,10 +50,11 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def torchrun_cmd(nproc: int, script: Path, *args: str) -> tuple[list[str], dict[str, str]]:
-    """The command and environment of a CPU torchrun job: a rendezvous port of its own (--standalone), no GPU."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-           *args]
+def torchrun_cmd(nproc: int, script: Path, *args: str,
+                 launcher: tuple[str, ...] = ("--standalone",)) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a CPU torchrun job, no GPU: by default a rendezvous port of its own
+    (--standalone); `launcher` replaces that with other torchrun options."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc_per_node={nproc}", str(script), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     return cmd, env
 

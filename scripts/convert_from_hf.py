@@ -1,0 +1,90 @@
+"""Import a Hugging Face Llama folder (e.g. a downloaded Llama 3.x) as a DCP checkpoint to start training from.
+
+    python scripts/convert_from_hf.py Llama-3.1-8B llama31_8b [--dtype float32]
+
+OUT becomes a weights-only DCP checkpoint (keys `model.*`, loadable on any mesh) holding, when the folder has a
+tokenizer (tokenizer.json or original/tokenizer.model), that tokenizer as OUT/tokenizer.tiktoken. The script then
+prints the config lines that start a run from it: the flavor of that shape, or, when no flavor has it, the FLAVORS
+entry to add (the config names a flavor; it cannot set model dimensions). --dtype defaults to float32, the trainer's
+master weights. Folders with features our model lacks (biases, another activation or RoPE variant, quantization) are
+refused. Exit status: 0 on success, 2 when the folder cannot be converted (one line says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from torchtitan_lite.hf import ConversionError, import_from_hf, matching_flavor
+from torchtitan_lite.model import ModelArgs
+
+TOKENIZER_FILE = "tokenizer.tiktoken"
+
+
+def flavor_entry(args: ModelArgs, name: str) -> str:
+    """`"name": ModelArgs(...)`, with the fields that differ from ModelArgs' defaults (vocab and length are the
+    run's)."""
+    default = ModelArgs()
+    fields = [f"{f.name}={getattr(args, f.name)!r}" for f in dataclasses.fields(ModelArgs)
+              if f.name not in ("vocab_size", "max_seq_len") and getattr(args, f.name) != getattr(default, f.name)]
+    return f'"{name}": ModelArgs({", ".join(fields)}),'
+
+
+def config_lines(args: ModelArgs, out: str, tokenizer: str | None, name: str) -> str:
+    """The TOML that starts a training run from the converted checkpoint."""
+    flavor, lines = matching_flavor(args), []
+    if flavor is None:
+        flavor = name
+        lines += ["# No flavor has this shape: add it to FLAVORS in torchtitan_lite/model.py first:",
+                  f"#     {flavor_entry(args, name)}"]
+    if tokenizer is None:
+        lines.append(f"# The folder has no tokenizer: model.tokenizer_path must give {args.vocab_size} ids"
+                     + (' (tokenizer_path = "" does: bytes)' if args.vocab_size == 258 else ""))
+    lines += ["[model]", f"flavor = {json.dumps(flavor)}"]
+    lines += [f"tokenizer_path = {json.dumps(tokenizer)}"] if tokenizer is not None else []
+    lines += ["", "[checkpoint]", f"initial_load_path = {json.dumps(out)}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("hf_dir", help="Hugging Face folder: config.json and model*.safetensors")
+    parser.add_argument("out", help="DCP checkpoint folder to create (must not exist, or be empty)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    args = parser.parse_args(argv)
+    hf_dir = Path(args.hf_dir)
+    has_tokenizer = (hf_dir / "tokenizer.json").is_file() or (hf_dir / "original" / "tokenizer.model").is_file()
+
+    def add_tokenizer(folder: Path, model_args: ModelArgs) -> None:
+        # Imported here, not at the top: checking and converting the weights need none of it.
+        from torchtitan_lite.hf_tokenizer import load_hf_tokenizer
+
+        try:
+            n_words = load_hf_tokenizer(hf_dir, folder / TOKENIZER_FILE).n_words
+        except (OSError, ValueError) as e:
+            raise ConversionError(f"tokenizer: {e}") from None
+        if n_words != model_args.vocab_size:  # the trainer sizes the embedding from the tokenizer
+            raise ConversionError(f"{hf_dir}: the tokenizer has {n_words} ids but config.json's vocab_size is "
+                                  f"{model_args.vocab_size}")
+
+    try:
+        model_args = import_from_hf(hf_dir, args.out, getattr(torch, args.dtype),
+                                    add_tokenizer if has_tokenizer else None)
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}; to train from it, use these config lines:\n")
+    tokenizer = str(Path(args.out) / TOKENIZER_FILE) if has_tokenizer else None
+    print(config_lines(model_args, args.out, tokenizer, hf_dir.resolve().name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

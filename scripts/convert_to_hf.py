@@ -1,0 +1,79 @@
+"""Export a DCP checkpoint of a training run as a Hugging Face Llama folder (config.json, safetensors, tokenizer).
+
+    python scripts/convert_to_hf.py outputs/checkpoint/step-1000 hf_out [--config FILE] [--dtype bfloat16]
+        [--max_shard_size 5GB]
+
+The model's shape comes from the run's resolved config.toml, two levels above the checkpoint (a checkpoint is
+`<job.dump_folder>/<checkpoint.folder>/step-N`), or from --config; the checkpoint's tensors must have exactly the
+shapes it gives. Any mesh the run used is fine: DCP reassembles each tensor. --dtype defaults to the checkpoint's own.
+Above --max_shard_size (default 5GB, like transformers) the weights are split into several files and an index.
+Tensors are converted one at a time, into a temporary folder renamed to OUT at the end: a failure leaves no OUT.
+Exit status: 0 on success, 2 when the input cannot be converted (one line says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from torchtitan_lite.config import ConfigError, load_config
+from torchtitan_lite.hf import DEFAULT_MAX_SHARD_SIZE, ConversionError, export_to_hf
+from torchtitan_lite.memory import model_args
+from torchtitan_lite.tokenizer import build_tokenizer
+
+# transformers' units: GB is 10^9 bytes, GiB 2^30.
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MiB' or a number of bytes -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 5GB, 500MiB or 1000000 (got {text!r})")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("ckpt", help="DCP checkpoint folder, e.g. outputs/checkpoint/step-1000")
+    parser.add_argument("out", help="Hugging Face folder to create (must not exist, or be empty)")
+    parser.add_argument("--config", help="the run's config.toml (default: two levels above CKPT)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: the checkpoint's")
+    parser.add_argument("--max_shard_size", type=parse_size, default=DEFAULT_MAX_SHARD_SIZE, help="default 5GB")
+    args = parser.parse_args(argv)
+    try:
+        config = Path(args.config or Path(args.ckpt).resolve().parents[1] / "config.toml")
+        if not config.is_file():
+            raise ConversionError(f"no config {config}: a run's config.toml is two levels above its checkpoints "
+                                  "(<dump_folder>/<checkpoint.folder>/step-N); pass --config FILE")
+        cfg = load_config(["--job.config_file", str(config)])
+        try:
+            tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.tokenizer_path in {config}: {e}") from None
+
+        shape = model_args(cfg)[0]  # the trainer's: its flavor, this tokenizer's vocabulary, training.seq_len
+
+        def add_tokenizer(folder: Path) -> None:
+            # Imported here, not at the top: checking and converting the weights need none of it.
+            from torchtitan_lite.hf_tokenizer import save_hf_tokenizer
+
+            save_hf_tokenizer(tokenizer, folder, model_max_length=shape.max_seq_len)
+
+        export_to_hf(args.ckpt, args.out, shape, tokenizer.bos_id, tokenizer.eos_id,
+                     getattr(torch, args.dtype) if args.dtype else None, args.max_shard_size, add_files=add_tokenizer)
+    except (ConversionError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: load it with transformers' AutoModelForCausalLM.from_pretrained({args.out!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Training curves of one or more runs as one picture: loss (and val_loss), lr, grad norm and tokens/s.
+
+    python scripts/plot_metrics.py outputs/run_a outputs/run_b --out curves.png [--log_loss]
+
+Four panels answer at a glance what metrics.jsonl answers only to patient reading: did the loss go down or diverge,
+did warmup and decay happen, did a gradient spike, did throughput drop. Runs are overlaid in one colour each, named
+by their dump folder, so two settings compare by eye; loss_compare.py compares them step by step, in numbers.
+
+Each RUN is a metrics.jsonl file or a dump folder holding one, read by loss_compare.py's read_curve so both scripts
+agree on a run's curve: a resumed run logs again the steps between its checkpoint and the crash, and a step's later
+record wins, which makes the resumed curve one continuous line. Non-finite values (the grad norm of a skipped fp16
+step) are drawn as gaps rather than pulling the axis to infinity.
+
+matplotlib is needed by this script only, not by the trainer. Exit status: 0 when the picture is written, 1 without
+matplotlib, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loss_compare.py, also when imported from elsewhere
+
+from loss_compare import InputError, read_curve
+
+# (metrics.jsonl key, panel title); val_loss shares the loss panel.
+PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm (before clipping)"),
+          ("tps", "tokens/s per device")]
+KEYS = ("loss", "val_loss", "lr", "grad_norm", "tps")
+
+
+@dataclass
+class Run:
+    name: str
+    series: dict[str, tuple[list[int], list[float]]]  # key -> (steps ascending, one per step; values)
+
+
+def load_run(path: str | os.PathLike, name: str) -> Run:
+    """The series to draw for one run: per key, each step once with its later record, non-finite values as NaN."""
+    series = {}
+    for key in KEYS:
+        curve = read_curve(path, key)
+        if curve:
+            steps = sorted(curve)
+            series[key] = (steps, [curve[s] if math.isfinite(curve[s]) else math.nan for s in steps])
+    if not series:
+        raise InputError(f"{path}: no record has any of {', '.join(KEYS)}")
+    return Run(name, series)
+
+
+def run_names(paths: list[str | os.PathLike]) -> list[str]:
+    """Legend names: the dump folder's name (a file's, unless it is metrics.jsonl), with as many parent folders as
+    it takes to tell the runs apart; the same run given twice gets a number."""
+    parts = []
+    for p in map(Path, paths):
+        p = p.resolve()
+        if p.is_dir():
+            parts.append(p.parts)
+        elif p.name == "metrics.jsonl":
+            parts.append(p.parent.parts)
+        else:
+            parts.append((*p.parent.parts, p.stem))
+    depth = [1] * len(parts)
+    while True:
+        names = [str(Path(*c[-d:])) for c, d in zip(parts, depth)]
+        clashing = [i for i, n in enumerate(names) if names.count(n) > 1 and depth[i] < len(parts[i])]
+        if not clashing:
+            break
+        for i in clashing:
+            depth[i] += 1
+    return [n if names[:i].count(n) == 0 else f"{n} ({names[:i].count(n) + 1})" for i, n in enumerate(names)]
+
+
+def draw(runs: list[Run], out: str, log_loss: bool = False) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # write a file; never needs a display
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import LogFormatter
+
+    fig, axes = plt.subplots(2, 2, sharex=True, figsize=(12, 8))
+    panels = dict(zip((key for key, _ in PANELS), axes.flat))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(runs):
+        color = colors[i % len(colors)]
+        for key, ax in panels.items():
+            if key in run.series:
+                steps, values = run.series[key]
+                # A lone point draws no line: give it a marker so a one-step run still shows.
+                ax.plot(steps, values, color=color, label=run.name, marker="o" if len(steps) == 1 else None)
+        if "val_loss" in run.series:
+            steps, values = run.series["val_loss"]
+            # Few points, far apart: markers, and dashed so it is not mistaken for the training loss.
+            panels["loss"].plot(steps, values, color=color, linestyle="--", marker="o", markersize=4)
+    for (key, title), ax in zip(PANELS, axes.flat):
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="gray")
+            ax.set_yticks([])  # an empty panel's default 0..1 scale would read as data
+    if log_loss:
+        panels["loss"].set_yscale("log")
+        # Plain numbers: a loss spans about a decade, where the default labels read "6 x 10^0".
+        panels["loss"].yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+        panels["loss"].yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+    # One legend is enough, a run having one colour in every panel: an entry per run, and one for val_loss's style.
+    handles, _ = panels["loss"].get_legend_handles_labels()
+    if any("val_loss" in run.series for run in runs):
+        handles.append(Line2D([], [], color="gray", linestyle="--", marker="o", markersize=4, label="val_loss"))
+    panels["loss"].legend(handles=handles, loc="best", fontsize="small")
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="A step logged twice (a run resumed from a checkpoint before its last logged step) is drawn with "
+        "its later record. Exit status: 0 written, 1 without matplotlib, 2 on bad input.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="a metrics.jsonl file or a dump folder holding one")
+    p.add_argument("--out", required=True, metavar="FILE.png", help="where to write the picture")
+    p.add_argument("--log_loss", action="store_true", help="log-scale y axis for loss and val_loss")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("plot_metrics.py needs matplotlib: pip install matplotlib", file=sys.stderr)
+        return 1
+    try:
+        runs = [load_run(path, name) for path, name in zip(args.runs, run_names(args.runs))]
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    draw(runs, args.out, args.log_loss)
+    print(f"plot written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

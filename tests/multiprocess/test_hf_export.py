@@ -1,0 +1,37 @@
+"""A Hugging Face export does not depend on the mesh its checkpoint was saved on (scripts/convert_to_hf.py reads DCP
+checkpoints of any layout): the shared TP 2 x FSDP 2 run's checkpoint exports to the very bytes that the same weights
+give when one process saved them."""
+
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from launch import STEPS, ckpt
+from safetensors.torch import load_file
+
+from torchtitan_lite.checkpoint import read_metadata
+from torchtitan_lite.config import load_config
+from torchtitan_lite.hf import export_to_hf
+from torchtitan_lite.memory import model_args
+from torchtitan_lite.model import Transformer
+
+
+def test_export_of_a_tp2_fsdp2_checkpoint_equals_the_export_of_one_process(runs, tmp_path):
+    run = runs["tp2_fsdp2"]
+    sharded = str(ckpt(run, STEPS))
+    # Saved by 4 ranks: each holds a TP half of an FSDP half of wq.
+    assert len(read_metadata(sharded).state_dict_metadata["model.layers.0.attention.wq.weight"].chunks) == 4
+    args = model_args(load_config(["--job.config_file", str(run / "config.toml")]))[0]
+    model = Transformer(args)
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # DCP warns that no process group exists, which is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=sharded, no_dist=True)  # reassembled from the 4 ranks' shards
+        dcp.save(state, checkpoint_id=str(tmp_path / "one_process"), no_dist=True)
+    export_to_hf(sharded, tmp_path / "hf_mesh", args, bos_id=256, eos_id=257)
+    export_to_hf(tmp_path / "one_process", tmp_path / "hf_one", args, bos_id=256, eos_id=257)
+    mesh, one = (load_file(tmp_path / name / "model.safetensors") for name in ("hf_mesh", "hf_one"))
+    assert mesh.keys() == one.keys() and len(mesh) == len(state["model"])
+    for name in mesh:
+        assert torch.equal(mesh[name], one[name]), name
+    assert (tmp_path / "hf_mesh" / "config.json").read_text() == (tmp_path / "hf_one" / "config.json").read_text()

@@ -1,0 +1,112 @@
+"""scripts/plot_metrics.py: the series it draws (a resumed run's repeated steps, gaps), the legend names, the picture
+itself from fabricated and real metrics files, and its one-line answer when matplotlib is missing."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.multiprocess.launch import train_in_process
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "plot_metrics.py"
+_spec = importlib.util.spec_from_file_location("plot_metrics", SCRIPT)
+plot_metrics = importlib.util.module_from_spec(_spec)
+sys.modules["plot_metrics"] = plot_metrics  # its dataclass looks its module up there
+_spec.loader.exec_module(plot_metrics)
+
+
+def write_metrics(path: Path, records: list[dict]) -> Path:
+    """A metrics.jsonl from records; each gets the trainer's other keys where it lacks them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"grad_norm": 1.0 + r["step"] % 3, "lr": 1e-3, "tps": 1000.0 + r["step"], **r})
+             for r in records]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def falling(n: int, start: float = 10.0, rate: float = 0.9) -> list[dict]:
+    return [{"step": s, "loss": start * rate**s} for s in range(1, n + 1)]
+
+
+def test_a_repeated_step_is_drawn_once_with_its_later_record(tmp_path):
+    # Logged 1-4, crashed, resumed from the checkpoint of step 2: steps 3 and 4 logged again, with other values.
+    first = [{"step": s, "loss": 10.0 - s, "lr": s / 1000} for s in range(1, 5)]
+    resumed = [{"step": s, "loss": 20.0 - s, "lr": s / 500} for s in range(3, 6)]
+    first[3]["val_loss"], resumed[1]["val_loss"] = 7.5, 6.5  # both at step 4
+    run = plot_metrics.load_run(write_metrics(tmp_path / "metrics.jsonl", first + resumed), "r")
+    assert run.series["loss"] == ([1, 2, 3, 4, 5], [9.0, 8.0, 17.0, 16.0, 15.0])
+    assert run.series["lr"] == ([1, 2, 3, 4, 5], [1 / 1000, 2 / 1000, 3 / 500, 4 / 500, 5 / 500])
+    assert run.series["val_loss"] == ([4], [6.5])
+
+
+def test_non_finite_values_are_gaps_and_absent_keys_have_no_series(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"step": 1, "loss": 3.0, "grad_norm": 1.0},
+        {"step": 2, "loss": 2.5, "grad_norm": math.inf},  # a skipped fp16 step
+        {"step": 3, "loss": 2.0, "grad_norm": 0.5},
+    ]) + "\n")
+    run = plot_metrics.load_run(path, "r")
+    steps, norms = run.series["grad_norm"]
+    assert steps == [1, 2, 3] and norms[0] == 1.0 and math.isnan(norms[1]) and norms[2] == 0.5
+    assert set(run.series) == {"loss", "grad_norm"}  # no lr, tps or val_loss logged: nothing to draw
+
+
+def test_legend_names_are_folder_names_made_unique(tmp_path):
+    a = write_metrics(tmp_path / "a" / "run" / "metrics.jsonl", falling(2))
+    b = write_metrics(tmp_path / "b" / "run" / "metrics.jsonl", falling(2))
+    other = write_metrics(tmp_path / "c" / "lr_3e-3.jsonl", falling(2))
+    assert plot_metrics.run_names([a.parent, b, other]) == ["a/run", "b/run", "lr_3e-3"]
+    assert plot_metrics.run_names([a, a.parent]) == [str(a.parent), f"{a.parent} (2)"]
+
+
+def test_png_of_fabricated_and_real_runs_shows_every_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib import colors, image
+
+    a = write_metrics(tmp_path / "a" / "metrics.jsonl", falling(30))
+    b = write_metrics(tmp_path / "b" / "metrics.jsonl", [*falling(20, 12.0, 0.8), {"step": 20, "val_loss": 1.0}])
+    real = tmp_path / "real"
+    train_in_process(real, "--training.steps", "3", "--validation.enable", "--validation.freq", "2",
+                     "--validation.steps", "1")
+    out = tmp_path / "pics" / "curves.png"
+    assert plot_metrics.main([str(a), str(b.parent), str(real), "--out", str(out)]) == 0
+    pixels = image.imread(out)[..., :3]
+    assert pixels.shape[:2] == (800, 1200)  # figsize 12x8 inches at matplotlib's default 100 dpi
+    def painted(color):  # pixels of about this colour
+        return (abs(pixels - colors.to_rgb(color)).max(axis=-1) < 0.05).sum()
+
+    # Each run is drawn in its own colour, the default cycle's first three; the fourth is in no picture of three.
+    assert all(painted(c) > 100 for c in ("tab:blue", "tab:orange", "tab:green"))
+    assert painted("tab:red") == 0
+
+    log = tmp_path / "log.png"
+    assert plot_metrics.main([str(a), str(b.parent), str(real), "--out", str(log), "--log_loss"]) == 0
+    assert image.imread(log).shape == image.imread(out).shape
+    assert (image.imread(log) != image.imread(out)).any()
+
+
+def test_without_matplotlib_one_line_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    a = write_metrics(tmp_path / "a.jsonl", falling(3))
+    assert plot_metrics.main([str(a), "--out", str(tmp_path / "out.png")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install matplotlib" in err[0]
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_bad_input_is_one_error_line_and_exit_2(tmp_path):
+    pytest.importorskip("matplotlib")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"step": 1, "mfu": 0.1}) + "\n")
+    for run, expected in ((tmp_path / "nope", "no such file"), (empty, "no record has any of")):
+        r = subprocess.run([sys.executable, str(SCRIPT), str(run), "--out", str(tmp_path / "out.png")],
+                           capture_output=True, text=True, check=False)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.startswith("error: ") and expected in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not (tmp_path / "out.png").exists()

@@ -1,0 +1,182 @@
+"""Text generation from a trained Transformer, decoded with a KV cache: the prompt runs through the model once
+(prefill), then each new token costs one position's forward instead of the whole sequence's.
+
+Why the cached forward lives here and not in model.py: training never needs a cache, and threading one through
+Transformer, TransformerBlock and Attention.forward would put decoding-only branches into the code that
+parallelize.py's TP plan (PrepareModuleInput on `attention`), activation checkpointing and compile wrap. Instead
+`forward_cached` runs the model's own submodules (embedding, norms, wq/wk/wv/wo, apply_rope, feed-forward, output)
+and writes only what a cache changes: keys and values appended to it, queries attending to every cached position.
+tests/test_generate.py compares its logits with the model's own forward at every step, so a change to model.py's
+forward that this file does not follow fails there.
+
+Positions: apply_rope takes the first rows of the table it is given (rope[:seq]), so a chunk that starts at
+position `pos` is handed rope[pos:].
+
+Context: at most model.args.max_seq_len tokens, the config's training.seq_len, as train.py builds the model. The
+rope table has no rows past it and the model never saw such positions, so a prompt plus max_new_tokens that does not
+fit is refused up front, with the numbers, rather than cropped.
+
+Loading: one process and no process group. DCP reads each tensor's pieces from every rank's file, so a checkpoint
+saved on any mesh (FSDP, TP, HSDP) loads here; only the `model.*` tensors are read, not the optimizer state.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+
+from torchtitan_lite.checkpoint import (
+    _check_fits,
+    _SafePlanner,
+    _SafeReader,
+    complete_checkpoints,
+)
+from torchtitan_lite.config import ConfigError, JobConfig
+from torchtitan_lite.memory import model_args
+from torchtitan_lite.model import Transformer, apply_rope, rope_table
+from torchtitan_lite.tokenizer import Tokenizer, build_tokenizer
+
+
+class ContextError(ValueError):
+    """The prompt and the tokens asked for do not fit in the model's context."""
+
+
+class KVCache:
+    """Every layer's keys and values for positions [0, length), preallocated for `max_len` positions, stored as
+    (batch, kv_heads, position, head_dim): the layout SDPA takes, so a step does not transpose the whole cache."""
+
+    def __init__(self, model: Transformer, batch: int, max_len: int):
+        a, weight = model.args, model.tok_embeddings.weight
+        shape = (batch, a.kv_heads, max_len, a.head_dim)
+        self.k = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in range(a.n_layers)]
+        self.v = [torch.zeros_like(k) for k in self.k]
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes a chunk's keys and values after the cached ones; returns the layer's keys and values so far."""
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+def _attention(attn, x: torch.Tensor, rope: torch.Tensor, cache: KVCache, layer: int,
+               mask: torch.Tensor) -> torch.Tensor:
+    # model.Attention.forward, with the keys and values of earlier positions taken from the cache.
+    bs, seq, _ = x.shape
+    q = attn.wq(x).view(bs, seq, -1, attn.head_dim)
+    k = attn.wk(x).view(bs, seq, -1, attn.head_dim)
+    v = attn.wv(x).view(bs, seq, -1, attn.head_dim)
+    q, k = apply_rope(q, rope), apply_rope(k, rope)
+    keys, values = cache.append(layer, k.transpose(1, 2), v.transpose(1, 2))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=attn.n_rep > 1)
+    return attn.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+
+@torch.no_grad()
+def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits (batch, seq, vocab) of `tokens`, the positions right after the cached ones; appends their keys and
+    values to the cache. The whole prompt at once (prefill), then one token at a time."""
+    pos, seq = cache.length, tokens.shape[1]
+    if pos + seq > model.rope.shape[0]:
+        raise ContextError(f"position {pos + seq - 1} is past the model's context of {model.rope.shape[0]} tokens")
+    rope = model.rope[pos:pos + seq]
+    # The query at position pos+i sees every cached position and the chunk's first i+1 tokens. One explicit mask
+    # serves prefill (pos = 0: the causal mask), single-token steps (all True) and chunks in between.
+    mask = torch.ones(seq, pos + seq, dtype=torch.bool, device=tokens.device).tril(pos)
+    h = model.tok_embeddings(tokens)
+    for i, block in enumerate(model.layers.values()):  # model.TransformerBlock.forward
+        h = h + _attention(block.attention, block.attention_norm(h), rope, cache, i, mask)
+        h = h + block.feed_forward(block.ffn_norm(h))
+    cache.length += seq
+    return model.output(model.norm(h))
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
+           generator: torch.Generator | None) -> torch.Tensor:
+    """(batch, 1) next-token ids from (batch, vocab) logits: the argmax when temperature is 0, else a draw from
+    softmax(logits / temperature) restricted to the top_k most likely tokens (None or 0: all of them)."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, eos_id: int | None = None, generator: torch.Generator | None = None,
+             use_cache: bool = True) -> list[int]:
+    """The tokens that follow `prompt` (which starts with BOS, like the training documents), up to max_new_tokens;
+    generation stops at `eos_id`, which is not returned. use_cache=False reruns the whole sequence at each step: the
+    reference the tests hold the cache to."""
+    context = model.args.max_seq_len
+    if len(prompt) + max_new_tokens > context:
+        raise ContextError(f"the prompt is {len(prompt)} tokens (with BOS) and {max_new_tokens} new tokens were "
+                           f"asked for: {len(prompt) + max_new_tokens} exceed the model's context of {context} "
+                           f"tokens (training.seq_len); ask for at most {max(context - len(prompt), 0)} new tokens "
+                           "or shorten the prompt")
+    tokens = torch.tensor([prompt], device=model.tok_embeddings.weight.device)
+    cache = KVCache(model, 1, len(prompt) + max_new_tokens) if use_cache else None
+    new, chunk = [], tokens
+    for _ in range(max_new_tokens):
+        logits = (forward_cached(model, chunk, cache) if cache else model(tokens))[:, -1]
+        chunk = sample(logits, temperature, top_k, generator)
+        if chunk.item() == eos_id:
+            break
+        new.append(chunk.item())
+        if cache is None:
+            tokens = torch.cat([tokens, chunk], dim=1)
+    return new
+
+
+# ---- Loading a trained model on one process.
+
+def resolve_checkpoint(path: str) -> str:
+    """`path` itself when it is a checkpoint (holds DCP's `.metadata`), else the newest complete `step-N` in it."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    found = complete_checkpoints(path)
+    if not found:
+        raise ConfigError(f"--checkpoint {path} is neither a DCP checkpoint (no .metadata) nor a folder holding "
+                          "complete step-N checkpoints")
+    return found[max(found)]
+
+
+def load_weights(model: Transformer, path: str) -> None:
+    """Copies the checkpoint's `model.*` tensors into the model's parameters, in place and cast to their dtype;
+    raises ConfigError, naming the tensor, when the checkpoint was saved from another model."""
+    state = {"model": model.state_dict()}  # views of the parameters: DCP writes straight into them
+    _check_fits(state, path)  # every parameter is in the checkpoint, same shapes, and nothing more
+    with warnings.catch_warnings():  # DCP warns that no process group exists, which is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=True)
+
+
+def load_model(cfg: JobConfig, checkpoint: str, device: torch.device,
+               dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer]:
+    """The model of `cfg` built as train.py builds it (flavor, the tokenizer's vocabulary, training.seq_len), on
+    meta then materialized, with the weights of `checkpoint` (a step-N folder or a folder of them)."""
+    try:
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.tokenizer_path: {e}") from None
+    args, _ = model_args(cfg)  # the trainer's rule; the tokenizer loaded above, so no vocabulary is assumed
+    path = resolve_checkpoint(checkpoint)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    # Not init_weights(): it would draw every parameter for the load to overwrite (seconds on a big model). Only
+    # the rope buffer, which to_empty leaves garbage and no checkpoint holds, is computed as init_weights does.
+    model.rope.copy_(rope_table(args, device=device))
+    # Parameters only: Module.to(dtype) would also turn the complex rope table real.
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    load_weights(model, path)
+    return model.eval(), tokenizer
