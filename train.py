@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan_lite.checkpoint import CheckpointManager, TrainState, check_config
+from torchtitan_lite.checkpoint import CheckpointManager, CheckpointSaveError, TrainState, check_config
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.data import DataLoader, build_source
 from torchtitan_lite.distributed import Env, init_distributed, peer_timeout, set_determinism, set_timeout
@@ -223,7 +223,7 @@ def run(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         report(e, env)  # one line for the whole job, printed before any rank exits
         return 2
-    except NonFiniteError as e:  # every rank stops at the same step: the gradient norm is global
+    except (NonFiniteError, CheckpointSaveError) as e:  # raised on every rank at the same step
         report(e, env)
         return 1
     except RuntimeError as e:

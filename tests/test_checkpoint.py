@@ -11,14 +11,11 @@ from torch.distributed.checkpoint.api import CheckpointException  # DCP wraps er
 
 from torchtitan_lite.checkpoint import (
     TrainState,
-    _SafePlanner,
-    _SafeReader,
     check_config,
     complete_checkpoints,
-    read_metadata,
-    read_tensors,
     steps_to_delete,
 )
+from torchtitan_lite.checkpoint_reader import SafePlanner, SafeReader, read_metadata, read_tensors
 from torchtitan_lite.config import Checkpoint, ConfigError
 
 
@@ -85,7 +82,7 @@ def test_metadata_cannot_run_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="io.open|builtins.open"):
         read_metadata(str(tmp_path / "c"))
     with pytest.raises(CheckpointException, match="io.open is not allowed in checkpoint metadata"):
-        dcp.load({"w": torch.zeros(2)}, storage_reader=_SafeReader(str(tmp_path / "c")), no_dist=True)
+        dcp.load({"w": torch.zeros(2)}, storage_reader=SafeReader(str(tmp_path / "c")), no_dist=True)
     assert not marker.exists()
 
 
@@ -94,11 +91,11 @@ def test_non_tensor_values_cannot_run_code(tmp_path):
     save(tmp_path / "c", {"train_state": {"step": Exploit(str(marker))}})
     state = {"train_state": {"step": 0}}
     with pytest.raises(CheckpointException, match="Weights only load failed"):
-        dcp.load(state, storage_reader=_SafeReader(str(tmp_path / "c")), planner=_SafePlanner(), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(str(tmp_path / "c")), planner=SafePlanner(), no_dist=True)
     assert not marker.exists()
     save(tmp_path / "ok", {"train_state": {"step": 7, "lr": [1e-3], "name": "x"}})  # plain data loads as usual
     state = {"train_state": {"step": 0, "lr": [0.0], "name": ""}}
-    dcp.load(state, storage_reader=_SafeReader(str(tmp_path / "ok")), planner=_SafePlanner(), no_dist=True)
+    dcp.load(state, storage_reader=SafeReader(str(tmp_path / "ok")), planner=SafePlanner(), no_dist=True)
     assert state == {"train_state": {"step": 7, "lr": [1e-3], "name": "x"}}
 
 

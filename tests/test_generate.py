@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tests.multiprocess.launch import ROOT, TIMEOUT_S, ckpt, train_in_process
-from torchtitan_lite.checkpoint import read_tensors
+from torchtitan_lite.checkpoint_reader import read_tensors
 from torchtitan_lite.config import load_config
 from torchtitan_lite.generation import (
     ContextError,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.multiprocess.launch import ROOT, TINY, ckpt, train_in_process
-from torchtitan_lite.checkpoint import read_tensors
+from torchtitan_lite.checkpoint_reader import read_tensors
 from torchtitan_lite.config import load_config, to_toml
 from torchtitan_lite.hf import export_to_hf, import_from_hf, model_args_from_hf
 from torchtitan_lite.hf_tokenizer import save_hf_tokenizer
@@ -243,3 +243,24 @@ def test_scripts_round_trip_a_run_and_the_trainer_starts_from_it(tmp_path):
                            "1e-30", "--checkpoint.enable", "--checkpoint.last_save_model_only")
     assert f"loaded weights from {tmp_path / 'imported'}" in run.stdout
     assert_same_tensors(read_tensors(str(ckpt(tmp_path / "train", 1))), original)
+
+
+def test_an_exported_run_generates_in_transformers_the_greedy_text_of_generate_py(tmp_path):
+    """The issue's end to end: a debug run's checkpoint, exported, decodes greedily in transformers to the text that
+    scripts/generate.py prints (our KV-cached decoding on the DCP checkpoint)."""
+    train_in_process(tmp_path / "run", "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "6")
+    assert to_hf.main([str(ckpt(tmp_path / "run", 6)), str(tmp_path / "hf")]) == 0
+    prompt, n = "def __init__(self", 24
+    ours_out = subprocess.run(
+        [sys.executable, ROOT / "scripts" / "generate.py", "--config", tmp_path / "run" / "config.toml", "--checkpoint",
+         tmp_path / "run" / "checkpoint", "--prompt", prompt, "--max_new_tokens", str(n), "--temperature", "0"],
+        capture_output=True, text=True, check=True).stdout
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    inputs = tokenizer(prompt, return_tensors="pt")
+    assert inputs["input_ids"][0, 0] == BOS  # the exported tokenizer adds BOS, as our data and generate.py do
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = hf_model(tmp_path / "hf").generate(**inputs, max_new_tokens=n, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    theirs = prompt + tokenizer.decode(new, skip_special_tokens=True)
+    assert ours_out == theirs + "\n" and len(theirs) > len(prompt)

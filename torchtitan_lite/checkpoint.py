@@ -12,24 +12,26 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import re
 import shutil
 import tempfile
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan_lite.checkpoint_reader import SafePlanner, SafeReader, check_fits, read_metadata
 from torchtitan_lite.config import Checkpoint, ConfigError
 
 logger = logging.getLogger("torchtitan_lite")
@@ -67,61 +69,12 @@ def _discard(path: str) -> None:
     shutil.rmtree(path + ".trash")
 
 
-# ---- Reading without running code from the file. DCP unpickles `.metadata` with plain pickle and non-tensor values
-# with torch.load(weights_only=False); both would run whatever a crafted checkpoint names.
-
-_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
-    "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-    "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if (module, name) in _METADATA_GLOBALS or dtype:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
-
-
-def read_metadata(path: str) -> Metadata:
-    """A checkpoint's `.metadata` (each key's global shape and dtype), unpickled with an allow-list."""
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        return _MetadataUnpickler(f).load()
-
-
-class _SafeReader(FileSystemReader):
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        read_metadata(str(self.path))  # raises on a disallowed global before DCP's own pickle.load runs
-        return super().read_metadata(*args, **kwargs)
-
-
-class _SafePlanner(DefaultLoadPlanner):
-    def load_bytes(self, read_item, value) -> None:
-        torch.load(value, weights_only=True)  # plain data only (numbers, strings, containers), or this raises
-        value.seek(0)
-        super().load_bytes(read_item, value)
-
-
 class _Writer(FileSystemWriter):
     def finish(self, metadata, results) -> None:  # runs on the coordinator only, after every rank has written
         if _PAUSE_BEFORE_METADATA_S:
             logger.warning("test hook: pausing %.0fs before writing .metadata", _PAUSE_BEFORE_METADATA_S)
             time.sleep(_PAUSE_BEFORE_METADATA_S)
         super().finish(metadata, results)
-
-
-def read_tensors(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint as a full plain tensor, in this one process (tests, scripts): key -> tensor."""
-    md = read_metadata(path).state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items()
-             if isinstance(m, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # DCP warns that no process group exists, which is the point here
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=True)
-    return state
 
 
 # ---- What is saved: one Stateful per concern.
@@ -209,43 +162,13 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
     return value
 
 
-def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
-    """The dotted keys DCP flattens nested dicts (and lists holding tensors or dicts) into."""
-    if isinstance(value, list) and any(isinstance(v, (dict, list, torch.Tensor)) for v in value):
-        value = dict(enumerate(value))
-    if not isinstance(value, dict):
-        out[prefix] = value
-    for k, v in value.items() if isinstance(value, dict) else ():
-        _flatten(f"{prefix}.{k}", v, out)
-    return out
-
-
-def _check_fits(state: dict[str, Any], path: str) -> None:
-    """Every key this run loads is in the checkpoint with the same global shape, and the checkpoint's model has no
-    tensor this model lacks; else one line naming the tensor instead of DCP's errors from deep in DTensor."""
-    try:
-        saved = read_metadata(path).state_dict_metadata
-    except (OSError, pickle.UnpicklingError, EOFError) as e:
-        raise ConfigError(f"{path} is not a readable DCP checkpoint: {e}") from None
-    ours = {key: v for k, value in state.items() for key, v in _flatten(k, value, {}).items()}
-    for key, value in ours.items():
-        if key.startswith(("rng.", "update_guard.")):
-            continue  # a CPU checkpoint has no rng.cuda, nor an fp32 one a loss scale: what is there is loaded
-        if key not in saved:
-            raise ConfigError(f"checkpoint {path} has no {key}: it was saved from another model or setup")
-        if isinstance(value, torch.Tensor) and tuple(saved[key].size) != tuple(value.shape):
-            raise ConfigError(
-                f"checkpoint {path} does not fit this model: {key} has shape {tuple(saved[key].size)} in the "
-                f"checkpoint but {tuple(value.shape)} here (check model.flavor and model.tokenizer_path)")
-    extra = sorted(k for k in saved if k.startswith("model.") and k not in ours)
-    if extra:
-        raise ConfigError(f"checkpoint {path} does not fit this model: it holds {extra[0]}, which this model lacks "
-                          f"({len(extra)} such tensors; check model.flavor)")
-
-
 def _is_full(path: str) -> bool:
     """Whether a checkpoint holds the whole training state, not weights only."""
     return any(k.startswith("train_state.") for k in read_metadata(path).state_dict_metadata)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the previous ones are intact."""
 
 
 class CheckpointManager:
@@ -288,8 +211,8 @@ class CheckpointManager:
         keys = ["model"] if what == "model" else list(self.states)
         t0 = time.perf_counter()
         state = {k: self.states[k].state_dict() for k in keys}  # templates: this rank's shards, any layout
-        _on_rank0(lambda: _check_fits(state, path))
-        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(allow_partial_load=True))
+        _on_rank0(lambda: check_fits(state, path))
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(allow_partial_load=True))
         for k in keys:
             self.states[k].load_state_dict(state[k])
         logger.info("loaded %s from %s in %.2fs: training continues after step %d", "weights" if what == "model"
@@ -349,7 +272,10 @@ class CheckpointManager:
         states = {"model": _model_state(self.model, dtype)} if model_only else self.states
         t0 = time.perf_counter()
         if self._group is None:
-            dcp.save(states, storage_writer=_Writer(tmp))
+            try:
+                dcp.save(states, storage_writer=_Writer(tmp))
+            except CheckpointException as e:
+                return self._failed(step, e)
             self._publish(step, t0)
         else:
             result = dcp.async_save(states, storage_writer=_Writer(tmp), process_group=self._group)
@@ -363,12 +289,32 @@ class CheckpointManager:
         if self._pending is not None:
             future, step, t0 = self._pending
             self._pending = None
-            future.result()
+            try:
+                future.result()
+            except CheckpointException as e:
+                return self._failed(step, e)
             self._publish(step, t0)
 
     def close(self) -> None:
         self.wait()
         dist.barrier()  # DCP's save ends with a broadcast: the exit gloo may abort on, as in _on_rank0
+
+    def _failed(self, step: int, error: CheckpointException) -> None:
+        """A save that failed on some rank (a full disk, a lost mount), which DCP raises on every rank together, after
+        every rank stopped writing. Its step-N.tmp goes, so the folder holds the complete checkpoints it held before;
+        then the run stops, or with checkpoint.continue_on_save_error goes on and tries again at the next save."""
+        if dist.get_rank() == 0:
+            shutil.rmtree(os.path.join(self.folder, f"step-{step}.tmp"), ignore_errors=True)
+        rank, (cause, _) = next(iter(error.failures.items()))
+        newest = max(complete_checkpoints(self.folder), default=None)
+        free = shutil.disk_usage(self.folder).free / 2**30
+        message = (f"saving checkpoint step-{step} failed on rank {rank} ({free:.1f} GiB free in {self.folder}): "
+                   f"{str(cause).strip().splitlines()[0][:200]}; "
+                   + (f"step-{newest} is intact" if newest is not None else "no earlier checkpoint exists"))
+        if not self.cfg.continue_on_save_error:
+            raise CheckpointSaveError(f"{message}: make room in {self.folder} (or set checkpoint.folder) and rerun to "
+                                      "resume, or set checkpoint.continue_on_save_error to train on")
+        logger.error("%s: training goes on (checkpoint.continue_on_save_error)", message)
 
     def _publish(self, step: int, t0: float) -> None:
         """Renames step-N.tmp to step-N, then applies keep_latest_k; rank 0 only, after DCP's save has returned there,

@@ -113,6 +113,7 @@ class Checkpoint:
     enable: bool = opt(False, "save checkpoints and resume from the newest one")
     folder: str = opt("checkpoint", "checkpoint folder, under job.dump_folder")
     interval: int = opt(500, "save every N steps")
+    continue_on_save_error: bool = opt(False, "a failed save (full disk) is reported and training goes on")
     keep_latest_k: int = opt(0, "keep only the newest K checkpoints; 0 keeps all")
     async_mode: str = opt("disabled", "save in the background", choices=("disabled", "async"))
     last_save_model_only: bool = opt(False, "the final save holds weights only (smaller, but cannot be resumed)")
@@ -345,8 +346,7 @@ _RULES = [
     ("activation_checkpoint.selective_ac_option", '"op" or a positive integer',
      lambda v: v == "op" or (v.isdecimal() and int(v) >= 1)),
     ("metrics.log_freq", ">= 1", lambda v: v >= 1),
-    ("validation.freq", ">= 1", lambda v: v >= 1),
-    ("validation.steps", ">= 1", lambda v: v >= 1),
+    ("validation.freq", ">= 1", lambda v: v >= 1), ("validation.steps", ">= 1", lambda v: v >= 1),
 ]
 
 

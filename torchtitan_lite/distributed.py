@@ -23,7 +23,7 @@ class Env:
     @classmethod
     def from_environ(cls) -> Env:
         """What torchrun set (or a single process when run as plain `python train.py`)."""
-        get = lambda name, default: int(os.environ.get(name, default))
+        get = lambda name, default: int(os.environ.get(name, default))  # noqa: E731
         return cls(get("RANK", 0), get("LOCAL_RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_WORLD_SIZE", 1))
 
 

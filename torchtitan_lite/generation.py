@@ -29,12 +29,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from torchtitan_lite.checkpoint import (
-    _check_fits,
-    _SafePlanner,
-    _SafeReader,
-    complete_checkpoints,
-)
+from torchtitan_lite.checkpoint import complete_checkpoints
+from torchtitan_lite.checkpoint_reader import SafePlanner, SafeReader, check_fits
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.memory import model_args
 from torchtitan_lite.model import Transformer, apply_rope, rope_table
@@ -153,10 +149,10 @@ def load_weights(model: Transformer, path: str) -> None:
     """Copies the checkpoint's `model.*` tensors into the model's parameters, in place and cast to their dtype;
     raises ConfigError, naming the tensor, when the checkpoint was saved from another model."""
     state = {"model": model.state_dict()}  # views of the parameters: DCP writes straight into them
-    _check_fits(state, path)  # every parameter is in the checkpoint, same shapes, and nothing more
+    check_fits(state, path)  # every parameter is in the checkpoint, same shapes, and nothing more
     with warnings.catch_warnings():  # DCP warns that no process group exists, which is the point here
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=True)
 
 
 def load_model(cfg: JobConfig, checkpoint: str, device: torch.device,

@@ -36,18 +36,15 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchtitan_lite.checkpoint import _SafePlanner, _SafeReader, read_metadata
-from torchtitan_lite.model import FLAVORS, ModelArgs, Transformer
+from torchtitan_lite.checkpoint_reader import SafePlanner, SafeReader, read_metadata
+from torchtitan_lite.model import FLAVORS, ROPE_SCALING, ModelArgs, Transformer
 
 
 class ConversionError(ValueError):
     """A checkpoint or folder that cannot be converted; the message is one line saying what differs."""
 
 
-# model.rope_table's Llama 3.1 constants, as Hugging Face spells them. Kept in step by tests/test_hf.py, which compares
-# logits with transformers' own llama3 RoPE.
-LLAMA31_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 8192}
+LLAMA31_ROPE_SCALING = {"rope_type": "llama3", **ROPE_SCALING}  # model.rope_table's
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' save_pretrained default, "5GB"
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -255,7 +252,7 @@ class _Progress:
 
 # ---- Export: DCP checkpoint -> Hugging Face folder
 
-class _KnownMetadataReader(_SafeReader):
+class _KnownMetadataReader(SafeReader):
     """Hands DCP the metadata already read (with the allow-list) rather than unpickling it for each one-tensor load."""
 
     def __init__(self, path: str, metadata):
@@ -297,7 +294,7 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: ModelArgs, bos_id: int
         tensor = torch.empty(stored.size, dtype=stored.properties.dtype)
         with warnings.catch_warnings():  # DCP warns that no process group exists, which is the point here
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({key: tensor}, storage_reader=reader, planner=_SafePlanner(), no_dist=True)
+            dcp.load({key: tensor}, storage_reader=reader, planner=SafePlanner(), no_dist=True)
         progress.update(tensor.numel() * dtype.itemsize)
         return to_hf_tensor(ours_of[hf], tensor, args).to(dtype)
 

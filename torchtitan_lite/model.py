@@ -61,6 +61,10 @@ FLAVORS: dict[str, ModelArgs] = {
 }
 
 
+# Llama 3.1's long-context scaling, in Hugging Face's names (hf.py writes them into config.json).
+ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
 def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
     """(max_seq_len, head_dim/2) table of cos + i·sin for rotary embeddings, complex64: FSDP's mixed precision casts
     a block's floating-point inputs to the compute dtype, and a bf16 table would lose the positions' precision;
@@ -68,7 +72,7 @@ def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Ten
     dim = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device)[: dim // 2].float() / dim))
     if args.rope_scaling:  # Llama 3.1: stretch low frequencies 8x, keep high ones, blend in between
-        scale, low_ff, high_ff, old_ctx = 8.0, 1.0, 4.0, 8192
+        scale, low_ff, high_ff, old_ctx = ROPE_SCALING.values()
         wavelen = 2 * math.pi / freqs
         smooth = ((old_ctx / wavelen) - low_ff) / (high_ff - low_ff)
         blended = (1 - smooth) * freqs / scale + smooth * freqs

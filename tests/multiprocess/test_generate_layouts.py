@@ -8,7 +8,7 @@ import pytest
 import torch
 from launch import ROOT, STEPS, ckpt
 
-from torchtitan_lite.checkpoint import read_tensors
+from torchtitan_lite.checkpoint_reader import read_tensors
 from torchtitan_lite.config import load_config
 from torchtitan_lite.generation import generate, load_model
 from torchtitan_lite.model import Transformer

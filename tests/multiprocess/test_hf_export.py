@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from launch import STEPS, ckpt
 from safetensors.torch import load_file
 
-from torchtitan_lite.checkpoint import read_metadata
+from torchtitan_lite.checkpoint_reader import read_metadata
 from torchtitan_lite.config import load_config
 from torchtitan_lite.hf import export_to_hf
 from torchtitan_lite.memory import model_args

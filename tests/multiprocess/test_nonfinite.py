@@ -9,9 +9,10 @@ import math
 from pathlib import Path
 
 import torch
-
 from launch import CHECKPOINTED, COMMON, assert_one_error_line, ckpt, read_metrics, torchrun
-from torchtitan_lite.checkpoint import complete_checkpoints, read_tensors
+
+from torchtitan_lite.checkpoint import complete_checkpoints
+from torchtitan_lite.checkpoint_reader import read_tensors
 
 SHIM = Path(__file__).parent / "nan_loss.py"
 RUN = (*COMMON, "--training.steps", "6", *CHECKPOINTED)
