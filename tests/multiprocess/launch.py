@@ -42,6 +42,15 @@ def descendants(pid: int) -> list[int]:
     return [p for c in children for p in (c, *descendants(c))]
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` is alive (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILLs a launcher and every process below it at once, like a node failure, and reaps the launcher."""
     for pid in [proc.pid, *descendants(proc.pid)]:

@@ -5,9 +5,19 @@ the run trains on and saves again once there is room."""
 from pathlib import Path
 
 import pytest
+from launch import (
+    CHECKPOINTED,
+    COMMON,
+    ROOT,
+    assert_one_error_line,
+    ckpt,
+    error_lines,
+    losses,
+    read_metrics,
+    torchrun,
+    train_in_process,
+)
 
-from launch import CHECKPOINTED, COMMON, ROOT, assert_one_error_line, ckpt, error_lines, losses, read_metrics, \
-    torchrun, train_in_process
 from torchtitan_lite.checkpoint import complete_checkpoints
 
 FULL_DISK = ROOT / "tests" / "multiprocess" / "full_disk.py"

@@ -7,15 +7,7 @@ import signal
 import subprocess
 import time
 
-from launch import COMMON, TIMEOUT_S, TINY, TRAIN, descendants, kill_tree, torchrun_cmd
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
+from launch import COMMON, TIMEOUT_S, TINY, TRAIN, descendants, kill_tree, running, torchrun_cmd
 
 
 def test_stopped_rank_ends_the_job_with_the_reason(tmp_path):

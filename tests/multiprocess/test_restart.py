@@ -3,7 +3,6 @@ group forms (it used to fail in gloo's connectFullMesh, see distributed._round_s
 complete checkpoint and finishes on the uninterrupted curve."""
 
 import pytest
-
 from launch import COMMON, ROOT, STEPS, TP2_FSDP2, losses, read_metrics, run_job, torchrun_cmd
 
 GATE = ROOT / "tests" / "multiprocess" / "gate.py"
