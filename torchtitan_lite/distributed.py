@@ -122,14 +122,19 @@ def set_timeout(seconds: int) -> None:
     _timeout = f"comm.train_timeout_seconds = {seconds}"
 
 
+# gloo's words for a collective that ran out of time: a wait on the whole operation, or one on a connection to a peer
+_GLOO_TIMEOUTS = ("Timed out", "Application timeout caused pair closure")
+
+
 def peer_timeout(error: RuntimeError) -> RuntimeError | None:
-    """gloo's "Timed out waiting" as a message naming the cause and the bound, or None for any other error. (NCCL's
-    watchdog ends the process itself after the same timeout, with its own message.)"""
+    """gloo's timeout as a message naming the cause and the bound, or None for any other error. (NCCL's watchdog
+    ends the process itself after the same timeout, with its own message.)"""
     message = str(error)
-    if "Timed out" not in message:
+    at = min((message.index(m) for m in _GLOO_TIMEOUTS if m in message), default=None)
+    if at is None:
         return None
     return RuntimeError(f"a collective waited longer than {_timeout} s: a peer rank is hung, stopped or dead "
-                        f"(gloo: {message[message.index('Timed out'):].splitlines()[0]})")
+                        f"(gloo: {message[at:].splitlines()[0]})")
 
 
 def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:

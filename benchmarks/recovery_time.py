@@ -1,0 +1,90 @@
+"""Seconds from a fault to the next completed step, on this machine's CPU processes.
+
+    python benchmarks/recovery_time.py
+
+1. A dead worker: `MAX_RESTARTS=1 NGPU=4 ./run_train.sh` (the debug model, checkpoints every 5 steps), local rank 1
+   SIGKILLed once step 12 is logged; torchrun restarts the group, which resumes from step-10.
+2. An elastic job (`--nnodes 1:2`, 2 processes per agent, the tests' tiny model and rendezvous settings,
+   tests/multiprocess/test_multinode.py): a second agent joins (2 -> 4 processes), then its launcher is SIGKILLed
+   (4 -> 2). Times run from the second agent's launch, and from the SIGKILL, to the next step logged.
+Each figure includes starting the new workers (imports, mesh, model, checkpoint load). The last line holds all three.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "multiprocess"))
+
+from launch import CHECKPOINTED, descendants, kill_tree  # noqa: E402
+from test_multinode import GATE, agent, free_port, train_args  # noqa: E402
+
+
+def records(folder: Path) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(condition) -> None:
+    while not condition():
+        time.sleep(0.02)
+
+
+def dead_worker(folder: Path) -> float:
+    env = {**os.environ, "MAX_RESTARTS": "1", "NGPU": "4", "PYTHON": sys.executable}
+    job = subprocess.Popen(["./run_train.sh", "--job.dump_folder", str(folder), "--checkpoint.enable",
+                            "--checkpoint.interval", "5", "--training.steps", "14"], cwd=ROOT, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: len(records(folder)) >= 12)
+        worker = sorted(descendants(job.pid))[-3]  # torchrun's workers, spawned in local-rank order: rank 1
+        start = time.perf_counter()
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: len(records(folder)) > 12)
+        return time.perf_counter() - start
+    finally:
+        kill_tree(job)
+
+
+def elastic(folder: Path) -> tuple[float, float]:
+    for step in (3, 6):
+        (folder / f"hold-{step}").touch()
+    args, port = (GATE, str(folder), *train_args(folder), *CHECKPOINTED), free_port()
+    a = agent("1:2", port, "bench", *args)
+    b = None
+    try:
+        wait_for(lambda: len(records(folder)) >= 2)
+        start = time.perf_counter()
+        b = agent("1:2", port, "bench", *args)
+        wait_for(lambda: any(r["world_size"] == 4 for r in records(folder)))
+        grow = time.perf_counter() - start
+        wait_for(lambda: records(folder)[-1]["step"] == 5)
+        start, n = time.perf_counter(), len(records(folder))
+        os.kill(b.pid, signal.SIGKILL)
+        b.communicate()
+        (folder / "hold-6").unlink()
+        wait_for(lambda: len(records(folder)) > n)
+        return grow, time.perf_counter() - start
+    finally:
+        for proc in (a, b):
+            if proc is not None:
+                kill_tree(proc)
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as tmp:
+        killed = dead_worker(Path(tmp) / "dead_worker")
+        print(f"dead worker: SIGKILL -> next step {killed:.1f} s")
+        (Path(tmp) / "elastic").mkdir()
+        grow, shrink = elastic(Path(tmp) / "elastic")
+        print(f"elastic: agent joins -> first step on 4 processes {grow:.1f} s; agent SIGKILLed -> next step on 2 "
+              f"{shrink:.1f} s")
+    print(f"recovery: dead worker {killed:.1f} s, grow {grow:.1f} s, shrink {shrink:.1f} s")

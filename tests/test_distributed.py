@@ -1,0 +1,23 @@
+import pytest
+
+from torchtitan_lite.distributed import Env, job_store, peer_timeout
+
+
+@pytest.mark.parametrize("gloo, cause", [
+    ("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation",
+     "Timed out waiting 3000ms for recv operation"),
+    # the same timeout, met on a connection to the peer
+    ("Application timeout caused pair closure", "Application timeout caused pair closure"),
+])
+def test_gloo_timeouts_become_one_line_naming_the_bound(gloo, cause):
+    error = str(peer_timeout(RuntimeError(f"some context\n{gloo}\nmore")))
+    assert error == ("a collective waited longer than comm.init_timeout_seconds s: a peer rank is hung, stopped or "
+                     f"dead (gloo: {cause})")
+
+
+def test_other_errors_are_not_timeouts():
+    assert peer_timeout(RuntimeError("Connection reset by peer")) is None
+
+
+def test_a_single_process_has_no_job_store():
+    assert job_store(Env(0, 0, 1, 1)) is None
