@@ -1,5 +1,6 @@
 import pytest
 
+from torchtitan_lite import distributed
 from torchtitan_lite.distributed import Env, job_store, peer_timeout
 
 
@@ -9,10 +10,11 @@ from torchtitan_lite.distributed import Env, job_store, peer_timeout
     # the same timeout, met on a connection to the peer
     ("Application timeout caused pair closure", "Application timeout caused pair closure"),
 ])
-def test_gloo_timeouts_become_one_line_naming_the_bound(gloo, cause):
+def test_gloo_timeouts_become_one_line_naming_the_bound(gloo, cause, monkeypatch):
+    monkeypatch.setattr(distributed, "_timeout", "comm.train_timeout_seconds = 3")  # as set_timeout(3) leaves it
     error = str(peer_timeout(RuntimeError(f"some context\n{gloo}\nmore")))
-    assert error == ("a collective waited longer than comm.init_timeout_seconds s: a peer rank is hung, stopped or "
-                     f"dead (gloo: {cause})")
+    assert error == ("a collective waited longer than comm.train_timeout_seconds = 3 s: a peer rank is hung, stopped "
+                     f"or dead (gloo: {cause})")
 
 
 def test_other_errors_are_not_timeouts():
