@@ -67,9 +67,12 @@ def report(error: Exception, env: Env) -> None:
     after_group = dist.is_initialized()
     deadline = time.monotonic() + (_WAIT_AFTER_GROUP_S if after_group else _WAIT_BEFORE_GROUP_S)
     while time.monotonic() < deadline:
-        if store.check([_key("reported")]):
+        try:
+            if store.check([_key("reported")]):
+                return
+            if not after_group and store.check([_key("passed")]):
+                break
+        except RuntimeError:  # the store was rank 0's (no agent store) and rank 0 has exited, having reported
             return
-        if not after_group and store.check([_key("passed")]):
-            break
         time.sleep(_POLL_S)
     _say(f"error: rank {env.rank}: {error}", env)

@@ -24,14 +24,21 @@ def test_bad_input_gives_one_clear_error(tmp_path, case):
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-def test_error_is_reported_when_rank_0_is_last_to_reach_it(tmp_path):
+# The verdict travels through torchrun's agent store, or, with it unshared (as run_train.sh sets), through the store
+# rank 0 serves: rank 1 then waits for rank 0 to start it.
+STORES = pytest.mark.parametrize("env", [{}, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}], ids=["agent", "rank0"])
+
+
+@STORES
+def test_error_is_reported_when_rank_0_is_last_to_reach_it(tmp_path, env):
     # Rank 1 reaches the verdict seconds before rank 0, as under load: the line must still be printed, once.
-    proc = torchrun(2, tmp_path, "--training.steps", "abc", script=SKEWED, script_args=("2", ""), check=False)
+    proc = torchrun(2, tmp_path, "--training.steps", "abc", script=SKEWED, script_args=("2", ""), check=False, env=env)
     assert_one_error_line(proc, "training.steps")
 
 
-def test_error_of_one_rank_alone_is_reported_by_that_rank(tmp_path):
+@STORES
+def test_error_of_one_rank_alone_is_reported_by_that_rank(tmp_path, env):
     # Rank 1 alone has a bad option; rank 0 goes on to wait for its peers. Rank 1 must say so itself, and the job end.
-    proc = torchrun(2, tmp_path, script=SKEWED, check=False, script_args=("0", "--training.stepz 3"))
+    proc = torchrun(2, tmp_path, script=SKEWED, check=False, script_args=("0", "--training.stepz 3"), env=env)
     assert_one_error_line(proc, "error: rank 1: unknown option --training.stepz")
     assert not error_lines(proc, "error: unknown option")
