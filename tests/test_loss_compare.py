@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,8 +27,8 @@ def write_metrics(path: Path, losses, steps=None, extra_lines=()) -> Path:
     return path
 
 
-def run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True)
+def run(*args, env=None):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=env)
 
 
 def test_identical_curves_pass_with_zero_difference(tmp_path):
@@ -118,10 +119,12 @@ def test_nan_on_one_side_fails(tmp_path):
     assert "at step 5" in r.stdout
 
 
-@pytest.mark.skipif(HAS_MATPLOTLIB, reason="matplotlib is installed")
 def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
+    hidden = tmp_path / "hidden" / "matplotlib"  # a package that shadows an installed matplotlib and fails to import
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
     a = write_metrics(tmp_path / "a.jsonl", LOSSES)
-    r = run(a, a, "--plot", tmp_path / "out.png")
+    r = run(a, a, "--plot", tmp_path / "out.png", env={**os.environ, "PYTHONPATH": str(hidden.parent)})
     assert r.returncode == 2
     assert "--plot needs matplotlib: pip install matplotlib" in r.stderr
     assert not (tmp_path / "out.png").exists()
