@@ -30,13 +30,13 @@ from torchtitan_lite.data import DataLoader, build_source
 from torchtitan_lite.distributed import Env, init_distributed, peer_timeout, set_determinism, set_timeout
 from torchtitan_lite.errors import checks_passed, report
 from torchtitan_lite.metrics import MetricLogger, flops_per_token, held_bytes, memory_gib, peak_flops
-from torchtitan_lite.model import FLAVORS, Transformer, count_params
+from torchtitan_lite.model import Transformer, count_params, flavor_args
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.parallelize import parallelize
 from torchtitan_lite.precision import DTYPES, NonFiniteError, UpdateGuard, warn_if_slow
 from torchtitan_lite.signals import Preemption, restore_signals, stop_with_launcher
-from torchtitan_lite.tokenizer import build_tokenizer
+from torchtitan_lite.tokenizer import load_tokenizer
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -45,13 +45,8 @@ def main(cfg: JobConfig, env: Env) -> None:
     # ---- Validate everything that can be checked before any process talks to another, so a bad config fails on
     # every rank the same way instead of hanging in a collective.
     dims = ParallelDims.from_config(cfg.parallelism, env.world_size)
-    try:
-        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.tokenizer_path: {e}") from None
-    if cfg.model.flavor not in FLAVORS:
-        raise ConfigError(f"model.flavor {cfg.model.flavor!r} is unknown: choose one of {', '.join(FLAVORS)}")
-    model_args = FLAVORS[cfg.model.flavor].with_(vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    model_args = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
     dims.validate_model(model_args)
     check_config(cfg.checkpoint, env.world_size, cfg.job.dump_folder)
     t = cfg.training

@@ -12,7 +12,6 @@ Each figure includes starting the new workers (imports, mesh, model, checkpoint 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -24,18 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "multiprocess"))
 
-from launch import CHECKPOINTED, descendants, kill_tree  # noqa: E402
-from test_multinode import GATE, agent, free_port, train_args  # noqa: E402
-
-
-def records(folder: Path) -> list[dict]:
-    path = folder / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_for(condition) -> None:
-    while not condition():
-        time.sleep(0.02)
+from launch import (CHECKPOINTED, COMMON, GATE, STEPS, agent, descendants, free_port, kill_tree,  # noqa: E402
+                    logged, read_metrics, train_argv, wait_until)
 
 
 def dead_worker(folder: Path) -> float:
@@ -44,11 +33,11 @@ def dead_worker(folder: Path) -> float:
                             "--checkpoint.interval", "5", "--training.steps", "14"], cwd=ROOT, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_for(lambda: len(records(folder)) >= 12)
+        wait_until(lambda: logged(folder) >= 12, "step 12", job)
         worker = sorted(descendants(job.pid))[-3]  # torchrun's workers, spawned in local-rank order: rank 1
         start = time.perf_counter()
         os.kill(worker, signal.SIGKILL)
-        wait_for(lambda: len(records(folder)) > 12)
+        wait_until(lambda: logged(folder) > 12, "a step after the restart", job)
         return time.perf_counter() - start
     finally:
         kill_tree(job)
@@ -57,21 +46,22 @@ def dead_worker(folder: Path) -> float:
 def elastic(folder: Path) -> tuple[float, float]:
     for step in (3, 6):
         (folder / f"hold-{step}").touch()
-    args, port = (GATE, str(folder), *train_args(folder), *CHECKPOINTED), free_port()
+    args = (GATE, str(folder), *train_argv(folder, *COMMON, "--training.steps", str(STEPS), *CHECKPOINTED))
+    port = free_port()
     a = agent("1:2", port, "bench", *args)
     b = None
     try:
-        wait_for(lambda: len(records(folder)) >= 2)
+        wait_until(lambda: logged(folder) >= 2, "step 2", a)
         start = time.perf_counter()
         b = agent("1:2", port, "bench", *args)
-        wait_for(lambda: any(r["world_size"] == 4 for r in records(folder)))
+        wait_until(lambda: any(r["world_size"] == 4 for r in read_metrics(folder)), "4 processes", a, b)
         grow = time.perf_counter() - start
-        wait_for(lambda: records(folder)[-1]["step"] == 5)
-        start, n = time.perf_counter(), len(records(folder))
+        wait_until(lambda: read_metrics(folder)[-1]["step"] == 5, "step 5", a, b)
+        start, n = time.perf_counter(), logged(folder)
         os.kill(b.pid, signal.SIGKILL)
         b.communicate()
         (folder / "hold-6").unlink()
-        wait_for(lambda: len(records(folder)) > n)
+        wait_until(lambda: logged(folder) > n, "a step on 2 processes", a)
         return grow, time.perf_counter() - start
     finally:
         for proc in (a, b):

@@ -20,10 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-
 from torchtitan_lite.hf import ConversionError, import_from_hf, matching_flavor
 from torchtitan_lite.model import ModelArgs
+from torchtitan_lite.precision import DTYPES
 
 TOKENIZER_FILE = "tokenizer.tiktoken"
 
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("hf_dir", help="Hugging Face folder: config.json and model*.safetensors")
     parser.add_argument("out", help="DCP checkpoint folder to create (must not exist, or be empty)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args(argv)
     hf_dir = Path(args.hf_dir)
     has_tokenizer = (hf_dir / "tokenizer.json").is_file() or (hf_dir / "original" / "tokenizer.model").is_file()
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                                   f"{model_args.vocab_size}")
 
     try:
-        model_args = import_from_hf(hf_dir, args.out, getattr(torch, args.dtype),
+        model_args = import_from_hf(hf_dir, args.out, DTYPES[args.dtype],
                                     add_tokenizer if has_tokenizer else None)
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -20,12 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-
 from torchtitan_lite.config import ConfigError, load_config
 from torchtitan_lite.hf import DEFAULT_MAX_SHARD_SIZE, ConversionError, export_to_hf
-from torchtitan_lite.memory import model_args
-from torchtitan_lite.tokenizer import build_tokenizer
+from torchtitan_lite.model import flavor_args
+from torchtitan_lite.precision import DTYPES
+from torchtitan_lite.tokenizer import load_tokenizer
 
 # transformers' units: GB is 10^9 bytes, GiB 2^30.
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("ckpt", help="DCP checkpoint folder, e.g. outputs/checkpoint/step-1000")
     parser.add_argument("out", help="Hugging Face folder to create (must not exist, or be empty)")
     parser.add_argument("--config", help="the run's config.toml (default: two levels above CKPT)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: the checkpoint's")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
     parser.add_argument("--max_shard_size", type=parse_size, default=DEFAULT_MAX_SHARD_SIZE, help="default 5GB")
     args = parser.parse_args(argv)
     try:
@@ -53,12 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConversionError(f"no config {config}: a run's config.toml is two levels above its checkpoints "
                                   "(<dump_folder>/<checkpoint.folder>/step-N); pass --config FILE")
         cfg = load_config(["--job.config_file", str(config)])
-        try:
-            tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"model.tokenizer_path in {config}: {e}") from None
-
-        shape = model_args(cfg)[0]  # the trainer's: its flavor, this tokenizer's vocabulary, training.seq_len
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+        shape = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)  # the trainer's model
 
         def add_tokenizer(folder: Path) -> None:
             # Imported here, not at the top: checking and converting the weights need none of it.
@@ -67,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             save_hf_tokenizer(tokenizer, folder, model_max_length=shape.max_seq_len)
 
         export_to_hf(args.ckpt, args.out, shape, tokenizer.bos_id, tokenizer.eos_id,
-                     getattr(torch, args.dtype) if args.dtype else None, args.max_shard_size, add_files=add_tokenizer)
+                     DTYPES.get(args.dtype), args.max_shard_size, add_files=add_tokenizer)
     except (ConversionError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

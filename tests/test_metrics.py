@@ -1,4 +1,3 @@
-import json
 import logging
 import math
 import os
@@ -13,11 +12,6 @@ from torchtitan_lite import metrics
 from torchtitan_lite.metrics import MetricLogger, _cpu_peak, flops_per_token, memory_gib, peak_flops
 
 CPU = torch.device("cpu")
-
-
-def _read_jsonl(folder):
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_flops_per_token_matches_hand_count():
@@ -65,7 +59,7 @@ def test_jsonl_round_trips_exact_floats_and_appends(tmp_path):
     ml = MetricLogger(str(tmp_path), rank=0, log_freq=10, enable_tensorboard=False, tb_folder="tb")
     ml.log(2, {**values, "loss": 0.1})
     ml.close()
-    rows = _read_jsonl(tmp_path)
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["loss"] == 1 / 3 and rows[0]["lr"] == math.pi * 1e-4
     assert rows[0]["grad_norm"] == 2 / 3 and type(rows[0]["grad_norm"]) is float

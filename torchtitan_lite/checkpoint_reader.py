@@ -55,14 +55,19 @@ class SafePlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
+def load_local(state: dict[str, Any], path: str, reader: SafeReader | None = None) -> None:
+    """dcp.load of `state` (full plain tensors, filled in place) in this one process, with no process group."""
+    with warnings.catch_warnings():  # DCP warns that no process group exists, which is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader or SafeReader(path), planner=SafePlanner(), no_dist=True)
+
+
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint as a full plain tensor, in this one process (tests, scripts): key -> tensor."""
     md = read_metadata(path).state_dict_metadata
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items()
              if isinstance(m, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # DCP warns that no process group exists, which is the point here
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=True)
+    load_local(state, path)
     return state
 
 

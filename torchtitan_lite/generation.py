@@ -23,18 +23,15 @@ saved on any mesh (FSDP, TP, HSDP) loads here; only the `model.*` tensors are re
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 from torchtitan_lite.checkpoint import complete_checkpoints
-from torchtitan_lite.checkpoint_reader import SafePlanner, SafeReader, check_fits
+from torchtitan_lite.checkpoint_reader import check_fits, load_local
 from torchtitan_lite.config import ConfigError, JobConfig
-from torchtitan_lite.memory import model_args
-from torchtitan_lite.model import Transformer, apply_rope, rope_table
-from torchtitan_lite.tokenizer import Tokenizer, build_tokenizer
+from torchtitan_lite.model import Transformer, apply_rope, flavor_args
+from torchtitan_lite.tokenizer import Tokenizer, load_tokenizer
 
 
 class ContextError(ValueError):
@@ -150,27 +147,21 @@ def load_weights(model: Transformer, path: str) -> None:
     raises ConfigError, naming the tensor, when the checkpoint was saved from another model."""
     state = {"model": model.state_dict()}  # views of the parameters: DCP writes straight into them
     check_fits(state, path)  # every parameter is in the checkpoint, same shapes, and nothing more
-    with warnings.catch_warnings():  # DCP warns that no process group exists, which is the point here
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=True)
+    load_local(state, path)
 
 
 def load_model(cfg: JobConfig, checkpoint: str, device: torch.device,
                dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer]:
     """The model of `cfg` built as train.py builds it (flavor, the tokenizer's vocabulary, training.seq_len), on
     meta then materialized, with the weights of `checkpoint` (a step-N folder or a folder of them)."""
-    try:
-        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.tokenizer_path: {e}") from None
-    args, _ = model_args(cfg)  # the trainer's rule; the tokenizer loaded above, so no vocabulary is assumed
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    args = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
     path = resolve_checkpoint(checkpoint)
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
-    # Not init_weights(): it would draw every parameter for the load to overwrite (seconds on a big model). Only
-    # the rope buffer, which to_empty leaves garbage and no checkpoint holds, is computed as init_weights does.
-    model.rope.copy_(rope_table(args, device=device))
+    # Not init_weights(): it would draw every parameter for the load to overwrite (seconds on a big model).
+    model.init_buffers()
     # Parameters only: Module.to(dtype) would also turn the complex rope table real.
     for p in model.parameters():
         p.data = p.data.to(dtype)

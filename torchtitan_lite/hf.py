@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchtitan_lite.checkpoint_reader import SafePlanner, SafeReader, read_metadata
+from torchtitan_lite.checkpoint_reader import SafeReader, load_local, read_metadata
 from torchtitan_lite.model import FLAVORS, ROPE_SCALING, ModelArgs, Transformer
 
 
@@ -149,8 +149,8 @@ def model_args_from_hf(config: dict) -> ModelArgs:
     theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
     if rope_type == "llama3":
-        for key, ours in LLAMA31_ROPE_SCALING.items():
-            if key != "rope_type" and rope.get(key) != ours:
+        for key, ours in ROPE_SCALING.items():
+            if rope.get(key) != ours:
                 raise refuse(f"rope_scaling {key} = {rope.get(key)} (ours is Llama 3.1's, {ours})")
     elif rope_type != "default":
         raise refuse(f"rope_type {rope_type!r} (ours: default, or llama3 as in Llama 3.1)")
@@ -292,9 +292,7 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: ModelArgs, bos_id: int
     def read(hf: str) -> torch.Tensor:
         key, stored = "model." + ours_of[hf], saved[ours_of[hf]]
         tensor = torch.empty(stored.size, dtype=stored.properties.dtype)
-        with warnings.catch_warnings():  # DCP warns that no process group exists, which is the point here
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({key: tensor}, storage_reader=reader, planner=SafePlanner(), no_dist=True)
+        load_local({key: tensor}, ckpt, reader)
         progress.update(tensor.numel() * dtype.itemsize)
         return to_hf_tensor(ours_of[hf], tensor, args).to(dtype)
 

@@ -84,12 +84,6 @@ def _derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def _ranks_of(tokenizer: Tokenizer) -> dict[bytes, int]:
-    # Through tiktoken's public API: ranks are the ids below the first special token.
-    n = tokenizer.n_words - len(tokenizer.special_tokens)
-    return {tokenizer.model.decode_single_token_bytes(i): i for i in range(n)}
-
-
 def _pre_tokenizer() -> dict:
     return {
         "type": "Sequence",
@@ -114,7 +108,7 @@ def _added_token(name: str) -> dict:
 
 
 def _tokenizer_json(tokenizer: Tokenizer) -> dict:
-    ranks = _ranks_of(tokenizer)
+    ranks = tokenizer.ranks
     bos = {"id": BOS, "ids": [tokenizer.bos_id], "tokens": [BOS]}
     return {
         "version": "1.0",

@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.metrics import held_bytes
-from torchtitan_lite.model import FLAVORS, ModelArgs, Transformer
+from torchtitan_lite.model import ModelArgs, Transformer, flavor_args
 from torchtitan_lite.optim import build_optimizer, clip_grad_norm_
 from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.parallelize import parallelize
@@ -75,15 +75,13 @@ class Estimate:
 def model_args(cfg: JobConfig) -> tuple[ModelArgs, str]:
     """The trainer's model args for `cfg`, and a note when the tokenizer file is missing and Llama 3's vocabulary
     is assumed (the big configs point at Meta's tokenizer, which an estimate should not need)."""
-    if cfg.model.flavor not in FLAVORS:
-        raise ConfigError(f"model.flavor {cfg.model.flavor!r} is unknown: choose one of {', '.join(FLAVORS)}")
     try:
         vocab, note = build_tokenizer(cfg.model.tokenizer_path).n_words, ""
     except FileNotFoundError:
         vocab, note = LLAMA3_VOCAB, f"{cfg.model.tokenizer_path} not found: Llama 3's vocabulary assumed"
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.tokenizer_path: {e}") from None
-    return FLAVORS[cfg.model.flavor].with_(vocab_size=vocab, max_seq_len=cfg.training.seq_len), note
+    return flavor_args(cfg.model.flavor, vocab, cfg.training.seq_len), note
 
 
 class _DevicePeak:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan_lite.config import ConfigError
 from torchtitan_lite.init import trunc_normal_
 
 
@@ -61,8 +62,17 @@ FLAVORS: dict[str, ModelArgs] = {
 }
 
 
+def flavor_args(flavor: str, vocab_size: int, seq_len: int) -> ModelArgs:
+    """The args a run builds its model from: the flavor's, with the tokenizer's vocabulary and training.seq_len as
+    the context (train.py, and every tool that must build the same model: generation, export, memory estimate)."""
+    if flavor not in FLAVORS:
+        raise ConfigError(f"model.flavor {flavor!r} is unknown: choose one of {', '.join(FLAVORS)}")
+    return FLAVORS[flavor].with_(vocab_size=vocab_size, max_seq_len=seq_len)
+
+
 # Llama 3.1's long-context scaling, in Hugging Face's names (hf.py writes them into config.json).
-ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
 
 
 def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
@@ -187,9 +197,14 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
     @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recomputes the rope table, which to_empty leaves garbage and no checkpoint holds."""
+        self.rope.copy_(rope_table(self.args, device=self.rope.device))
+
+    @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Initialize every parameter and recompute every buffer, identically on any mesh (see init.py)."""
-        self.rope.copy_(rope_table(self.args, device=self.rope.device))
+        self.init_buffers()
         names = {p: canonical_name(n) for n, p in self.named_parameters()}
 
         def init(param: torch.Tensor, std: float, cutoff: float = math.inf) -> None:

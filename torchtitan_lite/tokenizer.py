@@ -17,6 +17,8 @@ from pathlib import Path
 
 import tiktoken
 
+from torchtitan_lite.config import ConfigError
+
 # Llama 3's pre-tokenizer: contractions, words with one leading non-letter, numbers of at most 3 digits,
 # punctuation runs, newlines, and whitespace (the last space before a word stays with the word).
 LLAMA3_PAT = (
@@ -131,7 +133,7 @@ class Tokenizer:
         self.n_words: int = n + len(specials)
         self.bos_id: int = self.special_tokens[BOS]
         self.eos_id: int = self.special_tokens[EOS]
-        self._ranks = ranks
+        self.ranks = ranks  # token bytes -> id, below the special tokens
 
     @classmethod
     def byte_level(cls) -> "Tokenizer":
@@ -160,7 +162,7 @@ class Tokenizer:
     def identity(self) -> str:
         """A fingerprint of what the ids mean (ranks, specials, split pattern), e.g. to match pre-tokenized shards."""
         h = hashlib.sha256(LLAMA3_PAT.encode())
-        for token, rank in sorted(self._ranks.items(), key=lambda kv: kv[1]):
+        for token, rank in sorted(self.ranks.items(), key=lambda kv: kv[1]):
             h.update(b"%d %s\n" % (rank, base64.b64encode(token)))
         for name, i in self.special_tokens.items():
             h.update(b"%d %s\n" % (i, name.encode()))
@@ -169,3 +171,11 @@ class Tokenizer:
 
 def build_tokenizer(tokenizer_path: str) -> Tokenizer:
     return Tokenizer.from_file(tokenizer_path) if tokenizer_path else Tokenizer.byte_level()
+
+
+def load_tokenizer(tokenizer_path: str) -> Tokenizer:
+    """build_tokenizer for a run's config: a missing or malformed file is a ConfigError naming the option."""
+    try:
+        return build_tokenizer(tokenizer_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.tokenizer_path: {e}") from None

@@ -10,13 +10,16 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "assets" / "tiny.toml"
 TRAIN = ROOT / "train.py"
+GATE = ROOT / "tests" / "multiprocess" / "gate.py"  # the shim that holds a step or kills a rank (gate.py)
 # A bound on a whole job, far above any healthy run even on a loaded machine: it detects a hang, it times nothing.
 TIMEOUT_S = 600
 
@@ -86,14 +89,57 @@ def run_job(cmd: list[str], env: dict[str, str], check: bool = True) -> subproce
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def train_argv(dump_folder: Path, *overrides: str, config: Path = TINY) -> tuple[str, ...]:
+    """train.py's arguments: the config file, the dump folder, then the overrides."""
+    return ("--job.config_file", str(config), "--job.dump_folder", str(dump_folder), *overrides)
+
+
 def torchrun(nproc: int, dump_folder: Path, *overrides: str, config: Path = TINY, script: Path = TRAIN,
-             script_args: tuple[str, ...] = (), check: bool = True,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+             script_args: tuple[str, ...] = (), check: bool = True, env: dict[str, str] | None = None,
+             launcher: tuple[str, ...] = ("--standalone",)) -> subprocess.CompletedProcess:
     """Run train.py (or `script script_args...` followed by train.py's arguments) on `nproc` local gloo processes,
     as run_job does."""
-    cmd, base_env = torchrun_cmd(nproc, script, *script_args, "--job.config_file", str(config), "--job.dump_folder",
-                                 str(dump_folder), *overrides)
+    cmd, base_env = torchrun_cmd(nproc, script, *script_args, *train_argv(dump_folder, *overrides, config=config),
+                                 launcher=launcher)
     return run_job(cmd, {**base_env, **(env or {})}, check)
+
+
+# Recovery bounds of the multi-agent jobs (README, "Running on a cluster"): a round closes 1 s after its minimum of
+# nodes is there, and a node silent for 10 heartbeats of 1 s (one is sent every second) is dropped from the next one.
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=10"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def agent(nnodes: str, port: int, run_id: str, script: Path, *args: str) -> subprocess.Popen:
+    """One node's torchrun, as on a machine of its own: 2 processes, a c10d rendezvous on 127.0.0.1:port, restarts
+    allowed; its output (stderr included) in stdout. The caller kills it (kill_tree) if it outlives the test."""
+    cmd, env = torchrun_cmd(2, script, *args, launcher=(
+        "--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+        "--rdzv-conf", RDZV_CONF, "--max-restarts", "3"))
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as run_train.sh and multinode_trainer.slurm set it
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_until(condition, what: str, *procs: subprocess.Popen) -> None:
+    """Polls `condition` while every one of `procs` runs; fails if one ends first, or after TIMEOUT_S (a hang
+    detector, not a timing)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        for p in procs:
+            assert p.poll() is None, f"a job ended before {what}:\n{(p.communicate()[0] or '')[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {TIMEOUT_S}s"
+        time.sleep(0.05)
+
+
+def logged(dump_folder: Path) -> int:
+    """How many records the job's metrics.jsonl holds so far (0 before it exists)."""
+    path = Path(dump_folder) / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def train_in_process(dump_folder: Path, *overrides: str, config: Path = TINY,
@@ -102,7 +148,7 @@ def train_in_process(dump_folder: Path, *overrides: str, config: Path = TINY,
     about the launcher. Answers like torchrun(): the log in stdout, what went to stderr (an error line) in stderr."""
     import train  # noqa: PLC0415 - the trainer's imports are only needed by the tests that run it here
 
-    argv = ["--job.config_file", str(config), "--job.dump_folder", str(dump_folder), *overrides]
+    argv = list(train_argv(dump_folder, *overrides, config=config))
     log, err = io.StringIO(), io.StringIO()
     handler, logger = logging.StreamHandler(log), logging.getLogger("torchtitan_lite")
     level = logger.level

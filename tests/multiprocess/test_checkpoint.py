@@ -15,27 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import (
-    CHECKPOINTED,
-    COMMON,
-    HSDP,
-    ROOT,
-    STEPS,
-    TINY,
-    TP2,
-    TRAIN,
-    assert_one_error_line,
-    ckpt,
-    kill_tree,
-    losses,
-    read_metrics,
-    stopped_after,
-    torchrun,
-    torchrun_cmd,
-    train_in_process,
-    train_job,
-)
 
+from launch import (CHECKPOINTED, COMMON, HSDP, ROOT, STEPS, TINY, TP2, TRAIN, assert_one_error_line, ckpt, kill_tree,
+                    losses, read_metrics, stopped_after, torchrun, torchrun_cmd, train_in_process, train_job)
 from torchtitan_lite.checkpoint import complete_checkpoints
 from torchtitan_lite.checkpoint_reader import read_tensors
 

@@ -9,7 +9,7 @@ not what is computed, so one that broke the numerics would show in its run's cur
 import pytest
 
 from conftest import SHORT
-from launch import COMMON, STEPS, losses, torchrun
+from launch import COMMON, losses, torchrun
 
 TOLERANCE = 1e-5
 RUNS = {
@@ -28,7 +28,7 @@ RUNS = {
 
 @pytest.mark.parametrize("name", RUNS)
 def test_fsdp_option_leaves_the_curve_unchanged(runs, tmp_path, name):
-    torchrun(4, tmp_path, *COMMON, "--training.steps", str(STEPS), *RUNS[name], *SHORT)
+    torchrun(4, tmp_path, *COMMON, *RUNS[name], *SHORT)
     curve, ref = losses(tmp_path), losses(runs["fsdp4"])
     assert sorted(curve) == list(range(1, 7))
     worst = max(abs(curve[s] - ref[s]) for s in curve)

@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 
 import torch
-from launch import CHECKPOINTED, COMMON, assert_one_error_line, ckpt, read_metrics, torchrun
 
+from launch import CHECKPOINTED, COMMON, assert_one_error_line, ckpt, read_metrics, torchrun
 from torchtitan_lite.checkpoint import complete_checkpoints
 from torchtitan_lite.checkpoint_reader import read_tensors
 

@@ -45,7 +45,8 @@ def test_fp16_resume_restores_the_loss_scale(fp16_run, tmp_path):
 
 
 def test_bf16_trains_on_one_process_and_warns_once(tmp_path):
-    fp32 = losses(train_in_process(tmp_path / "fp32", "--training.steps", "3") and tmp_path / "fp32")
+    train_in_process(tmp_path / "fp32", "--training.steps", "3")
+    fp32 = losses(tmp_path / "fp32")
     proc = train_in_process(tmp_path / "bf16", "--training.steps", "3", "--training.mixed_precision_param",
                             "bfloat16")
     assert (proc.stdout + proc.stderr).count("half-precision matmuls") == 1

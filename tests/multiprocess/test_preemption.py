@@ -6,21 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from launch import ROOT, TINY, TIMEOUT_S, ckpt, kill_tree, read_metrics
+from launch import ROOT, TINY, TIMEOUT_S, kill_tree, logged, read_metrics, wait_until
 from torchtitan_lite.checkpoint import complete_checkpoints
-
-
-def wait_for(condition, what: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + TIMEOUT_S  # a hang detector, not a timing
-    while not condition():
-        assert proc.poll() is None, f"the job ended before {what}:\n{proc.communicate()[0][-3000:]}"
-        assert time.monotonic() < deadline, f"no {what} after {TIMEOUT_S}s"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("signals", [("SIGTERM",), ("SIGUSR1", "SIGTERM")])
@@ -32,12 +22,11 @@ def test_signal_saves_the_current_step_and_exits_0(tmp_path, signals):
            "--checkpoint.interval", "500"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        metrics = tmp_path / "metrics.jsonl"
-        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, "step 3", proc)
+        wait_until(lambda: logged(tmp_path) >= 3, "step 3", proc)
         proc.send_signal(getattr(signal, signals[0]))
         if len(signals) > 1:
             folder = tmp_path / "checkpoint"
-            wait_for(lambda: folder.exists() and any(p.suffix == ".tmp" for p in folder.iterdir()), "save", proc)
+            wait_until(lambda: folder.exists() and any(p.suffix == ".tmp" for p in folder.iterdir()), "save", proc)
             proc.send_signal(getattr(signal, signals[1]))
         out = proc.communicate(timeout=TIMEOUT_S)[0]
     finally:
@@ -47,4 +36,4 @@ def test_signal_saves_the_current_step_and_exits_0(tmp_path, signals):
     last = read_metrics(tmp_path)[-1]["step"]
     assert 3 <= last < 1000 and f"{signals[0]}: stopped after step {last}, checkpoint saved" in out
     assert list(complete_checkpoints(str(tmp_path / "checkpoint"))) == [last]
-    assert not any(p.name.endswith(".tmp") for p in Path(ckpt(tmp_path, last)).parent.iterdir())
+    assert not any(p.name.endswith(".tmp") for p in (tmp_path / "checkpoint").iterdir())

@@ -3,17 +3,14 @@ group forms (it used to fail in gloo's connectFullMesh, see distributed._round_s
 complete checkpoint and finishes on the uninterrupted curve."""
 
 import pytest
-from launch import COMMON, ROOT, STEPS, TP2_FSDP2, losses, read_metrics, run_job, torchrun_cmd
 
-GATE = ROOT / "tests" / "multiprocess" / "gate.py"
+from launch import COMMON, GATE, STEPS, TP2_FSDP2, losses, read_metrics, torchrun
 
 
 def test_killed_worker_is_restarted_and_finishes_on_the_uninterrupted_curve(runs, tmp_path):
     # Rank 1 dies at the start of step 6; the newest checkpoint is step 4 (saved every 2).
-    cmd, env = torchrun_cmd(4, GATE, str(tmp_path), "1", "6", "--job.config_file", str(ROOT / "tests/assets/tiny.toml"),
-                            "--job.dump_folder", str(tmp_path), *COMMON, "--training.steps", str(STEPS), *TP2_FSDP2,
-                            launcher=("--standalone", "--max-restarts", "1"))
-    out = run_job(cmd, env)
+    out = torchrun(4, tmp_path, *COMMON, "--training.steps", str(STEPS), *TP2_FSDP2, script=GATE,
+                   script_args=(str(tmp_path), "1", "6"), launcher=("--standalone", "--max-restarts", "1"))
     assert f"loaded full state from {tmp_path / 'checkpoint' / 'step-4'}" in out.stdout + out.stderr
     logged = [m["step"] for m in read_metrics(tmp_path)]
     assert logged == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5 once before the death, once after the restart
