@@ -46,7 +46,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     """Megatron-style TP with sequence parallelism: activations between blocks are sharded on the sequence dim
     (Shard(1)), gathered before attention/FFN, and reduce-scattered after their output projections."""
     parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         # With loss parallel the logits stay sharded on the vocab dim: cross-entropy never gathers them.
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -67,6 +67,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     }
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
+
+
+class EmbeddingParallel(RowwiseParallel):
+    """RowwiseParallel whose output reduce-scatter is waited for before the embedding returns.
+
+    torch 2.13 bug (pytorch/pytorch#179849, fixed by #191113 after 2.13): a compiled block whose input is an
+    AsyncCollectiveTensor (what RowwiseParallel's async redistribute leaves after `to_local`) unwraps it with
+    `trigger_wait()`, which drops its autograd edge: the embedding gets no gradient (with FSDP) or backward crashes
+    in redistribute (TP alone). The first block's norm needs the activations at once, so waiting here costs no
+    overlap."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
 
 
 def apply_ac(model: nn.Module, mode: str, option: str) -> None:
