@@ -135,6 +135,8 @@ class ActivationCheckpoint:
 class Compile:
     """torch.compile"""
     enable: bool = opt(False, "compile each transformer block")
+    backend: str = opt("inductor", "torch.compile backend (aot_eager: traced, not code-generated)",
+                       choices=("inductor", "aot_eager", "eager"))
 
 
 @dataclass

@@ -28,10 +28,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=not cfg.parallelism.disable_loss_parallel)
     if cfg.activation_checkpoint.mode != "none":
-        apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+        apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option,
+                 keep_attention=cfg.compile.enable and dims.tp > 1)
     if cfg.compile.enable:
         for block in model.layers.values():
-            block.compile(fullgraph=True)  # in place: parameter names stay unchanged
+            block.compile(backend=cfg.compile.backend, fullgraph=True)  # in place: parameter names stay unchanged
     if dims.fsdp:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         apply_fsdp(model, dp_mesh, cfg)
@@ -84,28 +85,39 @@ class EmbeddingParallel(RowwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def apply_ac(model: nn.Module, mode: str, option: str) -> None:
-    """Full: recompute every block in backward. Selective N: every N-th block. Selective "op": keep matmul
-    outputs, recompute the cheap element-wise ops."""
+# The attention kernels: the costliest ops to recompute, and the ones torch tags as random (they take a dropout
+# probability), which matters to compiled activation checkpointing (apply_ac).
+ATTENTION_OPS = (torch.ops.aten._scaled_dot_product_flash_attention.default,
+                 torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                 torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+def apply_ac(model: nn.Module, mode: str, option: str, keep_attention: bool = False) -> None:
+    """Full: recompute every block in backward. Selective N: every N-th block. Selective "op": keep matmul and
+    attention outputs, recompute the cheap element-wise ops.
+
+    `keep_attention` (compiled blocks under TP): recomputed blocks keep their attention output too. torch 2.13 bug:
+    recomputing a random-tagged op inside a compiled block stashes its RNG state among the saved values after the
+    DeviceMesh that TP's DTensors save, an order AOTAutograd's runtime misreads ("expected all
+    tensors_saved_with_vc_check to be Tensors"). Kept, the kernel is never recomputed; the cost is one more
+    activation per block, the size of the block's input under sequence parallelism."""
+    from functools import partial
+
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    context_fn = None
+    keep = ATTENTION_OPS if keep_attention else ()
     if mode == "selective" and option == "op":
-        from functools import partial
+        keep = (torch.ops.aten.mm.default, *ATTENTION_OPS)
 
-        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-        def policy(ctx, op, *args, **kwargs):
-            save = op in (torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
-                          torch.ops.aten._scaled_dot_product_efficient_attention.default,
-                          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
-            return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
-
-        context_fn = partial(create_selective_checkpoint_contexts, policy)
+    kwargs = {"context_fn": partial(create_selective_checkpoint_contexts, policy)} if keep else {}
     every = int(option) if mode == "selective" and option != "op" else 1
     for i, (name, block) in enumerate(list(model.layers.items())):
         if i % every == 0:
-            kwargs = {"context_fn": context_fn} if context_fn else {}
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
