@@ -168,7 +168,7 @@ def main(cfg: JobConfig, env: Env) -> None:
         guard.unscale_(optimizer)  # fp16: clipping and the logged norm see the true gradients
         grad_norm = clip_grad_norm_(params, t.max_norm, env.world_size)
         lr = scheduler.get_last_lr()[0]
-        guard.step(optimizer, grad_norm, step)  # skipped, or the run stops, when a gradient is inf/NaN
+        guard.step(optimizer, grad_norm, step)  # skipped when a gradient is inf/NaN, decided on the device
         if step == first_step:
             held = held_bytes(model, optimizer)
             set_timeout(cfg.comm.train_timeout_seconds)  # start-up is over: a peer silent this long is hung
@@ -182,6 +182,7 @@ def main(cfg: JobConfig, env: Env) -> None:
             val_loss = validate()
             last_log_time += time.perf_counter() - val_start  # tokens/s and MFU measure training alone
         if metrics.should_log(step, last=step == t.steps) or val_loss is not None:
+            guard.check()  # a step since the last log that must stop the run raises here (saves check too)
             dist.all_reduce(loss_sum, group=dp_mesh.get_group())
             now = time.perf_counter()
             tps = global_tokens * (step - last_log_step) / env.world_size / (now - last_log_time)
@@ -203,6 +204,7 @@ def main(cfg: JobConfig, env: Env) -> None:
             logger.warning("%s: stopped after step %d%s", received, step, ", checkpoint saved: rerun the same command "
                            "to resume" if cfg.checkpoint.enable else " (checkpoint.enable is off: nothing saved)")
             break
+    guard.check()  # a preempted run may stop between logging steps
     checkpoint.close()  # waits for an async save still being written
     metrics.close()
     logger.info("training done: %d steps in %.1fs", step, time.perf_counter() - start)

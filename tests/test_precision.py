@@ -28,14 +28,37 @@ def test_fp16_skips_overflowed_steps_and_resumes_its_scale():
     assert resumed.metrics() == guard.metrics()
 
 
+def adamw_step(guard: UpdateGuard, opt: torch.optim.Optimizer, grad: float, n: int) -> None:
+    p = opt.param_groups[0]["params"][0]
+    p.grad = torch.full_like(p, grad)
+    guard.step(opt, p.grad.norm(), n)
+
+
+def state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    p = opt.param_groups[0]["params"][0]
+    return [t.clone() for t in (p.detach(), *opt.state[p].values())]  # weights, step, exp_avg, exp_avg_sq
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_nonfinite_step_stops_the_run_before_the_update(bad):
+def test_a_nonfinite_step_changes_nothing_and_stops_the_run_at_the_next_check(implementation, bad):
+    """Fused AdamW skips on the device (found_inf): weights, moments and step count stay bitwise, and so do they at
+    every later step until the host checks, which names the step."""
     guard = UpdateGuard(torch.device("cpu"), torch.bfloat16)
     assert guard.scale(torch.tensor(3.0)).item() == 3.0  # no loss scaling outside fp16
-    assert step(guard, 1.0).tolist() == [0.5, 0.5]
-    with pytest.raises(NonFiniteError, match="step 7: the gradient norm is (nan|inf)"):
-        step(guard, bad, n=7)
-    assert guard.metrics() == {} and guard.state_dict() == {}  # nothing counted, nothing saved
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, weight_decay=0.1,
+                            fused=implementation == "fused", foreach=implementation == "foreach")
+    adamw_step(guard, opt, 1.0, 1)
+    guard.check()
+    before = state(opt)
+    adamw_step(guard, opt, bad, 2)
+    adamw_step(guard, opt, 1.0, 3)  # finite, but the run has had to stop: no update either
+    assert all(torch.equal(a, b) for a, b in zip(state(opt), before))
+    with pytest.raises(NonFiniteError, match="step 2: the gradient norm is (nan|inf)"):
+        guard.check()
+    with pytest.raises(NonFiniteError, match="step 2"):
+        guard.state_dict()  # a checkpoint save checks too: no state past the step is saved
+    assert guard.metrics() == {}  # nothing counted
 
 
 def test_nonfinite_steps_are_skipped_up_to_n_in_a_row():
@@ -43,8 +66,11 @@ def test_nonfinite_steps_are_skipped_up_to_n_in_a_row():
     for n, grad in enumerate([float("nan"), float("inf"), 1.0, float("nan"), float("nan")], start=1):
         p = step(guard, grad, n)
         assert p.tolist() == ([0.5, 0.5] if grad == 1.0 else [1.0, 1.0])  # a skipped update leaves the weights
+    guard.check()  # at most 2 in a row: the run goes on
     assert guard.metrics() == {"skipped_steps": 4}
     resumed = UpdateGuard(torch.device("cpu"), torch.float32, skip_nonfinite=2)
     resumed.load_state_dict(guard.state_dict())
-    with pytest.raises(NonFiniteError, match="step 6: .*[(]3 such step"):  # the third in a row, across the resume
-        step(resumed, float("nan"), 6)
+    p = step(resumed, float("nan"), 6)  # the third in a row, across the resume
+    assert p.tolist() == [1.0, 1.0]
+    with pytest.raises(NonFiniteError, match="step 6: .*[(]3 such step"):
+        resumed.check()

@@ -35,16 +35,26 @@ class UpdateGuard(Stateful):
 
     In float16 that is GradScaler's work: it scales the loss, unscales the gradients, skips overflowed steps and lowers
     the scale; overflow is routine there. In other precisions a NaN or Inf gradient norm (a NaN loss gives one) means
-    the update would poison the weights: the run stops before it is applied, naming the step, or with
-    `training.skip_nonfinite_steps = N` skips it and stops only at the (N+1)-th such step in a row. The norm is
-    global (all-reduced), so every rank decides alike. Knowing it costs one host sync per step, before the update.
+    the update would poison the weights: the run stops, naming the step, or with `training.skip_nonfinite_steps = N`
+    skips it and stops only at the (N+1)-th such step in a row. The norm is global (all-reduced), so every rank
+    decides alike.
+
+    The decision stays on the device, so a step never waits for the host: fused AdamW takes a `found_inf` tensor (as
+    GradScaler passes it) and leaves weights, moments and step count untouched when it is set. A step that must stop
+    the run sets a latch that skips every later update too, so the weights stay those from before that step until
+    the host reads the latch, at the next logging step or checkpoint save (`check`), and raises. Optimizers without
+    `found_inf` (foreach, for-loop) read the flag on the host each step instead.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, skip_nonfinite: int = 0):
         self.enabled = dtype == torch.float16  # loss scaling
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.enabled)
-        self.skip_nonfinite, self.in_a_row = skip_nonfinite, 0
-        self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # on device: counting fp16 skips never syncs
+        self.skip_nonfinite = skip_nonfinite
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        # On the device, read by the host only when it syncs anyway (logging, saving).
+        self.skipped, self.in_a_row, self.stopped_at = zero.clone(), zero.clone(), zero.clone()
+        self.stopped_norm = torch.zeros((), device=device)
+        self.reported = 0  # skipped steps already warned about
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss)
@@ -55,25 +65,41 @@ class UpdateGuard(Stateful):
     def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, step: int) -> None:
         """The optimizer step, unless a gradient is inf/NaN; `grad_norm` (global, of the unscaled gradients) is
         non-finite exactly then, on every rank."""
+        bad = ~torch.isfinite(grad_norm)
         if self.enabled:
-            self.skipped += ~torch.isfinite(grad_norm)
-            self.scaler.step(optimizer)
+            self.skipped += bad
+            self.scaler.step(optimizer)  # with fused AdamW, found_inf goes to the kernel: no host sync
             self.scaler.update()
             return
-        if torch.isfinite(grad_norm):
-            self.in_a_row = 0
+        self.in_a_row = torch.where(bad, self.in_a_row + 1, 0)
+        stops = (self.in_a_row > self.skip_nonfinite) & (self.stopped_at == 0)
+        self.stopped_at = torch.where(stops, step, self.stopped_at)
+        self.stopped_norm = torch.where(stops, grad_norm.float(), self.stopped_norm)
+        stopped = self.stopped_at > 0
+        self.skipped += bad & ~stopped
+        skip = bad | stopped
+        if optimizer.defaults.get("fused"):
+            optimizer.found_inf, optimizer.grad_scale = skip.float(), None
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf, optimizer.grad_scale
+        elif not skip.item():
             optimizer.step()
-            return
-        self.in_a_row += 1
-        if self.in_a_row > self.skip_nonfinite:
+
+    def check(self) -> None:
+        """Raises NonFiniteError if a step since the last check had to stop the run; warns of skipped steps. Syncs
+        with the device: call where the host waits anyway (logging, saving)."""
+        if stopped_at := int(self.stopped_at.item()):
             raise NonFiniteError(
-                f"step {step}: the gradient norm is {grad_norm.item()} (a NaN or Inf loss or gradient); stopped before "
-                f"updating the weights ({self.in_a_row} such step(s) in a row, training.skip_nonfinite_steps = "
-                f"{self.skip_nonfinite}). Resume from the last checkpoint with a lower optimizer.lr or "
-                f"training.max_norm, or set training.skip_nonfinite_steps to skip such steps")
-        self.skipped += 1
-        logger.warning("step %d: gradient norm %s, update skipped (%d in a row of at most %d)", step,
-                       grad_norm.item(), self.in_a_row, self.skip_nonfinite)
+                f"step {stopped_at}: the gradient norm is {self.stopped_norm.item()} (a NaN or Inf loss or gradient); "
+                f"stopped before updating the weights ({self.skip_nonfinite + 1} such step(s) in a row, "
+                f"training.skip_nonfinite_steps = {self.skip_nonfinite}). Resume from the last checkpoint with a lower "
+                f"optimizer.lr or training.max_norm, or set training.skip_nonfinite_steps to skip such steps")
+        if not self.enabled and self.skip_nonfinite and (skipped := int(self.skipped.item())) > self.reported:
+            logger.warning("%d update(s) skipped since the last log: gradient norm not finite (%d in all, at most %d "
+                           "in a row)", skipped - self.reported, skipped, self.skip_nonfinite)
+            self.reported = skipped
 
     @property
     def counts(self) -> bool:
@@ -87,14 +113,16 @@ class UpdateGuard(Stateful):
                 "skipped_steps": self.skipped.item()}
 
     def state_dict(self) -> dict[str, Any]:
+        self.check()  # never save the state of a run that had to stop
         if not self.counts:
             return {}
-        return {**self.scaler.state_dict(), "skipped_steps": self.skipped.item(), "in_a_row": self.in_a_row}
+        return {**self.scaler.state_dict(), "skipped_steps": self.skipped.item(), "in_a_row": self.in_a_row.item()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.counts:
             self.skipped.fill_(int(state.pop("skipped_steps")))
-            self.in_a_row = int(state.pop("in_a_row"))
+            self.in_a_row.fill_(int(state.pop("in_a_row")))
+            self.reported = int(self.skipped.item())
             self.scaler.load_state_dict(state)
 
 

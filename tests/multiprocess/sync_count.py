@@ -1,0 +1,63 @@
+"""train.py that records every host-device sync of its training steps, with the line of ours that asked for it.
+
+    sync_count.py OUT_DIR TRAIN_ARGS...   ->   OUT_DIR/syncs-RANK.json: {step: ["file:function", ...]}
+
+A sync is an op whose result the host must wait for: reading a tensor's value (`.item()`, `bool(t)`, `if t:`), or an
+op whose output shape depends on values (nonzero). A TorchDispatchMode sees each one as it is dispatched, on any
+device; on a GPU device-to-host copies (`.cpu()`, `.tolist()`) sync too, and the trainer's step makes none.
+"""
+
+import json
+import os
+import sys
+import traceback
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import train
+
+ROOT = Path(train.__file__).resolve().parent
+OURS = (str(ROOT / "train.py"), str(ROOT / "torchtitan_lite"))
+aten = torch.ops.aten
+SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default, aten.equal.default}
+
+
+def call_site() -> str:
+    """Our innermost frame on the stack: what asked for the value."""
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename.startswith(OURS):
+            return f"{Path(frame.filename).name}:{frame.name}"
+    return "elsewhere"
+
+
+class SyncRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.step, self.syncs = 0, defaultdict(list)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SYNCS:
+            self.syncs[self.step].append(call_site())
+        return func(*args, **(kwargs or {}))
+
+
+out, argv = Path(sys.argv[1]), sys.argv[2:]
+recorder = SyncRecorder()
+next_batch = train.DataLoader.next_batch
+
+
+def counting_next_batch(self):
+    if recorder.step == 0:
+        recorder.__enter__()  # from the first step on: start-up's syncs are not the loop's
+    recorder.step += 1
+    return next_batch(self)
+
+
+train.DataLoader.next_batch = counting_next_batch
+code = train.run(argv)
+recorder.__exit__(None, None, None)
+(out / f"syncs-{os.environ['RANK']}.json").write_text(json.dumps(recorder.syncs))
+sys.exit(code)

@@ -1,0 +1,45 @@
+"""No host-device sync between logging steps: a GPU runs ahead of the host through every step that only trains.
+
+A real 4-process TP 2 x FSDP 2 job (sync_count.py records each sync with the line of ours that asked for it), with
+the non-finite guard counting (training.skip_nonfinite_steps), logging every 3rd step. The only sync of a step that
+only trains is the preemption agreement's (signals.py), whose flag is a host tensor on a GPU machine (a gloo group on
+the CPU), so it never waits for the device.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launch import COMMON, TP2, torchrun
+
+SYNC_COUNT = Path(__file__).parent / "sync_count.py"
+LOGGED = {1, 3, 6}
+HOST = "signals.py:requested"
+# A logging step reads the loss and grad norm it logs, the guard's stop latch and skip count (check), and the skip
+# count it records (metrics): 5 device syncs, once per log_freq steps.
+LOGGING_STEP_SYNCS = sorted(["train.py:main", "train.py:main", "precision.py:check", "precision.py:check",
+                             "precision.py:metrics"])
+
+
+@pytest.fixture(scope="module")
+def syncs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("syncs")
+    torchrun(4, out, *COMMON, *TP2, "--training.local_batch_size", "4", "--training.steps", "6",
+             "--metrics.log_freq", "3", "--training.skip_nonfinite_steps", "1", script=SYNC_COUNT,
+             script_args=(str(out),))
+    return [json.loads((out / f"syncs-{rank}.json").read_text()) for rank in range(4)]
+
+
+def test_steps_that_only_train_never_wait_for_the_device(syncs):
+    for rank in syncs:
+        assert sorted(map(int, rank)) == [1, 2, 3, 4, 5, 6]
+        for step in {2, 4, 5}:
+            assert rank[str(step)] == [HOST], f"step {step}"
+
+
+def test_a_logging_step_syncs_five_times(syncs):
+    for rank in syncs:
+        for step in LOGGED - {6}:  # step 6, the last, also checks the guard once more after the loop
+            device = sorted(site for site in rank[str(step)] if site != HOST)
+            assert device == LOGGING_STEP_SYNCS, f"step {step}"
