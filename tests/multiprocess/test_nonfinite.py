@@ -1,5 +1,5 @@
-"""A NaN loss on one rank stops the whole job before the update, naming the step, and leaves only finite
-checkpoints; with training.skip_nonfinite_steps the update is skipped and counted instead.
+"""A NaN loss on one rank stops the whole job before the update, naming the step (at the next logging step or
+checkpoint save: the decision stays on the device until then), and leaves only finite checkpoints; with training.skip_nonfinite_steps the update is skipped and counted instead.
 
 The NaN comes from rank 1's loss alone (nan_loss.py): the gradient reduce-scatter spreads it to every rank's
 gradients, so the global gradient norm every rank checks is NaN on all of them, and they stop (or skip) together.
@@ -25,11 +25,14 @@ def assert_checkpoints_finite(folder: Path) -> None:
 
 
 def test_nan_loss_stops_the_job_before_the_update(tmp_path):
-    proc = torchrun(2, tmp_path, *RUN, script=SHIM, script_args=("1", "3"), check=False)
+    """Logging every 5 steps: the host learns of step 3 at step 4's checkpoint save, which it refuses; step 4's
+    update was skipped on the device, so the weights never left step 2's."""
+    proc = torchrun(2, tmp_path, *RUN, "--metrics.log_freq", "5", script=SHIM, script_args=("1", "3"), check=False)
     assert_one_error_line(proc, "step 3: the gradient norm is nan")
     assert proc.returncode != 0
-    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1]
     assert list(complete_checkpoints(str(tmp_path / "checkpoint"))) == [2]
+    assert not (tmp_path / "checkpoint" / "step-4.tmp").exists()
     assert_checkpoints_finite(tmp_path)
 
 
