@@ -7,9 +7,14 @@ import tomllib
 import pytest
 import torch
 
+from torch.utils.flop_counter import (FlopCounterMode, bmm_flop, register_flop_formula, sdpa_backward_flop_count,
+                                      sdpa_flop_count)
+
 from tests.multiprocess.launch import ckpt, losses, read_metrics, train_in_process
 from torchtitan_lite import metrics
 from torchtitan_lite.metrics import MetricLogger, _cpu_peak, flops_per_token, memory_gib, peak_flops
+from torchtitan_lite.model import FLAVORS, Transformer, TransformerBlock, count_params, rope_table
+from torchtitan_lite.parallelize import apply_ac
 
 CPU = torch.device("cpu")
 
@@ -132,3 +137,84 @@ def test_should_log_first_every_freq_and_last(tmp_path):
     ml = MetricLogger(str(tmp_path), rank=1, log_freq=5, enable_tensorboard=False, tb_folder="tb")
     assert [s for s in range(1, 13) if ml.should_log(s)] == [1, 5, 10]
     assert ml.should_log(12, last=True)
+
+
+# The CPU's flash-attention kernel is not in torch's FLOP table: counted here as torch counts the GPU kernels, less
+# the scores matrix that the backward kernel recomputes (an implementation's recompute, which model FLOPs leave out,
+# as they leave out activation checkpointing's).
+aten = torch.ops.aten
+
+
+@register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)
+def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+@register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+def _cpu_sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                            **kwargs) -> int:
+    b, h, s_q, d = query_shape
+    recompute = bmm_flop((b * h, s_q, d), (b * h, d, key_shape[2]))
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape) - recompute
+
+
+def counted_flops_per_token(model: torch.nn.Module, tokens: torch.Tensor) -> float:
+    """FlopCounterMode's count of one forward and backward, per token."""
+    with FlopCounterMode(display=False) as counter:
+        out = model(tokens) if isinstance(model, Transformer) else model(tokens, model.rope)
+        out.float().pow(2).mean().backward()
+    return counter.get_total_flops() / tokens.shape[0] / tokens.shape[1]
+
+
+def test_flops_per_token_is_what_a_step_computes():
+    """The debug model's step, counted op by op, is 6N + 12·L·H·D·S per token to 0.1% (N counts the norms' weights,
+    which do no matmul). With every block recomputed (full AC) a step adds the blocks' forward but their last matmul
+    (w2: non-reentrant checkpointing stops recomputing once backward has what it needs), 2·(N_blocks - N_w2) +
+    4·L·H·D·S: a recompute factor of 1.24 here, which MFU leaves out, as torchtitan does."""
+    args = FLAVORS["debugmodel"].with_(vocab_size=2050, max_seq_len=256)
+    model = Transformer(args)
+    model.init_weights()
+    n, embedding = count_params(model)
+    formula = flops_per_token(n, args.n_layers, args.n_heads, args.head_dim, args.max_seq_len, embedding)
+    tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len))
+    assert counted_flops_per_token(model, tokens) == pytest.approx(formula, rel=2e-3)
+    apply_ac(model, "full", "")
+    w2 = sum(p.numel() for name, p in model.layers.named_parameters() if "w2" in name)
+    recompute = 2 * (sum(p.numel() for p in model.layers.parameters()) - w2) + \
+        4 * args.n_layers * args.n_heads * args.head_dim * args.max_seq_len
+    recomputed = counted_flops_per_token(model, tokens)
+    assert recomputed == pytest.approx(formula + recompute, rel=2e-3)
+    assert recomputed / formula == pytest.approx(1.24, abs=0.01)
+
+
+def test_flops_per_token_of_an_8b_block():
+    """One Llama 3 8B block (GQA 32/8 heads, FFN 14336) at 8192 tokens, counted on the meta device (no memory):
+    the block's share of the formula, 6·N_block + 12·H·D·S per token."""
+    args = FLAVORS["8B"].with_(vocab_size=128256, max_seq_len=8192)
+    with torch.device("meta"):
+        block = TransformerBlock(0, args)
+        block.rope = rope_table(args)
+    n = sum(p.numel() for p in block.parameters())
+    formula = 6 * n + 12 * args.n_heads * args.head_dim * args.max_seq_len
+    tokens = torch.empty(1, args.max_seq_len, args.dim, device="meta", requires_grad=True)
+    assert counted_flops_per_token(block, tokens) == pytest.approx(formula, rel=2e-3)
+
+
+def test_cpu_peak_is_the_fastest_matmul_layout(monkeypatch):
+    """fp16 on a CPU without fp16 units runs a @ b 20x slower than a @ b^T, and a step does both: a peak taken from
+    the slow layout gave MFU 253%. The peak is the fastest layout's, so MFU cannot pass 100%. Timed by a fake
+    clock that each matmul advances by its layout's cost."""
+    clock, cost = [0.0], {(False, False): 1.0, (False, True): 0.05, (True, False): 0.5}
+    matmul = torch.Tensor.__matmul__
+
+    def timed(x, y):
+        clock[0] += cost[(not x.is_contiguous(), not y.is_contiguous())]
+        return matmul(x, y)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", timed)
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    _cpu_peak.cache_clear()
+    try:
+        assert _cpu_peak(torch.float16, 1) == pytest.approx(2 * 512**3 / 0.05)
+    finally:
+        _cpu_peak.cache_clear()

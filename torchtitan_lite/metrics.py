@@ -74,17 +74,21 @@ def _tf32_allowed() -> bool:
 
 @functools.cache
 def _cpu_peak(dtype: torch.dtype, num_threads: int) -> float:
-    # A CPU has no datasheet peak we can trust (turbo, AVX-512/AMX, shared cores), so "peak" is what a large
-    # matmul in the training dtype achieves here with this thread count; MFU is the model's share of that rate.
-    # Keyed on the thread count because torchrun ranks on one host may each be given fewer threads.
-    n = 1024
+    # A CPU has no datasheet peak we can trust (turbo, AVX-512/AMX, shared cores), so "peak" is what matmuls in the
+    # training dtype achieve here with this thread count; MFU is the model's share of that rate. A step multiplies in
+    # three layouts (forward x @ W^T, backward g @ W and g^T @ x), and a CPU may run them at rates 20x apart (fp16 on
+    # CPUs without fp16 units: 1 GFLOP/s for a @ b, 20 for a @ b^T), so the peak is the fastest layout's: a model
+    # made of them cannot beat it, and MFU stays at most 100%. Keyed on the thread count because torchrun ranks on
+    # one host may each be given fewer threads.
+    n = 512
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm up: the first call pays for allocation and kernel selection
     best = float("inf")
-    for _ in range(3):  # best of several timings: the peak, not the average under noise
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
+    for x, y in ((a, b), (a, b.t()), (a.t(), b)):
+        x @ y  # warm up: the first call pays for allocation and kernel selection
+        for _ in range(3):  # best of several timings: the peak, not the average under noise
+            t0 = time.perf_counter()
+            x @ y
+            best = min(best, time.perf_counter() - t0)
     return 2.0 * n**3 / best
 
 
