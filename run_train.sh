@@ -21,6 +21,9 @@ export PYTHONUNBUFFERED=1
 # torchrun's agent shares one store with every round of workers (torch >= 2.5): a new node then deadlocks the
 # rendezvous, and restarted workers read the dead ones' addresses. Unshared, rank 0 serves a fresh store each round.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# A config every rank would reject alike (a typo, degrees that do not fit NGPU, a missing file) is reported in one
+# line by one process before torchrun starts, rather than by rank 0 and then torchrun's failure summary.
+WORLD_SIZE=$NGPU "$PYTHON" train.py --check --job.config_file "$CONFIG_FILE" "$@" || exit $?
 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   train.py --job.config_file "$CONFIG_FILE" "$@" &

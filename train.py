@@ -41,20 +41,25 @@ from torchtitan_lite.tokenizer import load_tokenizer
 logger = logging.getLogger("torchtitan_lite")
 
 
-def main(cfg: JobConfig, env: Env) -> None:
-    # ---- Validate everything that can be checked before any process talks to another, so a bad config fails on
-    # every rank the same way instead of hanging in a collective.
-    dims = ParallelDims.from_config(cfg.parallelism, env.world_size)
+def preflight(cfg: JobConfig, world_size: int):
+    """Everything that can be checked before any process talks to another, so a bad config fails on every rank the
+    same way instead of hanging in a collective; `train.py --check` runs it alone (run_train.sh, before torchrun)."""
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     model_args = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
     dims.validate_model(model_args)
-    check_config(cfg.checkpoint, env.world_size, cfg.job.dump_folder)
-    t = cfg.training
+    check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
+    t, v = cfg.training, cfg.validation
     global_batch = dims.global_batch(t.local_batch_size, t.global_batch_size)
     source = build_source(t.dataset, t.dataset_path, t.seq_len, tokenizer, t.seed, text_field=t.dataset_text_field)
-    v = cfg.validation
     val_source = build_source(v.dataset, v.dataset_path, t.seq_len, tokenizer, t.seed, split="validation",
                               text_field=t.dataset_text_field) if v.enable else None
+    return dims, model_args, global_batch, source, val_source
+
+
+def main(cfg: JobConfig, env: Env) -> None:
+    dims, model_args, global_batch, source, val_source = preflight(cfg, env.world_size)
+    t, v = cfg.training, cfg.validation
 
     # ---- Processes, device, mesh.
     checks_passed(env)  # from here on, errors are decided on rank 0 and raised on every rank
@@ -210,13 +215,19 @@ def main(cfg: JobConfig, env: Env) -> None:
     logger.info("training done: %d steps in %.1fs", step, time.perf_counter() - start)
 
 
-def run(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None, check: bool = False) -> int:
+    """Trains; with `check`, only validates the config for WORLD_SIZE processes (exit 2 and one line if it is bad)."""
     env = Env.from_environ()
     stop_with_launcher()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    # A check says nothing unless something is wrong: the job it precedes logs what it reads.
+    logging.basicConfig(level=logging.WARNING if check else logging.INFO, format="%(asctime)s %(message)s",
+                        datefmt="%H:%M:%S")
     try:
         cfg = load_config(argv)
-        main(cfg, env)
+        if check:
+            preflight(cfg, env.world_size)
+        else:
+            main(cfg, env)
     except ConfigError as e:
         report(e, env)  # one line for the whole job, printed before any rank exits
         return 2
@@ -238,6 +249,7 @@ def run(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     faulthandler.enable()  # a crash in native code (gloo, a kernel) still names the Python line it came from
-    code = run()
+    check = sys.argv[1:2] == ["--check"]
+    code = run(sys.argv[2:] if check else None, check=check)
     gc.freeze()  # no final garbage collection over torch's objects at exit: about a second less per rank
     sys.exit(code)

@@ -1,9 +1,13 @@
 """Bad input fails fast: one error line for the whole job naming the key, a non-zero exit, no hung rank, whichever
 rank reaches the verdict first."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from launch import ROOT, assert_one_error_line, error_lines, torchrun
+from launch import ROOT, TIMEOUT_S, assert_one_error_line, error_lines, torchrun
 
 # Two processes where two show the point; the race between ranks is forced by the skewed test below, whose rank 0
 # starts last with a value of the wrong type.
@@ -42,3 +46,17 @@ def test_error_of_one_rank_alone_is_reported_by_that_rank(tmp_path, env):
     proc = torchrun(2, tmp_path, script=SKEWED, check=False, script_args=("0", "--training.stepz 3"), env=env)
     assert_one_error_line(proc, "error: rank 1: unknown option --training.stepz")
     assert not error_lines(proc, "error: unknown option")
+
+
+@pytest.mark.parametrize("case", ["unknown_key", "tp_not_dividing_world"])
+def test_run_train_sh_reports_a_bad_config_in_one_line_before_torchrun(tmp_path, case):
+    """What a user sees: the error line alone and exit 2, no torchrun failure summary (run_train.sh checks the
+    config in one process, `train.py --check`, before it starts torchrun)."""
+    _, overrides, expected = CASES[case]
+    env = {**os.environ, "NGPU": "4", "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["./run_train.sh", "--job.dump_folder", str(tmp_path / "out"), *overrides], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 2
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert not (tmp_path / "out").exists()
