@@ -33,12 +33,17 @@ def read_curve(path: str | os.PathLike, key: str = "loss") -> dict[int, float]:
     A resumed run appends to the same file and may re-log steps it had already logged before its checkpoint
     was taken, so the last occurrence of a step wins: it is what the run that carried on computed.
     """
+    return read_curves(path, (key,))[key]
+
+
+def read_curves(path: str | os.PathLike, keys: tuple[str, ...]) -> dict[str, dict[int, float]]:
+    """read_curve of several keys, reading the file once: {key: {step: value}}."""
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
         raise InputError(f"{path}: no such file")
-    curve: dict[int, float] = {}
+    curves: dict[str, dict[int, float]] = {key: {} for key in keys}
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -47,14 +52,15 @@ def read_curve(path: str | os.PathLike, key: str = "loss") -> dict[int, float]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
-            # Validation lines may carry val_loss but no loss: they simply are not part of this curve.
-            if not isinstance(record, dict) or "step" not in record or record.get(key) is None:
+            if not isinstance(record, dict) or "step" not in record:
                 continue
-            try:
-                curve[int(record["step"])] = float(record[key])
-            except (TypeError, ValueError):
-                raise InputError(f"{path}:{lineno}: step or {key} is not a number") from None
-    return curve
+            # Validation lines may carry val_loss but no loss: they simply are not part of the loss curve.
+            for key in (k for k in keys if record.get(k) is not None):
+                try:
+                    curves[key][int(record["step"])] = float(record[key])
+                except (TypeError, ValueError):
+                    raise InputError(f"{path}:{lineno}: step or {key} is not a number") from None
+    return curves
 
 
 @dataclass

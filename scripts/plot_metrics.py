@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # loss_compare.py, also when imported from elsewhere
 
-from loss_compare import InputError, read_curve
+from loss_compare import InputError, read_curves
 
 # (metrics.jsonl key, panel title); val_loss shares the loss panel.
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm (before clipping)"),
@@ -43,8 +43,7 @@ class Run:
 def load_run(path: str | os.PathLike, name: str) -> Run:
     """The series to draw for one run: per key, each step once with its later record, non-finite values as NaN."""
     series = {}
-    for key in KEYS:
-        curve = read_curve(path, key)
+    for key, curve in read_curves(path, KEYS).items():  # one reading of the file for every panel
         if curve:
             steps = sorted(curve)
             series[key] = (steps, [curve[s] if math.isfinite(curve[s]) else math.nan for s in steps])

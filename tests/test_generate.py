@@ -3,6 +3,8 @@ stops at EOS and at max_new_tokens, and a checkpoint of a real run turns into te
 seed."""
 
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from tests.multiprocess.launch import ROOT, TIMEOUT_S, ckpt, train_in_process
+from torchtitan_lite import checkpoint_reader
 from torchtitan_lite.checkpoint_reader import read_tensors
 from torchtitan_lite.config import load_config
 from torchtitan_lite.generation import (
@@ -161,3 +164,28 @@ def test_errors_are_one_line_with_exit_status_2(run, capsys):
     assert len(err) == 1 and "model.tok_embeddings.weight has shape" in err[0]
     assert generate_script.main(args(run, "--checkpoint", str(run))) == 2  # the dump folder holds no step-N
     assert "neither a DCP checkpoint" in capsys.readouterr().err
+
+
+def test_a_corrupt_checkpoint_is_one_error_line(run, tmp_path, capsys):
+    broken = tmp_path / "step-1"
+    shutil.copytree(ckpt(run, 1), broken)
+    metadata = broken / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:100])  # a copy cut short
+    assert generate_script.main(args(run, "--checkpoint", str(broken))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {metadata} cannot be read"), err
+
+
+def test_metadata_is_unpickled_once_per_load(run, tmp_path, monkeypatch):
+    """By generation's load and by a resume: DCP's reader is handed the metadata read (through the allow-list)."""
+    reads = []
+    safe, plain = checkpoint_reader._MetadataUnpickler.load, pickle.load
+    monkeypatch.setattr(checkpoint_reader._MetadataUnpickler, "load", lambda self: reads.append("safe") or safe(self))
+    monkeypatch.setattr(pickle, "load", lambda f, *a, **k: (
+        reads.append("plain") if str(getattr(f, "name", "")).endswith(".metadata") else None) or plain(f, *a, **k))
+    load_model(load_config(["--job.config_file", str(run / "config.toml")]), str(ckpt(run, 1)), torch.device("cpu"))
+    assert reads == ["safe"]
+    reads.clear()
+    shutil.copytree(ckpt(run, 1), ckpt(tmp_path, 1))
+    log = train_in_process(tmp_path, "--training.steps", "2", "--checkpoint.enable").stdout
+    assert "loaded full state" in log and reads == ["safe"]

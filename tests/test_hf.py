@@ -264,3 +264,11 @@ def test_an_exported_run_generates_in_transformers_the_greedy_text_of_generate_p
     new = out[0, inputs["input_ids"].shape[1]:].tolist()
     theirs = prompt + tokenizer.decode(new, skip_special_tokens=True)
     assert ours_out == theirs + "\n" and len(theirs) > len(prompt)
+
+
+def test_export_of_a_corrupt_checkpoint_is_one_error_line(tmp_path, capsys):
+    path = run_folder(tmp_path, ours(CASES["mha"]))
+    (path / ".metadata").write_bytes(b"\x80\x04not a pickle")
+    assert to_hf.main([str(path), str(tmp_path / "hf")]) == 2
+    one_error_line(capsys, f"{path / '.metadata'} cannot be read")
+    assert not (tmp_path / "hf").exists()

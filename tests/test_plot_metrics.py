@@ -44,6 +44,14 @@ def test_a_repeated_step_is_drawn_once_with_its_later_record(tmp_path):
     assert run.series["val_loss"] == ([4], [6.5])
 
 
+def test_each_file_is_read_once(tmp_path, monkeypatch):
+    path = write_metrics(tmp_path / "metrics.jsonl", falling(5))
+    opened, real_open = [], open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: opened.append(Path(f)) or real_open(f, *a, **k))
+    run = plot_metrics.load_run(path, "r")
+    assert opened == [path] and set(run.series) == {"loss", "lr", "grad_norm", "tps"}
+
+
 def test_non_finite_values_are_gaps_and_absent_keys_have_no_series(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in [

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
@@ -158,9 +159,9 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
     return value
 
 
-def _is_full(path: str) -> bool:
+def _is_full(metadata: Metadata) -> bool:
     """Whether a checkpoint holds the whole training state, not weights only."""
-    return any(k.startswith("train_state.") for k in read_metadata(path).state_dict_metadata)
+    return any(k.startswith("train_state.") for k in metadata.state_dict_metadata)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -200,22 +201,24 @@ class CheckpointManager:
         plan = _on_rank0(self._plan)
         if plan is None:
             return
-        path, what, step = plan
+        path, what, step, metadata = plan
         if what == "skip":
             self.train_state.step = step
             return
         keys = ["model"] if what == "model" else list(self.states)
         t0 = time.perf_counter()
         state = {k: self.states[k].state_dict() for k in keys}  # templates: this rank's shards, any layout
-        _on_rank0(lambda: check_fits(state, path))
-        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(allow_partial_load=True))
+        _on_rank0(lambda: check_fits(state, path, metadata))
+        # The metadata rank 0 read once, handed to every rank by _on_rank0: no rank reads .metadata again.
+        dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafePlanner(allow_partial_load=True))
         for k in keys:
             self.states[k].load_state_dict(state[k])
         logger.info("loaded %s from %s in %.2fs: training continues after step %d", "weights" if what == "model"
                     else "full state", path, time.perf_counter() - t0, self.train_state.step)
 
-    def _plan(self) -> tuple[str, str, int] | None:
-        """(path, "all" | "model" | "skip", step) of what to load, or None for a fresh start; rank 0 only."""
+    def _plan(self) -> tuple[str, str, int, Metadata | None] | None:
+        """(path, "all" | "model" | "skip", step, its metadata) of what to load, or None for a fresh start; rank 0
+        only."""
         cfg = self.cfg
         found = complete_checkpoints(self.folder) if cfg.enable else {}
         if cfg.load_step >= 0 and cfg.load_step not in found:
@@ -227,21 +230,23 @@ class CheckpointManager:
                 logger.warning("resuming from step-%d although step-%d exists: a restart without checkpoint.load_step "
                                "will pick step-%d", step, max(found), max(found))
             if step >= self.total_steps:  # a finished run: nothing to load
-                return found[step], "skip", step
-            if _is_full(found[step]):
-                return found[step], "all", step
+                return found[step], "skip", step, None
+            if _is_full(metadata := read_metadata(found[step])):
+                return found[step], "all", step, metadata
             if step == 0:  # a seed checkpoint: initial weights only, by design
-                return found[step], "model", 0
+                return found[step], "model", 0, metadata
             raise ConfigError(f"{found[step]} holds weights only (checkpoint.last_save_model_only) and cannot be "
                               f"resumed: start a new run from it with checkpoint.initial_load_path")
         path = cfg.initial_load_path
         if path and not os.path.isfile(os.path.join(path, ".metadata")):
             why = "does not exist" if not os.path.exists(path) else "has no .metadata (not a complete DCP checkpoint)"
             raise ConfigError(f"checkpoint.initial_load_path {path} {why}")
-        if path and not cfg.initial_load_model_only and not _is_full(path):
+        if not path:
+            return None
+        if not _is_full(metadata := read_metadata(path)) and not cfg.initial_load_model_only:
             raise ConfigError(f"checkpoint.initial_load_path {path} holds weights only: set "
                               "checkpoint.initial_load_model_only = true")
-        return (path, "model" if cfg.initial_load_model_only else "all", 0) if path else None
+        return path, "model" if cfg.initial_load_model_only else "all", 0, metadata
 
     # ---- Save
 

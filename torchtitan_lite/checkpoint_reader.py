@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from torchtitan_lite.config import ConfigError
 
@@ -28,24 +28,49 @@ _METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
 
 
+class _Disallowed(pickle.UnpicklingError):
+    """A global the allow-list refuses: a crafted file, not a damaged one."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) in _METADATA_GLOBALS or dtype:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        raise _Disallowed(f"{module}.{name} is not allowed in checkpoint metadata")
 
 
 def read_metadata(path: str) -> Metadata:
-    """A checkpoint's `.metadata` (each key's global shape and dtype), unpickled with an allow-list."""
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        return _MetadataUnpickler(f).load()
+    """A checkpoint's `.metadata` (each key's global shape and dtype), unpickled with an allow-list; ConfigError (one
+    line naming the file) when it is missing, truncated or not DCP's."""
+    file = os.path.join(path, ".metadata")
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _Disallowed as e:
+        raise ConfigError(f"{file}: {e}: refusing to load it") from None
+    except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything (EOFError, KeyError, ValueError, ...)
+        raise ConfigError(f"{file} cannot be read ({type(e).__name__}: {e}): the checkpoint is corrupt or was cut "
+                          "short; use another step-N folder") from None
+    if not isinstance(metadata, Metadata):
+        raise ConfigError(f"{file} holds a {type(metadata).__name__}, not DCP metadata: use another step-N folder")
+    return metadata
 
 
 class SafeReader(FileSystemReader):
+    """DCP's file reader, with `.metadata` unpickled through the allow-list (DCP's own read uses plain pickle), once:
+    pass `metadata` already read and the file is not read again."""
+
+    def __init__(self, path: str, metadata: Metadata | None = None):
+        super().__init__(path)
+        self.metadata = metadata
+
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        read_metadata(str(self.path))  # raises on a disallowed global before DCP's own pickle.load runs
-        return super().read_metadata(*args, **kwargs)
+        metadata = self.metadata or read_metadata(str(self.path))
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 class SafePlanner(DefaultLoadPlanner):
@@ -55,19 +80,19 @@ class SafePlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
-def load_local(state: dict[str, Any], path: str, reader: SafeReader | None = None) -> None:
+def load_local(state: dict[str, Any], path: str, metadata: Metadata | None = None) -> None:
     """dcp.load of `state` (full plain tensors, filled in place) in this one process, with no process group."""
     with warnings.catch_warnings():  # DCP warns that no process group exists, which is the point here
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=reader or SafeReader(path), planner=SafePlanner(), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafePlanner(), no_dist=True)
 
 
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint as a full plain tensor, in this one process (tests, scripts): key -> tensor."""
-    md = read_metadata(path).state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items()
+    metadata = read_metadata(path)
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
              if isinstance(m, TensorStorageMetadata)}
-    load_local(state, path)
+    load_local(state, path, metadata)
     return state
 
 
@@ -82,13 +107,11 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check_fits(state: dict[str, Any], path: str) -> None:
-    """Every key this run loads is in the checkpoint with the same global shape, and the checkpoint's model has no
-    tensor this model lacks; else one line naming the tensor instead of DCP's errors from deep in DTensor."""
-    try:
-        saved = read_metadata(path).state_dict_metadata
-    except (OSError, pickle.UnpicklingError, EOFError) as e:
-        raise ConfigError(f"{path} is not a readable DCP checkpoint: {e}") from None
+def check_fits(state: dict[str, Any], path: str, metadata: Metadata) -> None:
+    """Every key this run loads is in the checkpoint (`path`, whose `metadata` the caller read) with the same global
+    shape, and the checkpoint's model has no tensor this model lacks; else one line naming the tensor instead of
+    DCP's errors from deep in DTensor."""
+    saved = metadata.state_dict_metadata
     ours = {key: v for k, value in state.items() for key, v in _flatten(k, value, {}).items()}
     for key, value in ours.items():
         if key.startswith(("rng.", "update_guard.")):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_lite.checkpoint import complete_checkpoints
-from torchtitan_lite.checkpoint_reader import check_fits, load_local
+from torchtitan_lite.checkpoint_reader import check_fits, load_local, read_metadata
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.model import Transformer, apply_rope, flavor_args
 from torchtitan_lite.tokenizer import Tokenizer, load_tokenizer
@@ -146,8 +146,9 @@ def load_weights(model: Transformer, path: str) -> None:
     """Copies the checkpoint's `model.*` tensors into the model's parameters, in place and cast to their dtype;
     raises ConfigError, naming the tensor, when the checkpoint was saved from another model."""
     state = {"model": model.state_dict()}  # views of the parameters: DCP writes straight into them
-    check_fits(state, path)  # every parameter is in the checkpoint, same shapes, and nothing more
-    load_local(state, path)
+    metadata = read_metadata(path)
+    check_fits(state, path, metadata)  # every parameter is in the checkpoint, same shapes, and nothing more
+    load_local(state, path, metadata)
 
 
 def load_model(cfg: JobConfig, checkpoint: str, device: torch.device,

@@ -252,14 +252,6 @@ class _Progress:
 
 # ---- Export: DCP checkpoint -> Hugging Face folder
 
-class _KnownMetadataReader(SafeReader):
-    """Hands DCP the metadata already read (with the allow-list) rather than unpickling it for each one-tensor load."""
-
-    def __init__(self, path: str, metadata):
-        super().__init__(path)
-        self.read_metadata = lambda *args, **kwargs: metadata
-
-
 def export_to_hf(ckpt: str | Path, out: str | Path, args: ModelArgs, bos_id: int, eos_id: int,
                  dtype: torch.dtype | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
                  add_files: Callable[[Path], None] | None = None) -> None:
@@ -287,12 +279,11 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: ModelArgs, bos_id: int
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
     progress = _Progress(sum(math.prod(s) * dtype.itemsize for _, s, _ in entries), "export")
-    reader = _KnownMetadataReader(ckpt, metadata)
 
     def read(hf: str) -> torch.Tensor:
         key, stored = "model." + ours_of[hf], saved[ours_of[hf]]
         tensor = torch.empty(stored.size, dtype=stored.properties.dtype)
-        load_local({key: tensor}, ckpt, reader)
+        load_local({key: tensor}, ckpt, metadata)  # read once above, not per tensor
         progress.update(tensor.numel() * dtype.itemsize)
         return to_hf_tensor(ours_of[hf], tensor, args).to(dtype)
 
