@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
@@ -39,6 +40,8 @@ class SyncRecorder(TorchDispatchMode):
         self.step, self.syncs = 0, defaultdict(list)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:
+            return NotImplemented  # let DTensor desugar the op first: what it syncs on then comes through here
         if func in SYNCS:
             self.syncs[self.step].append(call_site())
         return func(*args, **(kwargs or {}))

@@ -1,0 +1,127 @@
+"""One training step makes exactly the collectives FSDP2's and Megatron sequence parallelism's rules prescribe.
+
+comm_count.py records every collective of step 2 of a real train.py run, for each layout below, all in one 4-process
+launch. The expected counts are derived here from the model's structure, never read off a run:
+- FSDP2 (G = one group per block + the root): in forward one all-gather per group; in backward one per group that
+  was resharded after forward ("default": every block but the last; "always": all; "never": none; hpZ: the same
+  blocks, gathered within groups of N ranks); one reduce-scatter per group, per micro-batch unless the reduction is
+  deferred to the last one; HSDP adds one all-reduce per group across replicas.
+- TP with sequence parallelism, per block: 2 all-gathers and 2 reduce-scatters of b·s·h activations in forward (the
+  inputs of attention and the FFN; their output projections), the same in backward; the embedding's output
+  reduce-scatter and the output layer's input all-gather, each with its backward; the loss-parallel cross-entropy's 3
+  all-reduces of b·s (max, sum of exponentials, target logit); one all-reduce per norm weight, whose gradient each
+  rank holds partially.
+- The step itself: the global gradient norm's all-reduce, and the preemption agreement's.
+Any other collective, or one more of these, fails. Bytes count the full buffer (all-gather output, reduce-scatter
+and all-reduce input): FSDP moves ~3x the parameter bytes per step (ZeRO-3: gather, gather again, reduce).
+`python -m pytest -s tests/multiprocess/test_collectives.py -k bytes` prints the table of docs/performance.md.
+"""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import torchrun
+from torchtitan_lite.model import FLAVORS, Transformer
+
+COMM_COUNT = Path(__file__).parent / "comm_count.py"
+ARGS = FLAVORS["debugmodel"].with_(vocab_size=258, max_seq_len=64)  # tests/assets/tiny.toml: bytes, seq 64
+BATCH = 2  # sequences per micro-batch (tiny.toml's local_batch_size)
+L = ARGS.n_layers
+G = L + 1
+WORLD = (0, 1, 2, 3)
+# name -> (overrides, {ranks of rank 0's group: dimension name})
+LAYOUTS = {
+    "FSDP 4": ([], {WORLD: "world"}),
+    "FSDP 4, reshard never": (["--parallelism.fsdp_reshard_after_forward", "never"], {WORLD: "world"}),
+    "FSDP 4, reshard always": (["--parallelism.fsdp_reshard_after_forward", "always"], {WORLD: "world"}),
+    "FSDP 4, hpZ 2": (["--parallelism.fsdp_reshard_after_forward", "2"], {WORLD: "world", (0, 1): "hpz"}),
+    "FSDP 4, 2 micro-batches": (["--training.global_batch_size", "16"], {WORLD: "world"}),
+    "FSDP 4, 2 micro-batches, deferred reduce": (["--training.global_batch_size", "16",
+                                                  "--parallelism.fsdp_defer_grad_reduce"], {WORLD: "world"}),
+    "HSDP 2 x 2": (["--parallelism.data_parallel_replicate_degree", "2"],
+                   {WORLD: "world", (0, 1): "shard", (0, 2): "replicate"}),
+    "TP 2 x FSDP 2": (["--parallelism.tensor_parallel_degree", "2"], {WORLD: "world", (0, 2): "shard", (0, 1): "tp"}),
+}
+STEP = Counter({("all_reduce", "world"): 2})  # the grad norm, the preemption agreement
+
+
+def fsdp(dim: str, backward_gathers: int, micro_batches: int = 1, reduces: int | None = None,
+         gather_dim: str | None = None) -> Counter:
+    forward = Counter({("all_gather", dim): micro_batches * G, ("reduce_scatter", dim): reduces or micro_batches * G})
+    return forward + Counter({("all_gather", gather_dim or dim): micro_batches * backward_gathers})
+
+
+EXPECTED = {
+    "FSDP 4": STEP + fsdp("world", L - 1),
+    "FSDP 4, reshard never": STEP + fsdp("world", 0),
+    "FSDP 4, reshard always": STEP + fsdp("world", G),
+    "FSDP 4, hpZ 2": STEP + fsdp("world", L - 1, gather_dim="hpz"),
+    "FSDP 4, 2 micro-batches": STEP + fsdp("world", L - 1, micro_batches=2),
+    "FSDP 4, 2 micro-batches, deferred reduce": STEP + fsdp("world", L - 1, micro_batches=2, reduces=G),
+    "HSDP 2 x 2": STEP + fsdp("shard", L - 1) + Counter({("all_reduce", "replicate"): G}),
+    "TP 2 x FSDP 2": STEP + fsdp("shard", L - 1) + Counter({
+        ("all_gather", "tp"): 4 * L + 2, ("reduce_scatter", "tp"): 4 * L + 2,
+        ("all_reduce", "tp"): (2 * L + 1) + 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def calls(tmp_path_factory):
+    out = tmp_path_factory.mktemp("collectives")
+    torchrun(4, out, "--training.steps", "3", "--metrics.log_freq", "10", script=COMM_COUNT,
+             script_args=(str(out), json.dumps({name: overrides for name, (overrides, _) in LAYOUTS.items()})))
+    recorded = {}
+    for name, (_, dims) in LAYOUTS.items():
+        recorded[name] = [(kind, dims.get(tuple(ranks), str(ranks)), nbytes)
+                          for kind, ranks, nbytes in json.loads((out / f"{name}.json").read_text())]
+    return recorded
+
+
+def param_bytes() -> int:
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    return 4 * sum(p.numel() for p in model.parameters())  # float32
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_step_makes_the_collectives_the_rules_prescribe(calls, layout):
+    assert Counter((kind, dim) for kind, dim, _ in calls[layout]) == EXPECTED[layout]
+
+
+def bytes_of(calls, kind: str, dim: str) -> int:
+    return sum(n for k, d, n in calls if (k, d) == (kind, dim))
+
+
+def print_table(calls, p: int) -> None:
+    print("\n| layout | collectives per step (per rank) | MB per rank | x parameter bytes |\n|---|---|---|---|")
+    for name, recorded in calls.items():
+        counts = Counter((kind, dim) for kind, dim, _ in recorded)
+        text = ", ".join(f"{n} {kind.replace('_', '-')} ({dim})" for (kind, dim), n in sorted(counts.items()))
+        total = sum(n for _, _, n in recorded)
+        print(f"| {name} | {text} | {total / 1e6:.1f} | {total / p:.2f} |")
+
+
+def test_fsdp_moves_three_times_the_parameter_bytes(calls):
+    p = param_bytes()
+    print_table(calls, p)  # docs/performance.md's table: shown with pytest -s
+    # FSDP pads each parameter's shards to an even split: a few hundred bytes in all.
+    always = calls["FSDP 4, reshard always"]
+    assert bytes_of(always, "reduce_scatter", "world") == pytest.approx(p, rel=1e-3)
+    assert bytes_of(always, "all_gather", "world") == pytest.approx(2 * p, rel=1e-3)
+    never = calls["FSDP 4, reshard never"]
+    assert bytes_of(never, "all_gather", "world") == pytest.approx(p, rel=1e-3)  # ZeRO-2: no gather in backward
+    hsdp = calls["HSDP 2 x 2"]
+    assert bytes_of(hsdp, "all_reduce", "replicate") == pytest.approx(p / 2, rel=1e-3)  # the half each shard holds
+
+
+def test_tp_moves_activations_of_b_s_h(calls):
+    tp = [(k, n) for k, d, n in calls["TP 2 x FSDP 2"] if d == "tp"]
+    activation = BATCH * ARGS.max_seq_len * ARGS.dim * 4
+    assert all(n == activation for k, n in tp if k != "all_reduce")
+    # Norm weights' partial gradients (dim floats each) and the loss's statistics (b·s floats each).
+    reduced = sorted(n for k, n in tp if k == "all_reduce")
+    assert reduced == [BATCH * ARGS.max_seq_len * 4] * 3 + [ARGS.dim * 4] * (2 * L + 1)
