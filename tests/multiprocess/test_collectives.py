@@ -19,15 +19,14 @@ and all-reduce input): FSDP moves ~3x the parameter bytes per step (ZeRO-3: gath
 
 import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
-from launch import torchrun
+from launch import ROOT, torchrun
 from torchtitan_lite.model import FLAVORS, Transformer
 
-COMM_COUNT = Path(__file__).parent / "comm_count.py"
+COMM_COUNT = ROOT / "benchmarks" / "comm_count.py"
 ARGS = FLAVORS["debugmodel"].with_(vocab_size=258, max_seq_len=64)  # tests/assets/tiny.toml: bytes, seq 64
 BATCH = 2  # sequences per micro-batch (tiny.toml's local_batch_size)
 L = ARGS.n_layers

@@ -7,19 +7,18 @@ the CPU), so it never waits for the device.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 
-from launch import COMMON, TP2, torchrun
+from launch import COMMON, ROOT, TP2, torchrun
 
-SYNC_COUNT = Path(__file__).parent / "sync_count.py"
+SYNC_COUNT = ROOT / "benchmarks" / "sync_count.py"
 LOGGED = {1, 3, 6}
-HOST = "signals.py:requested"
+HOST = "signals.py:requested@cpu"
 # A logging step reads the loss and grad norm it logs, the guard's stop latch and skip count (check), and the skip
 # count it records (metrics): 5 device syncs, once per log_freq steps.
-LOGGING_STEP_SYNCS = sorted(["train.py:main", "train.py:main", "precision.py:check", "precision.py:check",
-                             "precision.py:metrics"])
+LOGGING_STEP_SYNCS = sorted(f"{site}@cpu" for site in ["train.py:main", "train.py:main", "precision.py:check",
+                                                       "precision.py:check", "precision.py:metrics"])
 
 
 @pytest.fixture(scope="module")

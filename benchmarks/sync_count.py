@@ -1,6 +1,6 @@
 """train.py that records every host-device sync of its training steps, with the line of ours that asked for it.
 
-    sync_count.py OUT_DIR TRAIN_ARGS...   ->   OUT_DIR/syncs-RANK.json: {step: ["file:function", ...]}
+    sync_count.py OUT_DIR TRAIN_ARGS...   ->   OUT_DIR/syncs-RANK.json: {step: ["file:function@device", ...]}
 
 A sync is an op whose result the host must wait for: reading a tensor's value (`.item()`, `bool(t)`, `if t:`), or an
 op whose output shape depends on values (nonzero). A TorchDispatchMode sees each one as it is dispatched, on any
@@ -18,7 +18,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import train
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the trainer, from a checkout
+import train  # noqa: E402
 
 ROOT = Path(train.__file__).resolve().parent
 OURS = (str(ROOT / "train.py"), str(ROOT / "torchtitan_lite"))
@@ -43,7 +44,7 @@ class SyncRecorder(TorchDispatchMode):
         if DTensor in types:
             return NotImplemented  # let DTensor desugar the op first: what it syncs on then comes through here
         if func in SYNCS:
-            self.syncs[self.step].append(call_site())
+            self.syncs[self.step].append(f"{call_site()}@{args[0].device.type}")
         return func(*args, **(kwargs or {}))
 
 

@@ -20,7 +20,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import train
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the trainer, from a checkout
+import train  # noqa: E402
 
 c10d, funcol = torch.ops.c10d, torch.ops._c10d_functional
 

@@ -1,0 +1,136 @@
+"""One command for the first user with a GPU node: what decides a config's speed and correctness there, measured.
+
+    python benchmarks/gpu_report.py [--config F] [--nproc N] [--steps 20] [--warmup 5] [--backend inductor]
+                                    [-- overrides...]
+
+On a GPU node it runs `--config` (default train_configs/llama3_8b.toml) on every GPU; on a CPU the debug model on 4
+processes (CI runs it so, tests/test_gpu_report.py, so the script is never untested). Every job is a real
+./run_train.sh or torchrun job of train.py with the overrides given, validation and checkpoints off. It prints:
+- tokens/s per device and MFU, eager and compiled (medians over the steps after --warmup: compiling is paid once),
+  and each job's peak memory: torch.cuda.max_memory_allocated on a GPU, the resident set on a CPU;
+- scripts/estimate_memory.py's peak for the same config and world size (the GPU figure to compare with; on a CPU the
+  resident set also holds torch's code and the data, so the two are not comparable);
+- host-device syncs of a step that only trains (0 expected: benchmarks/sync_count.py) and of a logging step;
+- the collectives of one step, by kind and mesh dimension, with their bytes (benchmarks/comm_count.py);
+- torchtitan's published figures beside ours where the config matches one of theirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from torchtitan_lite.config import load_config  # noqa: E402
+
+# torchtitan's published Llama 3 figures (H100, bf16, FSDP, selective AC): (flavor, world, tp, seq_len, local batch)
+PUBLISHED = {
+    ("8B", 8, 1, 8192, 2): {"source": "torchtitan, 8 x H100 (96 GB), FSDP 8", "eager tokens/s": 5762,
+                            "compiled tokens/s": 6667, "eager MFU %": 33.7, "compiled MFU %": 39.0,
+                            "peak GiB": 82.4},
+}
+COMMON = ("--metrics.log_freq", "1", "--no-validation.enable", "--no-checkpoint.enable")
+
+
+def gpus() -> int:
+    import torch  # noqa: PLC0415 - only to count devices
+
+    return torch.cuda.device_count()
+
+
+def run_train(nproc: int, config: str, dump: str, args: list[str]) -> list[dict]:
+    """The metrics.jsonl records of one ./run_train.sh job."""
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": str(nproc), "CONFIG_FILE": config}
+    cmd = ["./run_train.sh", "--job.dump_folder", dump, *COMMON, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    with open(Path(dump) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def probe(nproc: int, config: str, dump: str, script: str, script_args: list[str], args: list[str]) -> None:
+    """A benchmarks/ probe (a train.py wrapped to record) under torchrun."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "benchmarks" / script), *script_args, "--job.config_file", config, "--job.dump_folder", dump,
+           *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{script} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+
+
+def speed(records: list[dict], warmup: int) -> dict[str, float]:
+    timed = [r for r in records if r["step"] > warmup] or records[-1:]
+    return {"tokens/s": statistics.median(r["tps"] for r in timed), "MFU %": statistics.median(r["mfu"] for r in timed),
+            "peak GiB": max(r["memory_gib"] for r in records)}
+
+
+def main() -> None:
+    on_gpu = gpus() > 0
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "train_configs" / ("llama3_8b.toml" if on_gpu else "debug_model.toml")))
+    p.add_argument("--nproc", type=int, default=gpus() or 4)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the speed figures")
+    p.add_argument("--backend", default="inductor", help="compile.backend of the compiled job")
+    p.add_argument("overrides", nargs="*", help="config overrides for every job (after --)")
+    a = p.parse_args()
+    args = ["--training.steps", str(a.steps), *a.overrides]
+    cfg = load_config(["--job.config_file", a.config, *args])
+    t, par = cfg.training, cfg.parallelism
+    print(f"config {a.config}: {cfg.model.flavor}, {a.nproc} {'GPUs' if on_gpu else 'CPU processes'}, "
+          f"seq {t.seq_len} x local batch {t.local_batch_size}, {t.mixed_precision_param}, "
+          f"AC {cfg.activation_checkpoint.mode}, TP {par.tensor_parallel_degree}")
+
+    from torchtitan_lite.memory import estimate_memory  # noqa: PLC0415 - imports torch: after the cheap checks
+
+    estimate = estimate_memory(cfg, a.nproc).peak_bytes / 2**30
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = {"eager": speed(run_train(a.nproc, a.config, f"{tmp}/eager", [*args, "--no-compile.enable"]), a.warmup),
+                "compiled": speed(run_train(a.nproc, a.config, f"{tmp}/compiled", [
+                    *args, "--compile.enable", "--compile.backend", a.backend]), a.warmup)}
+        # Logging every 3rd step of 6, so steps 2, 4 and 5 only train; the last one also logs.
+        probe(a.nproc, a.config, f"{tmp}/syncs", "sync_count.py", [f"{tmp}/syncs"],
+              [*args, "--training.steps", "6", "--metrics.log_freq", "3", "--no-validation.enable"])
+        syncs = json.loads(Path(f"{tmp}/syncs/syncs-0.json").read_text())
+        probe(a.nproc, a.config, f"{tmp}/comms", "comm_count.py", [f"{tmp}/comms", json.dumps({"step": []})],
+              [*args, "--training.steps", "3", "--metrics.log_freq", "10", "--no-validation.enable"])
+        comms = json.loads(Path(f"{tmp}/comms/step.json").read_text())
+
+    published = PUBLISHED.get((cfg.model.flavor, a.nproc, par.tensor_parallel_degree, t.seq_len, t.local_batch_size))
+    print(f"\n{'':<22}{'ours':>12}{'published' if published else '':>12}")
+    for mode in ("eager", "compiled"):
+        for key in ("tokens/s", "MFU %", "peak GiB"):
+            theirs = published.get(f"{mode} {key}", published.get(key) if key == "peak GiB" else None) \
+                if published else None
+            print(f"{mode + ' ' + key:<22}{ours[mode][key]:>12,.1f}{'' if theirs is None else f'{theirs:>12,.1f}'}")
+    print(f"{'estimated peak GiB':<22}{estimate:>12,.1f}")
+    if published:
+        print(f"published: {published['source']}")
+
+    def device(sites: list[str]) -> int:  # a host tensor's read waits for no device (the preemption flag)
+        return sum(1 for s in sites if (s.endswith("@cuda") if on_gpu else s != "signals.py:requested@cpu"))
+
+    print(f"\ndevice syncs: steps that only train {[device(syncs[s]) for s in ('2', '4', '5')]}, "
+          f"a logging step {device(syncs['3'])}")
+    counts, sizes = Counter(), Counter()
+    for kind, ranks, nbytes in comms:
+        counts[kind, len(ranks)] += 1
+        sizes[kind, len(ranks)] += nbytes
+    print("collectives of one step (per rank; group size; full-buffer MB):")
+    for (kind, size), n in sorted(counts.items()):
+        print(f"  {n:>4} {kind:<16} over {size:>3} ranks {sizes[kind, size] / 1e6:>10.1f} MB")
+    print(f"compiled/eager tokens/s: {ours['compiled']['tokens/s'] / ours['eager']['tokens/s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
