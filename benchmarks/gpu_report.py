@@ -4,8 +4,8 @@
                                     [-- overrides...]
 
 On a GPU node it runs `--config` (default train_configs/llama3_8b.toml) on every GPU; on a CPU the debug model on 4
-processes (CI runs it so, tests/test_gpu_report.py, so the script is never untested). Every job is a real
-./run_train.sh or torchrun job of train.py with the overrides given, validation and checkpoints off. It prints:
+processes (CI runs it so, tests/multiprocess/test_gpu_report.py: the script is never untested). Every job is a real
+torchrun job of train.py with the overrides given, validation and checkpoints off. It prints:
 - tokens/s per device and MFU, eager and compiled (medians over the steps after --warmup: compiling is paid once),
   and each job's peak memory: torch.cuda.max_memory_allocated on a GPU, the resident set on a CPU;
 - scripts/estimate_memory.py's peak for the same config and world size (the GPU figure to compare with; on a CPU the
@@ -47,25 +47,17 @@ def gpus() -> int:
     return torch.cuda.device_count()
 
 
-def run_train(nproc: int, config: str, dump: str, args: list[str]) -> list[dict]:
-    """The metrics.jsonl records of one ./run_train.sh job."""
-    env = {**os.environ, "PYTHON": sys.executable, "NGPU": str(nproc), "CONFIG_FILE": config}
-    cmd = ["./run_train.sh", "--job.dump_folder", dump, *COMMON, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-    with open(Path(dump) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
-
-
-def probe(nproc: int, config: str, dump: str, script: str, script_args: list[str], args: list[str]) -> None:
-    """A benchmarks/ probe (a train.py wrapped to record) under torchrun."""
+def torchrun(nproc: int, config: str, dump: str, args: list[str], script: str = "train.py",
+             script_args: tuple[str, ...] = ()) -> list[dict]:
+    """One torchrun job of train.py, or of a benchmarks/ probe (train.py wrapped to record): its metrics records.
+    The config was checked once above, so the jobs skip run_train.sh's check."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "benchmarks" / script), *script_args, "--job.config_file", config, "--job.dump_folder", dump,
-           *args]
+           str(ROOT / script), *script_args, "--job.config_file", config, "--job.dump_folder", dump, *COMMON, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{script} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    metrics = Path(dump) / "metrics.jsonl"  # comm_count.py writes its runs' into folders of their own
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
 def speed(records: list[dict], warmup: int) -> dict[str, float]:
@@ -85,6 +77,10 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="config overrides for every job (after --)")
     a = p.parse_args()
     args = ["--training.steps", str(a.steps), *a.overrides]
+    check = subprocess.run([sys.executable, "train.py", "--check", "--job.config_file", a.config, *args], cwd=ROOT,
+                           env={**os.environ, "WORLD_SIZE": str(a.nproc)}, capture_output=True, text=True)
+    if check.returncode != 0:
+        raise SystemExit(check.stderr.strip())  # the trainer's one line: the jobs below would all fail on it
     cfg = load_config(["--job.config_file", a.config, *args])
     t, par = cfg.training, cfg.parallelism
     print(f"config {a.config}: {cfg.model.flavor}, {a.nproc} {'GPUs' if on_gpu else 'CPU processes'}, "
@@ -95,15 +91,15 @@ def main() -> None:
 
     estimate = estimate_memory(cfg, a.nproc).peak_bytes / 2**30
     with tempfile.TemporaryDirectory() as tmp:
-        ours = {"eager": speed(run_train(a.nproc, a.config, f"{tmp}/eager", [*args, "--no-compile.enable"]), a.warmup),
-                "compiled": speed(run_train(a.nproc, a.config, f"{tmp}/compiled", [
+        ours = {"eager": speed(torchrun(a.nproc, a.config, f"{tmp}/eager", [*args, "--no-compile.enable"]), a.warmup),
+                "compiled": speed(torchrun(a.nproc, a.config, f"{tmp}/compiled", [
                     *args, "--compile.enable", "--compile.backend", a.backend]), a.warmup)}
         # Logging every 3rd step of 6, so steps 2, 4 and 5 only train; the last one also logs.
-        probe(a.nproc, a.config, f"{tmp}/syncs", "sync_count.py", [f"{tmp}/syncs"],
-              [*args, "--training.steps", "6", "--metrics.log_freq", "3", "--no-validation.enable"])
+        torchrun(a.nproc, a.config, f"{tmp}/syncs", [*args, "--training.steps", "6", "--metrics.log_freq", "3"],
+                 "benchmarks/sync_count.py", (f"{tmp}/syncs",))
         syncs = json.loads(Path(f"{tmp}/syncs/syncs-0.json").read_text())
-        probe(a.nproc, a.config, f"{tmp}/comms", "comm_count.py", [f"{tmp}/comms", json.dumps({"step": []})],
-              [*args, "--training.steps", "3", "--metrics.log_freq", "10", "--no-validation.enable"])
+        torchrun(a.nproc, a.config, f"{tmp}/comms", [*args, "--training.steps", "3", "--metrics.log_freq", "10"],
+                 "benchmarks/comm_count.py", (f"{tmp}/comms", json.dumps({"step": []})))
         comms = json.loads(Path(f"{tmp}/comms/step.json").read_text())
 
     published = PUBLISHED.get((cfg.model.flavor, a.nproc, par.tensor_parallel_degree, t.seq_len, t.local_batch_size))
