@@ -6,6 +6,7 @@ Launch (one node, 8 GPUs or 4 CPU processes):
 Multi-node: the same command on every node with a c10d rendezvous (see multinode_trainer.slurm):
     torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 train.py --job.config_file F
 Any config key can be overridden as --section.key value; `python train.py --help` lists them all.
+`WORLD_SIZE=N python train.py --check --job.config_file F [overrides]` only validates a config for N processes.
 """
 
 from __future__ import annotations
