@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from torchtitan_lite.config import load_config  # noqa: E402
+from torchtitan_lite.parallel_dims import ParallelDims  # noqa: E402
 
 # torchtitan's published Llama 3 figures (H100, bf16, FSDP, selective AC): (flavor, world, tp, seq_len, local batch)
 PUBLISHED = {
@@ -118,13 +119,20 @@ def main() -> None:
 
     print(f"\ndevice syncs: steps that only train {[device(syncs[s]) for s in ('2', '4', '5')]}, "
           f"a logging step {device(syncs['3'])}")
-    counts, sizes = Counter(), Counter()
-    for kind, ranks, nbytes in comms:
-        counts[kind, len(ranks)] += 1
-        sizes[kind, len(ranks)] += nbytes
-    print("collectives of one step (per rank; group size; full-buffer MB):")
-    for (kind, size), n in sorted(counts.items()):
-        print(f"  {n:>4} {kind:<16} over {size:>3} ranks {sizes[kind, size] / 1e6:>10.1f} MB")
+    # Rank 0's group along each mesh dimension (train.py's mesh: dp_replicate, dp_shard, tp; row-major).
+    dims = ParallelDims.from_config(par, a.nproc)
+    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
+    strides = {"dp_replicate": dims.dp_shard * dims.tp, "dp_shard": dims.tp, "tp": 1}
+    names = {tuple(range(0, n * strides[d], strides[d])): d for d, n in sizes.items() if n > 1}
+    names[tuple(range(a.nproc))] = "world"
+    counts, nbytes = Counter(), Counter()
+    for kind, ranks, size in comms:
+        group = names.get(tuple(ranks), f"{len(ranks)} ranks")
+        counts[kind, group] += 1
+        nbytes[kind, group] += size
+    print("collectives of one step (per rank, over rank 0's group; full-buffer MB):")
+    for (kind, group), n in sorted(counts.items()):
+        print(f"  {n:>4} {kind:<16} {group:<14} {nbytes[kind, group] / 1e6:>10.1f} MB")
     print(f"compiled/eager tokens/s: {ours['compiled']['tokens/s'] / ours['eager']['tokens/s']:.3f}")
 
 

@@ -18,6 +18,6 @@ def test_gpu_report_on_the_cpu():
         assert re.search(rf"^{re.escape(key)}\s+[\d,.]+$", out, re.M), key
     assert "device syncs: steps that only train [0, 0, 0], a logging step 3" in out  # loss, grad norm, stop latch
     # FSDP 2 over 7 groups (6 blocks + the root): the rules of tests/multiprocess/test_collectives.py.
-    assert re.search(r"^\s+12 all_gather\s+over\s+2 ranks", out, re.M)
-    assert re.search(r"^\s+7 reduce_scatter\s+over\s+2 ranks", out, re.M)
+    assert re.search(r"^\s+12 all_gather\s+world\s", out, re.M)
+    assert re.search(r"^\s+7 reduce_scatter\s+world\s", out, re.M)
     assert re.search(r"^compiled/eager tokens/s: \d+\.\d+$", out, re.M)
