@@ -1,4 +1,4 @@
-"""Pretrain a Llama model with PyTorch-native parallelism (TP + FSDP2/HSDP), configured by a TOML file.
+"""Pretrain a Llama model with PyTorch-native parallelism (PP + TP + FSDP2/HSDP), configured by a TOML file.
 
 Launch (one node, 8 GPUs or 4 CPU processes):
     NGPU=8 CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh --training.steps 100
@@ -35,6 +35,7 @@ from torchtitan_lite.model import Transformer, count_params, flavor_args
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.parallelize import parallelize
+from torchtitan_lite.pipeline import Pipeline, check_pipeline, merge, split
 from torchtitan_lite.precision import DTYPES, NonFiniteError, UpdateGuard, warn_if_slow
 from torchtitan_lite.signals import Preemption, restore_signals, stop_with_launcher
 from torchtitan_lite.tokenizer import load_tokenizer
@@ -49,6 +50,8 @@ def preflight(cfg: JobConfig, world_size: int):
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     model_args = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
     dims.validate_model(model_args)
+    if dims.pp > 1:
+        check_pipeline(cfg.parallelism, model_args.n_layers, cfg.training.local_batch_size)
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
     t, v = cfg.training, cfg.validation
     global_batch = dims.global_batch(t.local_batch_size, t.global_batch_size)
@@ -66,7 +69,7 @@ def main(cfg: JobConfig, env: Env) -> None:
     checks_passed(env)  # from here on, errors are decided on rank 0 and raised on every rank
     device = init_distributed(env, cfg.comm.init_timeout_seconds)
     set_determinism(t.seed, t.deterministic, device)
-    mesh, dp_mesh = dims.build_mesh(device.type)
+    mesh, dp_mesh, loss_mesh = dims.build_mesh(device.type)
     if env.rank == 0:
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
         with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
@@ -74,14 +77,18 @@ def main(cfg: JobConfig, env: Env) -> None:
         logger.info("resolved config:\n%s", to_toml(cfg))
     data = DataLoader(source, global_batch, t.local_batch_size, dp_mesh.get_local_rank(), dims.dp)
 
-    # ---- Model: built on meta (no memory), parallelized, then materialized shard by shard.
+    # ---- Model: built on meta (no memory), cut into this rank's pipeline stages, parallelized, then materialized
+    # shard by shard.
     with torch.device("meta"):
         model = Transformer(model_args)
     n_params, n_embedding = count_params(model)
-    parallelize(model, mesh, dims, cfg)
-    model.to_empty(device=device)
-    model.init_weights(seed=t.seed)
-    model.train()
+    parts = split(model_args, mesh["pp"].get_local_rank(), cfg.parallelism) if dims.pp > 1 else [model]
+    for part in parts:
+        parallelize(part, mesh, dims, cfg)
+        part.to_empty(device=device)
+        part.init_weights(seed=t.seed)
+        part.train()
+    model = merge(parts)  # this rank's parameters under their full-model names: optimizer, norm, checkpoint
     params = list(model.parameters())
     logger.info("%s %s: %.2fM parameters, mesh %s", cfg.model.name, cfg.model.flavor, n_params / 1e6,
                 dict(zip(mesh.mesh_dim_names, mesh.shape)))
@@ -98,8 +105,9 @@ def main(cfg: JobConfig, env: Env) -> None:
     autocast = not dims.fsdp and compute_dtype != torch.float32
     warn_if_slow(device, compute_dtype)
     guard = UpdateGuard(device, compute_dtype, t.skip_nonfinite_steps)
-    # Reducing gradients after the last micro-batch only: FSDP accumulates unsharded gradients until then.
-    defer_reduce = dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce
+    # Reducing gradients after the last micro-batch only: FSDP accumulates unsharded gradients until then. (A
+    # pipeline schedule does so within a local batch itself.)
+    defer_reduce = dims.fsdp and dims.pp == 1 and cfg.parallelism.fsdp_defer_grad_reduce
     fpt = flops_per_token(n_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len,
                           n_embedding)
     peak = peak_flops(device, compute_dtype if (dims.fsdp or autocast) else torch.float32)
@@ -112,13 +120,23 @@ def main(cfg: JobConfig, env: Env) -> None:
             stack.enter_context(torch.autocast(device.type, dtype=compute_dtype))
         return stack
 
-    def loss_of(inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
-        """Sum of this micro-batch's token losses / `tokens` (a DTensor under loss parallel); call in train_context."""
-        logits = model(inputs.to(device))
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(), reduction="sum") / tokens
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Sum of the token losses / `tokens` (a DTensor under loss parallel)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / tokens
 
     def value(loss: torch.Tensor) -> torch.Tensor:
         return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+
+    def forward_backward(inputs: torch.Tensor, labels: torch.Tensor, tokens: int, train: bool = True) -> torch.Tensor:
+        """A local batch's loss (detached), and with `train` its gradients added to the parameters' .grad; call in
+        train_context. Under PP the pipeline schedule is this same call (pipeline.Pipeline)."""
+        loss = loss_fn(model(inputs.to(device)), labels.to(device), tokens)
+        if train:
+            guard.scale(loss).backward()  # inside the context: loss parallel's backward needs it too
+        return value(loss)
+
+    if dims.pp > 1:
+        forward_backward = Pipeline(parts, mesh["pp"], device, cfg, loss_fn, value, guard.scale)
 
     @torch.no_grad()
     def validate() -> float:
@@ -128,8 +146,8 @@ def main(cfg: JobConfig, env: Env) -> None:
         for _ in range(v.steps):
             for inputs, labels in loader.next_batch():
                 with train_context():
-                    total += value(loss_of(inputs, labels, global_tokens * v.steps))
-        dist.all_reduce(total, group=dp_mesh.get_group())
+                    total += forward_backward(inputs, labels, global_tokens * v.steps, train=False)
+        dist.all_reduce(total, group=loss_mesh.get_group())
         return total.item()
 
     # ---- Checkpoint: resume from the newest complete checkpoint in the folder, or start from
@@ -168,9 +186,7 @@ def main(cfg: JobConfig, env: Env) -> None:
             if defer_reduce:
                 model.set_requires_gradient_sync(i == len(batches) - 1)
             with train_context():
-                loss = loss_of(inputs, labels, global_tokens)
-                guard.scale(loss).backward()  # inside the context: loss parallel's backward needs it too
-            loss_sum += value(loss)
+                loss_sum += forward_backward(inputs, labels, global_tokens)
         guard.unscale_(optimizer)  # fp16: clipping and the logged norm see the true gradients
         grad_norm = clip_grad_norm_(params, t.max_norm, env.world_size)
         lr = scheduler.get_last_lr()[0]
@@ -189,7 +205,7 @@ def main(cfg: JobConfig, env: Env) -> None:
             last_log_time += time.perf_counter() - val_start  # tokens/s and MFU measure training alone
         if metrics.should_log(step, last=step == t.steps) or val_loss is not None:
             guard.check()  # a step since the last log that must stop the run raises here (saves check too)
-            dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+            dist.all_reduce(loss_sum, group=loss_mesh.get_group())
             now = time.perf_counter()
             tps = global_tokens * (step - last_log_step) / env.world_size / (now - last_log_time)
             metrics.log(step, {

@@ -77,7 +77,7 @@ def worker(out: str, argv: list[str]) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dist.init_process_group("gloo")
     dims = ParallelDims.from_config(cfg.parallelism, world)
-    mesh, _ = dims.build_mesh("cpu")
+    mesh = dims.build_mesh("cpu")[0]
     with torch.device("meta"):
         model = Transformer(model_args(cfg)[0])
     parallelize(model, mesh, dims, cfg)

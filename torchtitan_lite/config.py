@@ -98,6 +98,11 @@ class Parallelism:
     fsdp_offload_pin_memory: bool = opt(True, "offload into page-locked host memory (faster copies; needs a GPU)")
     fsdp_prefetch: int = opt(0, "all-gather the next N blocks ahead in forward and backward; 0 = FSDP2's implicit one")
     fsdp_defer_grad_reduce: bool = opt(False, "accumulation: reduce gradients after the last micro-batch only")
+    pipeline_parallel_degree: int = opt(1, "pipeline stages across this many ranks (the outermost mesh dim)")
+    pipeline_parallel_schedule: str = opt("1F1B", "torch's schedule name: GPipe, 1F1B, Interleaved1F1B, LoopedBFS")
+    pipeline_parallel_microbatches: int = opt(-1, "micro-batches per local batch; -1 = the pipeline degree")
+    pipeline_parallel_layers_per_stage: int = opt(
+        -1, "blocks per stage; -1 = the blocks split evenly over 1 stage per rank (interleaved: the fewest above 1)")
 
 
 @dataclass
@@ -338,6 +343,9 @@ _RULES = [
     ("parallelism.data_parallel_replicate_degree", ">= 1", lambda v: v >= 1),
     ("parallelism.data_parallel_shard_degree", "-1 (the rest of the world) or >= 1", lambda v: v == -1 or v >= 1),
     ("parallelism.tensor_parallel_degree", ">= 1", lambda v: v >= 1),
+    ("parallelism.pipeline_parallel_degree", ">= 1", lambda v: v >= 1),
+    ("parallelism.pipeline_parallel_microbatches", ">= 1 or -1", lambda v: v >= 1 or v == -1),
+    ("parallelism.pipeline_parallel_layers_per_stage", ">= 1 or -1", lambda v: v >= 1 or v == -1),
     ("parallelism.fsdp_reshard_after_forward", "default, always, never or a group size >= 1",
      lambda v: v in ("default", "always", "never") or (v.isdecimal() and int(v) >= 1)),
     ("parallelism.fsdp_prefetch", ">= 0", lambda v: v >= 0),

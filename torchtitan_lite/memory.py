@@ -166,7 +166,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        mesh, _ = dims.build_mesh("cpu")
+        mesh = dims.build_mesh("cpu")[0]
         with torch.device("meta"):
             model = Transformer(args)
         # Outside fake mode: FSDP on top of TP builds meshes, from real (small) tensors.

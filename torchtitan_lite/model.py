@@ -191,10 +191,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_table(args), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage (pipeline.py) lacks the pieces other stages own: it takes and gives hidden states.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if self.output is not None else h
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -211,11 +212,13 @@ class Transformer(nn.Module):
             # Default: untruncated. The Llama recipe's trunc_normal_ bounds (+-2 absolute) are >= 100 std here.
             trunc_normal_(param, std, cutoff, key=f"{seed}/{names[param]}")
 
-        init(self.tok_embeddings.weight, 1.0)
+        if self.tok_embeddings is not None:
+            init(self.tok_embeddings.weight, 1.0)
         for layer in self.layers.values():
             layer.init_weights(init)
-        self.norm.init_weights(init)
-        init(self.output.weight, self.args.dim**-0.5, cutoff=3.0)
+        if self.output is not None:
+            self.norm.init_weights(init)
+            init(self.output.weight, self.args.dim**-0.5, cutoff=3.0)
 
 
 def canonical_name(name: str) -> str:

@@ -66,7 +66,8 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int
     """Clip the global gradient norm of parameters that may live on different meshes (or be plain tensors).
 
     torch.nn.utils.clip_grad_norm_ cannot mix meshes, so each rank sums the squares of its local gradient shards,
-    weighted by 1 / (number of ranks holding that same shard), and one all-reduce over the world adds them up.
+    weighted by 1 / (number of ranks holding that same shard), and one all-reduce over the world adds them up (over
+    pipeline stages too, whose parameters are disjoint: a plain tensor is held by its stage's rank alone).
     Returns the total norm (before clipping). max_norm = 0 only measures.
     """
     for p in params:
@@ -81,7 +82,7 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for g, norm in zip(grads, torch._foreach_norm(local, 2.0) if local else []):
-        sq += norm.float().to(device) ** 2 * (_shard_count(g) / world_size)
+        sq += norm.float().to(device) ** 2 * _share(g)
     if world_size > 1:
         dist.all_reduce(sq)
     total = sq.sqrt()
@@ -91,9 +92,10 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int
     return total
 
 
-def _shard_count(t: torch.Tensor) -> int:
-    """Into how many distinct pieces a tensor is cut (the other ranks hold copies)."""
+def _share(t: torch.Tensor) -> float:
+    """1 / how many ranks hold a copy of this rank's piece of the tensor."""
     if not isinstance(t, DTensor):
-        return 1
+        return 1.0
     # FSDP on top of TP shards a dim twice; the outer split is a _StridedShard, which is not a Shard subclass.
-    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if isinstance(p, (Shard, _StridedShard)))
+    pieces = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if isinstance(p, (Shard, _StridedShard)))
+    return pieces / t.device_mesh.size()

@@ -17,22 +17,24 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    pp: int = 1
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
-        replicate, shard, tp = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
-                                cfg.tensor_parallel_degree)
+        pp, replicate, shard, tp = (cfg.pipeline_parallel_degree, cfg.data_parallel_replicate_degree,
+                                    cfg.data_parallel_shard_degree, cfg.tensor_parallel_degree)
         if shard == -1:
-            if world_size % (replicate * tp):
+            if world_size % (pp * replicate * tp):
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by data_parallel_replicate_degree {replicate} x "
-                    f"tensor_parallel_degree {tp}: change the degrees or the number of processes")
-            shard = world_size // (replicate * tp)
-        if replicate * shard * tp != world_size:
+                    f"world size {world_size} is not divisible by pipeline_parallel_degree {pp} x "
+                    f"data_parallel_replicate_degree {replicate} x tensor_parallel_degree {tp}: change the degrees "
+                    f"or the number of processes")
+            shard = world_size // (pp * replicate * tp)
+        if pp * replicate * shard * tp != world_size:
             raise ConfigError(
-                f"parallelism degrees multiply to {replicate * shard * tp} (replicate {replicate} x shard {shard} "
-                f"x tp {tp}) but the world size is {world_size}: make them multiply to {world_size}, or set "
-                f"parallelism.data_parallel_shard_degree = -1")
+                f"parallelism degrees multiply to {pp * replicate * shard * tp} (pp {pp} x replicate {replicate} x "
+                f"shard {shard} x tp {tp}) but the world size is {world_size}: make them multiply to {world_size}, "
+                f"or set parallelism.data_parallel_shard_degree = -1")
         group = cfg.fsdp_reshard_after_forward
         if group.isdecimal() and replicate * shard > 1 and shard % int(group):
             divisors = [d for d in range(1, shard + 1) if shard % d == 0]
@@ -41,7 +43,7 @@ class ParallelDims:
         if cfg.fsdp_cpu_offload and cfg.fsdp_offload_pin_memory and not torch.cuda.is_available():
             raise ConfigError("parallelism.fsdp_offload_pin_memory needs a GPU (pinned memory speeds host-to-device "
                               "copies): pass --no-parallelism.fsdp_offload_pin_memory to offload on this machine")
-        return cls(replicate, shard, tp, world_size)
+        return cls(replicate, shard, tp, world_size, pp)
 
     @property
     def dp(self) -> int:
@@ -60,7 +62,7 @@ class ParallelDims:
             return per_step
         if global_batch % per_step:
             n = global_batch // local_batch if global_batch % local_batch == 0 else 0
-            sizes = [d * self.tp for d in range(1, n + 1) if n % d == 0 and d % self.dp_replicate == 0]
+            sizes = [d * self.tp * self.pp for d in range(1, n + 1) if n % d == 0 and d % self.dp_replicate == 0]
             raise ConfigError(
                 f"training.global_batch_size {global_batch} is not a multiple of local_batch_size {local_batch} x "
                 f"data-parallel degree {self.dp}: use a multiple of {per_step}"
@@ -76,9 +78,10 @@ class ParallelDims:
                     f"model {name} = {size} is not divisible by parallelism.tensor_parallel_degree = {self.tp}: "
                     f"choose a degree that divides {size}")
 
-    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-        """One mesh ("dp_replicate", "dp_shard", "tp"), and its data-parallel dims flattened into one ("dp"): the
-        data loader's rank and the group that sums the logged loss."""
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+        """One mesh ("pp", "dp_replicate", "dp_shard", "tp"); its data-parallel dims flattened into one ("dp"), the
+        data loader's rank; and the group that sums the logged loss (dp, and pp whose last stage alone has it)."""
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh, dp_mesh, mesh["pp", "dp_replicate", "dp_shard"]._flatten("loss") if self.pp > 1 else dp_mesh

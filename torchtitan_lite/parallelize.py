@@ -116,8 +116,8 @@ def apply_ac(model: nn.Module, mode: str, option: str, keep_attention: bool = Fa
 
     kwargs = {"context_fn": partial(create_selective_checkpoint_contexts, policy)} if keep else {}
     every = int(option) if mode == "selective" and option != "op" else 1
-    for i, (name, block) in enumerate(list(model.layers.items())):
-        if i % every == 0:
+    for name, block in list(model.layers.items()):
+        if int(name) % every == 0:  # the full model's block index: a pipeline stage holds some blocks
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
@@ -134,7 +134,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig) -> None:
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, i == len(blocks) - 1))
+                    reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, i == len(blocks) - 1,
+                                                                p.pipeline_parallel_degree > 1))
     # The root (embedding, final norm, output) is needed first in backward: kept gathered unless "always".
     fully_shard(model, mesh=dp_mesh, mp_policy=root_mp, offload_policy=offload,
                 reshard_after_forward=p.fsdp_reshard_after_forward == "always")
@@ -154,10 +155,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def reshard_after_forward(policy: str, last_block: bool) -> bool | int:
+def reshard_after_forward(policy: str, last_block: bool, pipelined: bool = False) -> bool | int:
     """A block's `reshard_after_forward` under `parallelism.fsdp_reshard_after_forward`. "default" reshards every
     block but the last, whose parameters backward needs first; an integer N (hpZ) keeps them sharded over groups of
     N ranks after forward, so backward all-gathers within a group (a node) instead of across the whole shard dim."""
     if policy in ("always", "never"):
         return policy == "always"
+    if pipelined and policy == "default":  # a stage runs forward per micro-batch: resharding re-gathers each time
+        return False
     return not last_block and (True if policy == "default" else int(policy))

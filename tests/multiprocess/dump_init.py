@@ -22,7 +22,7 @@ device = init_distributed(env)
 for name, overrides in layouts.items():
     cfg = load_config(["--job.config_file", config, *overrides])
     dims = ParallelDims.from_config(cfg.parallelism, env.world_size)
-    mesh, _ = dims.build_mesh(device.type)
+    mesh = dims.build_mesh(device.type)[0]
     with torch.device("meta"):
         model = Transformer(FLAVORS["debugmodel"].with_(vocab_size=258, max_seq_len=cfg.training.seq_len))
     parallelize(model, mesh, dims, cfg)

@@ -1,0 +1,174 @@
+"""Pipeline parallelism: the model cut into stages of whole blocks, run by a `torch.distributed.pipelining` schedule.
+
+A stage is the full model with the blocks it does not own dropped (the embedding rides with the first stage, the
+final norm and output with the last), so every parameter keeps its full-model name: checkpoints, initialization
+and the Hugging Face export stay layout-free. Stage s lives on pipeline rank s % pp ("looped" placement): one stage
+per rank for GPipe and 1F1B, several for the interleaved schedules.
+
+Exactness: the loss of a micro-batch is its summed token losses over the global token count, so the schedule must
+not rescale gradients (`scale_grads=False`): micro-batches, accumulation and data parallelism all add up to the one
+big batch's gradient, as without PP.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, Schedule1F1B,
+                                                    ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+                                                    get_schedule_class)
+
+from torchtitan_lite.config import ConfigError, JobConfig, Parallelism
+from torchtitan_lite.model import Transformer
+
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+             "LoopedBFS": ScheduleLoopedBFS}
+# torch 2.13's other schedules, and why they are refused at start.
+REFUSED = {
+    "InterleavedZeroBubble": "it splits backward into input and weight passes, which FSDP's gradient reduction and "
+                             "activation checkpointing here are not tested with",
+    "ZBVZeroBubble": "it places stages in a V (rank r holds stages r and 2*pp-1-r), not looped",
+    "DualPipeV": "it places stages in a V (rank r holds stages r and 2*pp-1-r), not looped",
+    "PipelineScheduleSingle": "it is a base class, not a schedule",
+    "PipelineScheduleMulti": "it is a base class, not a schedule",
+}
+
+
+def schedule_class(name: str) -> type:
+    """The schedule named `name` (torch's names, any case), or one ConfigError line saying what to use instead."""
+    supported = ", ".join(SCHEDULES)
+    try:
+        cls = get_schedule_class(name)
+    except ValueError:
+        raise ConfigError(f"unknown parallelism.pipeline_parallel_schedule {name!r}: choose one of {supported}") \
+            from None
+    if cls in SCHEDULES.values():
+        return cls
+    found = next((k for k in REFUSED if get_schedule_class(k) is cls), name)
+    raise ConfigError(f"parallelism.pipeline_parallel_schedule {found} is not supported: "
+                      f"{REFUSED.get(found, 'not tested here')}; choose one of {supported}")
+
+
+def stages_per_rank(p: Parallelism, n_layers: int) -> int:
+    """How many stages each pipeline rank holds, from the schedule and `pipeline_parallel_layers_per_stage`; raises
+    one ConfigError line when the blocks cannot be cut that way."""
+    pp, per_stage, name = p.pipeline_parallel_degree, p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_schedule
+    looped = issubclass(schedule_class(name), PipelineScheduleMulti)
+    if per_stage == -1:
+        # Interleaved: the fewest stages per rank above one that split the blocks evenly (2 if they can).
+        v = next((v for v in range(2, n_layers // pp + 1) if n_layers % (pp * v) == 0), 2) if looped else 1
+        n_stages = pp * v
+    elif n_layers % per_stage:
+        raise ConfigError(f"parallelism.pipeline_parallel_layers_per_stage {per_stage} does not divide the model's "
+                          f"{n_layers} blocks: choose a divisor of {n_layers}")
+    else:
+        n_stages = n_layers // per_stage
+    if n_stages > n_layers:
+        raise ConfigError(f"{n_stages} pipeline stages exceed the model's {n_layers} blocks: every stage needs at "
+                          f"least one block; lower parallelism.pipeline_parallel_degree")
+    if n_layers % n_stages:
+        raise ConfigError(f"the model's {n_layers} blocks do not split evenly into {n_stages} pipeline stages: set "
+                          f"parallelism.pipeline_parallel_layers_per_stage to a divisor of {n_layers}")
+    if n_stages % pp:
+        raise ConfigError(f"{n_stages} stages ({n_layers} blocks / {n_layers // n_stages} per stage) do not spread "
+                          f"evenly over parallelism.pipeline_parallel_degree {pp}: make the stages a multiple of {pp}")
+    v = n_stages // pp
+    if looped and v < 2:
+        raise ConfigError(f"{name} runs several stages per rank but {n_layers // n_stages} blocks per stage give one "
+                          f"on each of {pp} ranks: halve parallelism.pipeline_parallel_layers_per_stage, or use 1F1B")
+    if not looped and v > 1:
+        raise ConfigError(f"{name} runs one stage per rank but {n_layers // n_stages} blocks per stage give {v}: set "
+                          f"parallelism.pipeline_parallel_layers_per_stage = {n_layers // pp}, or use Interleaved1F1B")
+    return v
+
+
+def check_pipeline(p: Parallelism, n_layers: int, local_batch: int) -> tuple[int, int]:
+    """(stages per rank, micro-batches per local batch), or one ConfigError line."""
+    return stages_per_rank(p, n_layers), microbatches(p, local_batch)
+
+
+def microbatches(p: Parallelism, local_batch: int) -> int:
+    """The number of micro-batches a local batch is cut into, validated."""
+    pp, m = p.pipeline_parallel_degree, p.pipeline_parallel_microbatches
+    m = pp if m == -1 else m
+    if m < pp:
+        # torch's 1F1B refuses this and others hang (pytorch/torchtitan#775): some stage would idle the whole step.
+        raise ConfigError(f"parallelism.pipeline_parallel_microbatches {m} is fewer than the {pp} pipeline stages: "
+                          f"use at least {pp} (more shrink the pipeline bubble)")
+    if local_batch % m:
+        raise ConfigError(f"training.local_batch_size {local_batch} does not split into {m} pipeline micro-batches: "
+                          f"make it a multiple of {m} or change parallelism.pipeline_parallel_microbatches")
+    return m
+
+
+def split(model_args, pp_rank: int, p: Parallelism) -> list[Transformer]:
+    """This rank's stages, on the meta device: stages pp_rank, pp_rank + pp, ... of all, in order."""
+    pp = p.pipeline_parallel_degree
+    n_stages = pp * stages_per_rank(p, model_args.n_layers)
+    per_stage = model_args.n_layers // n_stages
+    parts = []
+    for stage in range(pp_rank, n_stages, pp):
+        with torch.device("meta"):
+            part = Transformer(model_args)
+        part.layers = nn.ModuleDict({str(i): part.layers[str(i)]
+                                     for i in range(stage * per_stage, (stage + 1) * per_stage)})
+        if stage > 0:
+            part.tok_embeddings = None
+        if stage < n_stages - 1:
+            part.norm = part.output = None
+        part.stage = stage
+        parts.append(part)
+    return parts
+
+
+def merge(parts: list[Transformer]) -> Transformer:
+    """One module holding this rank's parameters under their full-model names (for the optimizer, the checkpoint
+    and the norm); it shares the stages' modules and is never run itself."""
+    if len(parts) == 1:
+        return parts[0]
+    merged = Transformer.__new__(Transformer)
+    nn.Module.__init__(merged)
+    merged.args = parts[0].args
+    merged.tok_embeddings = parts[0].tok_embeddings
+    merged.layers = nn.ModuleDict({k: b for part in parts for k, b in part.layers.items()})
+    merged.norm, merged.output = parts[-1].norm, parts[-1].output
+    return merged
+
+
+class Pipeline:
+    """The pipelined forward and backward of one local batch: the same call as train.py's plain one.
+
+    `loss_fn(logits, labels, tokens)` gives a micro-batch's loss; the call returns this rank's share of the summed
+    loss (its value on the ranks holding the last stage, 0 elsewhere), detached."""
+
+    def __init__(self, parts: list[Transformer], pp_mesh: DeviceMesh, device: torch.device, cfg: JobConfig,
+                 loss_fn: Callable, value: Callable, scale: Callable):
+        p = cfg.parallelism
+        n_stages = p.pipeline_parallel_degree * len(parts)
+        group = pp_mesh.get_group()
+        self.stages = [PipelineStage(part, part.stage, n_stages, device, group=group) for part in parts]
+        self.is_last = any(s.is_last for s in self.stages)
+        self.loss_fn, self.value, self.scale = loss_fn, value, scale
+        self.device, self.tokens, self.losses = device, 1, []
+        cls = schedule_class(p.pipeline_parallel_schedule)
+        stages = self.stages if issubclass(cls, PipelineScheduleMulti) else self.stages[0]
+        self.microbatches = microbatches(p, cfg.training.local_batch_size)
+        self.schedule = cls(stages, self.microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(logits, labels, self.tokens)
+        self.losses.append(self.value(loss))
+        return self.scale(loss)
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int, train: bool = True) -> torch.Tensor:
+        self.tokens, self.losses = tokens, []
+        run = self.schedule.step if train else self.schedule.eval
+        run(inputs.to(self.device), target=labels.to(self.device), return_outputs=False)
+        if not self.is_last:
+            return torch.zeros((), device=self.device)
+        # The last m: at the first step, the stage's shape inference computes one loss of its own before them.
+        return torch.stack(self.losses[-self.microbatches:]).sum()
