@@ -4,7 +4,7 @@ atomic, and how a load stays safe.
 A checkpoint is `<dump_folder>/<checkpoint.folder>/step-N/`: every rank writes its own shards (`__R_0.distcp`), then
 the coordinator writes `.metadata`, which maps each tensor's global shape to the pieces. A load reads whichever pieces
 its own shards overlap, so a checkpoint saved on one mesh loads on any other. Keys are `model.<param>`,
-`optimizer.state.<param>.exp_avg` ..., `lr_scheduler.*`, `dataloader.position`, `train_state.*` and `rng.cpu`
+`optimizer.state.<param>.exp_avg` ..., `optimizer.param_groups.<param>.lr` ..., `lr_scheduler.*`, `dataloader.position`, `train_state.*` and `rng.cpu`
 (`rng.cuda` on GPUs); a model-only checkpoint (seed, export) holds the `model.*` keys alone.
 """
 
@@ -24,11 +24,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan_lite.checkpoint_reader import SafePlanner, SafeReader, check_fits, read_metadata
+from torchtitan_lite.checkpoint_reader import SafePlanner, SafeReader, check_fits, flatten_state, read_metadata
 from torchtitan_lite.config import Checkpoint, ConfigError
 
 logger = logging.getLogger("torchtitan_lite")
@@ -159,6 +160,15 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
     return value
 
 
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _global_shapes(state: dict[str, Any]) -> dict[str, Any]:
+    """The state's keys as DCP names them, each tensor as a meta tensor of its global shape (small to send)."""
+    flat = {key: v for k, value in state.items() for key, v in flatten_state(k, value, {}).items()}
+    return {k: torch.empty(v.shape, device="meta") if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+
+
 def _is_full(metadata: Metadata) -> bool:
     """Whether a checkpoint holds the whole training state, not weights only."""
     return any(k.startswith("train_state.") for k in metadata.state_dict_metadata)
@@ -179,9 +189,10 @@ class CheckpointManager:
         # Everything a resume restores, in one place.
         self.states: dict[str, Stateful] = {
             "model": _model_state(model),
-            # keyed by parameter name, not index, so it maps onto any mesh and any wrapping
-            "optimizer": _Stateful(lambda: get_optimizer_state_dict(model, optimizer),
-                                   lambda state: set_optimizer_state_dict(model, optimizer, state)),
+            # Keyed by parameter name, not index, so it maps onto any mesh and any wrapping; the param groups too, as
+            # pipeline stages hold different parameters (a group's list of names would differ by stage).
+            "optimizer": _Stateful(lambda: get_optimizer_state_dict(model, optimizer, options=_FLAT),
+                                   lambda state: set_optimizer_state_dict(model, optimizer, state, options=_FLAT)),
             "lr_scheduler": lr_scheduler,
             "dataloader": dataloader,  # a position in the global sample order: the same on every rank, any dp degree
             "train_state": train_state,
@@ -208,7 +219,10 @@ class CheckpointManager:
         keys = ["model"] if what == "model" else list(self.states)
         t0 = time.perf_counter()
         state = {k: self.states[k].state_dict() for k in keys}  # templates: this rank's shards, any layout
-        _on_rank0(lambda: check_fits(state, path, metadata))
+        # Pipeline stages hold different keys: rank 0 checks them all, each with its global shape.
+        shapes = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(_global_shapes(state), shapes, dst=0)
+        _on_rank0(lambda: check_fits({k: v for rank in shapes for k, v in rank.items()}, path, metadata))
         # The metadata rank 0 read once, handed to every rank by _on_rank0: no rank reads .metadata again.
         dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafePlanner(allow_partial_load=True))
         for k in keys:

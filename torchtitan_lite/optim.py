@@ -97,5 +97,6 @@ def _share(t: torch.Tensor) -> float:
     if not isinstance(t, DTensor):
         return 1.0
     # FSDP on top of TP shards a dim twice; the outer split is a _StridedShard, which is not a Shard subclass.
-    pieces = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if isinstance(p, (Shard, _StridedShard)))
-    return pieces / t.device_mesh.size()
+    mesh = t.device_mesh
+    pieces = math.prod(mesh.size(i) for i, p in enumerate(t.placements) if isinstance(p, (Shard, _StridedShard)))
+    return pieces / mesh.size()

@@ -15,7 +15,11 @@ import pytest
 # The tests here import the shared launcher as a plain module.
 sys.path.insert(0, str(Path(__file__).parent))
 
-from launch import CHECKPOINTED, COMMON, HSDP, STEPS, TP2_FSDP2, stopped_after, train_job  # noqa: E402
+import torch  # noqa: E402
+
+from grad_dump import GRAD_DUMP, load_grads, recording  # noqa: E402
+from launch import (CHECKPOINTED, COMMON, HSDP, PP2, STEPS, TP2, TP2_FSDP2, stopped_after, torchrun,  # noqa: E402
+                    train_in_process, train_job)
 
 SHORT = ("--training.steps", "6")  # after STEPS on the command line, so it wins
 # name -> (processes, overrides), all with global batch 8. One process and DDP accumulate; the 4-process layouts take
@@ -33,7 +37,21 @@ SHARED_RUNS = {
     # DDP is FSDP2 on a (replicate, shard = 1) mesh; 2 replicas show it as well as 4. 2 micro-batches of 2 per rank.
     "ddp2": (2, ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                  *SHORT)),
+    # Pipeline layouts, one per schedule, recording every parameter's gradient at step 1 (grad_dump.py). GPipe: 2
+    # local batches of 4 accumulated, 2 micro-batches each; 1F1B beside FSDP, validating and saving every 2 steps.
+    "pp2_gpipe": (2, (*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", "--training.local_batch_size", "4",
+                      *CHECKPOINTED)),
+    "pp2_fsdp2": (4, (*PP2, "--training.local_batch_size", "4", *CHECKPOINTED, "--validation.enable",
+                      "--validation.freq", "2", "--validation.steps", "2")),
+    # 6 stages of 1 block, 3 per rank, 4 micro-batches of 2 (TP 2: 2 of 4 sequences' halves).
+    "pp2_tp2_looped_bfs": (4, (*PP2, *TP2, "--parallelism.pipeline_parallel_schedule", "LoopedBFS",
+                               "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "4",
+                               *SHORT)),
+    "pp2_interleaved": (2, (*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                            "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "4",
+                            *SHORT)),
 }
+PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
 RESUMED_RUNS = {
     # Validating at steps 6 and 8 and keeping only the newest 2 checkpoints: steps 7 and 8 must still equal the
@@ -55,7 +73,11 @@ class SharedRuns:
                 stopped_after(self[run], step, self.root / name)
             else:
                 nproc, overrides = SHARED_RUNS[name]
-            train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *overrides)
+            if name in PIPELINED:
+                torchrun(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *overrides,
+                         script=GRAD_DUMP, script_args=(str(self.root / name),))
+            else:
+                train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *overrides)
             self.done[name] = self.root / name
         return self.done[name]
 
@@ -63,3 +85,12 @@ class SharedRuns:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> SharedRuns:
     return SharedRuns(tmp_path_factory.mktemp("shared_runs"))
+
+
+@pytest.fixture(scope="session")
+def eager_grads(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient after one step of the single-process eager run, the shared runs' batch."""
+    out = tmp_path_factory.mktemp("eager_single")
+    with recording(out):
+        train_in_process(out, *COMMON, "--training.steps", "1")
+    return load_grads(out)

@@ -1,9 +1,10 @@
 """A Hugging Face export does not depend on the mesh its checkpoint was saved on (scripts/convert_to_hf.py reads DCP
-checkpoints of any layout): the shared TP 2 x FSDP 2 run's checkpoint exports to the very bytes that the same weights
-give when one process saved them."""
+checkpoints of any layout): the shared TP 2 x FSDP 2 and PP 2 x FSDP 2 runs' checkpoints export to the very bytes
+that the same weights give when one process saved them."""
 
 import warnings
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from launch import STEPS, ckpt
@@ -16,11 +17,17 @@ from torchtitan_lite.memory import model_args
 from torchtitan_lite.model import Transformer
 
 
-def test_export_of_a_tp2_fsdp2_checkpoint_equals_the_export_of_one_process(runs, tmp_path):
-    run = runs["tp2_fsdp2"]
+# run -> the ranks that saved a piece of block 0's wq: TP 2 x FSDP 2, each a TP half of an FSDP half; PP 2 x FSDP 2,
+# the FSDP halves of the first stage (the other stage's ranks saved the later blocks).
+SAVED_BY = {"tp2_fsdp2": 4, "pp2_fsdp2": 2}
+
+
+@pytest.mark.parametrize("layout", SAVED_BY)
+def test_export_of_a_sharded_checkpoint_equals_the_export_of_one_process(runs, tmp_path, layout):
+    run = runs[layout]
     sharded = str(ckpt(run, STEPS))
-    # Saved by 4 ranks: each holds a TP half of an FSDP half of wq.
-    assert len(read_metadata(sharded).state_dict_metadata["model.layers.0.attention.wq.weight"].chunks) == 4
+    assert len(read_metadata(sharded).state_dict_metadata["model.layers.0.attention.wq.weight"].chunks) == \
+        SAVED_BY[layout]
     args = model_args(load_config(["--job.config_file", str(run / "config.toml")]))[0]
     model = Transformer(args)
     state = {"model": model.state_dict()}

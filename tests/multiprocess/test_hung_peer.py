@@ -1,18 +1,19 @@
 """A rank that stops responding (SIGSTOP) ends the job once its peers' collective timeout runs out, with one line
 naming the cause and the option that bounds the wait (comm.train_timeout_seconds, in force after the first step),
-instead of a job that hangs forever."""
+instead of a job that hangs forever. The job is a 2-stage pipeline: rank 0 waits on its stopped peer in a
+point-to-point receive as well as in collectives."""
 
 import os
 import signal
 import subprocess
 import time
 
-from launch import COMMON, TIMEOUT_S, TINY, TRAIN, descendants, kill_tree, running, torchrun_cmd
+from launch import COMMON, PP2, TIMEOUT_S, TINY, TRAIN, descendants, kill_tree, running, torchrun_cmd
 
 
 def test_stopped_rank_ends_the_job_with_the_reason(tmp_path):
     cmd, env = torchrun_cmd(2, TRAIN, "--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), *COMMON,
-                            "--training.steps", "1000", "--comm.train_timeout_seconds", "3")
+                            "--training.steps", "1000", "--comm.train_timeout_seconds", "3", *PP2)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers = []
     try:

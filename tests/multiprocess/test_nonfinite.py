@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from launch import CHECKPOINTED, COMMON, assert_one_error_line, ckpt, read_metrics, torchrun
+from launch import CHECKPOINTED, COMMON, PP2, assert_one_error_line, ckpt, read_metrics, torchrun
 from torchtitan_lite.checkpoint import complete_checkpoints
 from torchtitan_lite.checkpoint_reader import read_tensors
 
@@ -37,7 +37,9 @@ def test_nan_loss_stops_the_job_before_the_update(tmp_path):
 
 
 def test_nan_steps_are_skipped_and_counted_when_allowed(tmp_path):
-    torchrun(2, tmp_path, *RUN, "--training.skip_nonfinite_steps", "1", script=SHIM, script_args=("1", "3,5"))
+    """On a 2-stage pipeline: rank 1 holds the last stage and computes the NaN loss, whose gradient reaches rank 0's
+    stage through the pipeline's sends; both skip the update."""
+    torchrun(2, tmp_path, *RUN, *PP2, "--training.skip_nonfinite_steps", "1", script=SHIM, script_args=("1", "3,5"))
     m = read_metrics(tmp_path)
     assert [r["skipped_steps"] for r in m] == [0, 0, 1, 1, 2, 2]
     assert [math.isfinite(r["grad_norm"]) for r in m] == [True, True, False, True, False, True]

@@ -1,18 +1,20 @@
 """A worker that dies (SIGKILL: a crash, the OOM killer) is brought back by torchrun with --max-restarts: the new
 group forms (it used to fail in gloo's connectFullMesh, see distributed._round_store), resumes from the newest
-complete checkpoint and finishes on the uninterrupted curve."""
+complete checkpoint and finishes on the uninterrupted curve. The job is PP 2 x FSDP 2: the dead rank holds the last
+stage."""
 
 import pytest
 
-from launch import COMMON, GATE, STEPS, TP2_FSDP2, losses, read_metrics, torchrun
+from conftest import SHARED_RUNS
+from launch import COMMON, GATE, STEPS, losses, read_metrics, torchrun
 
 
 def test_killed_worker_is_restarted_and_finishes_on_the_uninterrupted_curve(runs, tmp_path):
-    # Rank 1 dies at the start of step 6; the newest checkpoint is step 4 (saved every 2).
-    out = torchrun(4, tmp_path, *COMMON, "--training.steps", str(STEPS), *TP2_FSDP2, script=GATE,
-                   script_args=(str(tmp_path), "1", "6"), launcher=("--standalone", "--max-restarts", "1"))
+    # Rank 3 dies at the start of step 6; the newest checkpoint is step 4 (saved every 2).
+    out = torchrun(4, tmp_path, *COMMON, "--training.steps", str(STEPS), *SHARED_RUNS["pp2_fsdp2"][1], script=GATE,
+                   script_args=(str(tmp_path), "3", "6"), launcher=("--standalone", "--max-restarts", "1"))
     assert f"loaded full state from {tmp_path / 'checkpoint' / 'step-4'}" in out.stdout + out.stderr
     logged = [m["step"] for m in read_metrics(tmp_path)]
     assert logged == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5 once before the death, once after the restart
-    reference, resumed = losses(runs["tp2_fsdp2"]), losses(tmp_path)
+    reference, resumed = losses(runs["pp2_fsdp2"]), losses(tmp_path)
     assert resumed == pytest.approx(reference, abs=1e-6, rel=0)

@@ -1,0 +1,66 @@
+"""Pipeline parallelism trains the single-process model exactly: the same curve, the same gradient for every
+parameter, true numbers in the log whichever stage the logging rank holds, and checkpoints that know no layout.
+
+The runs are the suite's shared pipeline runs (conftest.py), one per schedule: GPipe with accumulation, 1F1B beside
+FSDP 2, LoopedBFS beside TP 2 and Interleaved1F1B, with 3 stages per rank for the last two. Their loss curves are in
+the layout matrix of test_layouts.py; here, what a curve could hide. Tolerance 1e-5 as there: a micro-batch's matmuls
+and the gradient sums over micro-batches round in another order than one batch's, nothing more.
+"""
+
+import os
+import shutil
+
+import pytest
+
+from conftest import PIPELINED, SHARED_RUNS
+from grad_dump import assert_grads_match, load_grads
+from launch import COMMON, STEPS, ckpt, losses, read_metrics, stopped_after, torchrun, train_job
+from test_checkpoint import assert_continues, assert_same_state, train
+
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("layout", PIPELINED)
+def test_pipeline_trains_every_weight_as_one_process(runs, eager_grads, layout):
+    """After one step, every stage's every parameter has the single-process gradient: no stage's weight is left
+    untrained (or scaled by the micro-batch count) behind a plausible curve."""
+    assert_grads_match(load_grads(runs[layout]), eager_grads, TOLERANCE)
+
+
+@pytest.mark.parametrize("layout", PIPELINED)
+def test_the_logging_rank_reports_the_true_loss_and_norm(runs, layout):
+    """Rank 0 logs; it holds the first stage, which never sees the loss: the logged loss and the clipped norm are
+    the single-process run's, summed over every stage."""
+    ref = {m["step"]: m for m in read_metrics(runs["single"])}
+    for m in read_metrics(runs[layout]):
+        assert m["loss"] == pytest.approx(ref[m["step"]]["loss"], abs=TOLERANCE, rel=0)
+        assert m["grad_norm"] == pytest.approx(ref[m["step"]]["grad_norm"], rel=TOLERANCE, abs=0)
+
+
+def test_validation_under_pipeline_gives_the_true_loss(runs):
+    # The resumed TP 2 x FSDP 2 run validates on the same batches (2 of them, every 2 steps) at steps 6 and 8.
+    pp = {m["step"]: m["val_loss"] for m in read_metrics(runs["pp2_fsdp2"]) if "val_loss" in m}
+    ref = {m["step"]: m["val_loss"] for m in read_metrics(runs["tp2_fsdp2_resumed"]) if "val_loss" in m}
+    assert sorted(pp) == [2, 4, 6, 8] and sorted(ref) == [6, 8]
+    assert [pp[s] for s in ref] == pytest.approx([ref[s] for s in ref], abs=TOLERANCE, rel=0)
+
+
+def test_pipeline_resumes_bitwise_with_async_saves_keeping_the_latest_2(runs, tmp_path):
+    straight = runs["pp2_gpipe"]
+    folder = stopped_after(straight, 4, tmp_path)
+    torchrun(2, folder, *COMMON, "--training.steps", str(STEPS), *SHARED_RUNS["pp2_gpipe"][1],
+             "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "2")
+    assert losses(folder) == losses(straight)
+    assert sorted(os.listdir(folder / "checkpoint")) == ["step-6", "step-8"]
+
+
+def test_pipeline_checkpoint_resumes_on_fsdp_and_back(runs, tmp_path):
+    """PP 2 x FSDP 2's step 4 goes on as FSDP 4 to step 6, and that goes on as PP 2 x FSDP 2 to step 8: the state
+    (model, optimizer moments, data position) and curve of the FSDP 4 run that never changed layout."""
+    fsdp = runs["fsdp4"]
+    shutil.copytree(ckpt(runs["pp2_fsdp2"], 4), ckpt(tmp_path, 4))
+    train(4, tmp_path, steps=6)
+    assert_same_state(ckpt(tmp_path, 6), ckpt(fsdp, 6))
+    train_job(4, tmp_path, *COMMON, "--training.steps", str(STEPS), *SHARED_RUNS["pp2_fsdp2"][1])
+    assert_continues(tmp_path, fsdp, first_step=5)
+    assert_same_state(ckpt(tmp_path, 8), ckpt(fsdp, 8))

@@ -1,0 +1,67 @@
+"""Pipeline stages keep the full model's parameter names, and a pipeline layout that cannot run is refused before any
+process starts, in one line (train.py --check, what run_train.sh runs before torchrun)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from torchtitan_lite.config import load_config
+from torchtitan_lite.model import FLAVORS, Transformer
+from torchtitan_lite.pipeline import merge, split
+
+TINY = Path(__file__).parent / "assets" / "tiny.toml"
+ARGS = FLAVORS["debugmodel"].with_(vocab_size=64)  # 6 blocks
+
+
+@pytest.mark.parametrize("schedule, stages", [("1F1B", [[0], [1]]), ("Interleaved1F1B", [[0, 2, 4], [1, 3, 5]])])
+def test_stages_hold_every_parameter_once_under_its_full_model_name(schedule, stages):
+    with torch.device("meta"):
+        full = {n: p.shape for n, p in Transformer(ARGS).named_parameters()}
+    p = load_config(["--parallelism.pipeline_parallel_degree", "2",
+                     "--parallelism.pipeline_parallel_schedule", schedule]).parallelism
+    seen = []
+    for rank in (0, 1):
+        parts = split(ARGS, rank, p)
+        assert [part.stage for part in parts] == stages[rank]
+        names = [n for part in parts for n, _ in part.named_parameters()]
+        assert dict(merge(parts).named_parameters()).keys() == set(names)  # what the optimizer and checkpoint see
+        seen += names
+    assert sorted(seen) == sorted(full)  # each exactly once
+    last = split(ARGS, 1, p)[-1]
+    assert split(ARGS, 0, p)[0].tok_embeddings is not None and last.output is not None and last.norm is not None
+    assert list(last.layers) == (["3", "4", "5"] if schedule == "1F1B" else ["5"])
+
+
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+CASES = {  # world size, overrides, what the one line must name
+    "blocks_not_split_evenly": (4, ["--parallelism.pipeline_parallel_degree", "4"], "6 blocks do not split evenly"),
+    "stages_exceed_blocks": (8, ["--parallelism.pipeline_parallel_degree", "8"], "8 pipeline stages exceed"),
+    "layers_per_stage_not_a_divisor": (2, [*PP2, "--parallelism.pipeline_parallel_layers_per_stage", "4"],
+                                       "layers_per_stage 4 does not divide"),
+    "fewer_microbatches_than_stages": (2, [*PP2, "--parallelism.pipeline_parallel_microbatches", "1"],
+                                       "microbatches 1 is fewer than the 2 pipeline stages"),
+    "local_batch_not_split": (2, [*PP2, "--parallelism.pipeline_parallel_microbatches", "3"],
+                              "local_batch_size 2 does not split into 3"),
+    "unknown_schedule": (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "ZeroBubbles"],
+                         "unknown parallelism.pipeline_parallel_schedule 'ZeroBubbles'"),
+    "refused_schedule": (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "zbvzerobubble"],
+                         "ZBVZeroBubble is not supported"),
+    "interleaved_with_one_stage_per_rank": (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                                "--parallelism.pipeline_parallel_layers_per_stage", "3"],
+                                            "Interleaved1F1B runs several stages per rank"),
+    "1f1b_with_two_stages_per_rank": (2, [*PP2, "--parallelism.pipeline_parallel_layers_per_stage", "1"],
+                                      "1F1B runs one stage per rank"),
+    "degrees_not_multiplying": (4, [*PP2, "--parallelism.tensor_parallel_degree", "4"], "pipeline_parallel_degree 2"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_pipeline_layout_is_one_line(case, tmp_path, monkeypatch, capsys):
+    world, overrides, expected = CASES[case]
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    code = train.run(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), *overrides],
+                     check=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
