@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchtitan_lite.checkpoint_reader import SafeReader, load_local, read_metadata
+from torchtitan_lite.checkpoint_reader import load_local, read_metadata
 from torchtitan_lite.model import FLAVORS, ROPE_SCALING, ModelArgs, Transformer
 
 

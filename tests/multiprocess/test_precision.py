@@ -14,7 +14,7 @@ import pytest
 from launch import CHECKPOINTED, COMMON, losses, read_metrics, stopped_after, torchrun, train_in_process
 
 SHIM = Path(__file__).parent / "fp16_overflow.py"
-# 4 sequences of 16 tokens a step: overflow and the scale's bookkeeping show at any size, and fp16 matmuls are slow here.
+# 4 sequences of 16 tokens a step: overflow and the scale's bookkeeping show at any size; fp16 matmuls are slow here.
 FP16 = (*COMMON, "--training.global_batch_size", "4", "--training.seq_len", "16",
         "--training.mixed_precision_param", "float16", "--training.steps", "6", *CHECKPOINTED)
 INIT_SCALE_EXP = 24  # steps 1-3 overflow, 4-6 train: a resume after step 2 that reset the scale would differ
