@@ -5,7 +5,8 @@ A checkpoint is `<dump_folder>/<checkpoint.folder>/step-N/`: every rank writes i
 the coordinator writes `.metadata`, which maps each tensor's global shape to the pieces. A load reads whichever pieces
 its own shards overlap, so a checkpoint saved on one mesh loads on any other. Keys are `model.<param>`,
 `optimizer.state.<param>.exp_avg` ..., `optimizer.param_groups.<param>.lr` ..., `lr_scheduler.*`,
-`dataloader.position`, `train_state.*` and `rng.cpu` (`rng.cuda` on GPUs); a model-only checkpoint (seed, export) holds the `model.*` keys alone.
+`dataloader.position`, `train_state.*` and `rng.cpu` (`rng.cuda` on GPUs); a model-only checkpoint (seed, export)
+holds the `model.*` keys alone.
 """
 
 from __future__ import annotations
