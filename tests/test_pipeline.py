@@ -9,13 +9,13 @@ import torch
 import train
 from torchtitan_lite.config import load_config
 from torchtitan_lite.model import FLAVORS, Transformer
-from torchtitan_lite.pipeline import merge, split
+from torchtitan_lite.pipeline import merge, split, stage_blocks
 
 TINY = Path(__file__).parent / "assets" / "tiny.toml"
 ARGS = FLAVORS["debugmodel"].with_(vocab_size=64)  # 6 blocks
 
 
-@pytest.mark.parametrize("schedule, stages", [("1F1B", [[0], [1]]), ("Interleaved1F1B", [[0, 2, 4], [1, 3, 5]])])
+@pytest.mark.parametrize("schedule, stages", [("1F1B", [[0], [1]]), ("Interleaved1F1B", [[0, 2], [1, 3]])])
 def test_stages_hold_every_parameter_once_under_its_full_model_name(schedule, stages):
     with torch.device("meta"):
         full = {n: p.shape for n, p in Transformer(ARGS).named_parameters()}
@@ -34,9 +34,17 @@ def test_stages_hold_every_parameter_once_under_its_full_model_name(schedule, st
     assert list(last.layers) == (["3", "4", "5"] if schedule == "1F1B" else ["5"])
 
 
+def test_blocks_split_evenly_or_the_way_torchtitan_splits_llama3_405b():
+    assert stage_blocks(6, 3) == [2, 2, 2]
+    # The embedding and the output count as a block each when only that divides: the end stages hold one block less.
+    assert stage_blocks(6, 4) == [1, 2, 2, 1]
+    assert stage_blocks(126, 16) == [7] + [8] * 14 + [7]  # 405B, PP 8 interleaved
+    assert stage_blocks(6, 5) is None and stage_blocks(6, 8) is None
+
+
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 CASES = {  # world size, overrides, what the one line must name
-    "blocks_not_split_evenly": (4, ["--parallelism.pipeline_parallel_degree", "4"], "6 blocks do not split evenly"),
+    "blocks_not_split_evenly": (5, ["--parallelism.pipeline_parallel_degree", "5"], "6 blocks do not split evenly"),
     "stages_exceed_blocks": (8, ["--parallelism.pipeline_parallel_degree", "8"], "8 pipeline stages exceed"),
     "layers_per_stage_not_a_divisor": (2, [*PP2, "--parallelism.pipeline_parallel_layers_per_stage", "4"],
                                        "layers_per_stage 4 does not divide"),

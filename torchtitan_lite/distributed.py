@@ -112,14 +112,23 @@ def _round_store(agent: dist.Store, env: Env, timeout: timedelta) -> dist.Store:
 
 
 _timeout = "comm.init_timeout_seconds"  # the option whose bound is in force
+_train_timeout: timedelta | None = None
 
 
 def set_timeout(seconds: int) -> None:
     """Every process group's collective timeout, for training (the mesh's subgroups took the start-up one)."""
-    global _timeout
+    global _timeout, _train_timeout
     for group in list(dist.distributed_c10d._world.pg_map):
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
-    _timeout = f"comm.train_timeout_seconds = {seconds}"
+    _timeout, _train_timeout = f"comm.train_timeout_seconds = {seconds}", timedelta(seconds=seconds)
+
+
+def wait(works: list[dist.Work]) -> None:
+    """Waits for point-to-point work (a pipeline's sends and receives) within the training timeout once it is set.
+    A wait without one is bounded by the timeout gloo's connections had when the group was made (the start-up
+    one, comm.init_timeout_seconds), which set_timeout does not change: a stopped peer would hold the job that long."""
+    for work in works:
+        work.wait(_train_timeout) if _train_timeout else work.wait()
 
 
 # gloo's words for a collective that ran out of time: a wait on the whole operation, or one on a connection to a peer

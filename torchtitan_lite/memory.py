@@ -27,6 +27,12 @@ Not included: the caching allocator's rounding and fragmentation, NCCL's and cuB
 (together often 1-5 GiB on a GPU), and torch.compile's effect on activations: the model runs eager here, because fake
 tensors cannot be compiled. The trace runs on the CPU, so attention is the CPU's SDPA kernel, whose saved tensors
 (output and log-sum-exp) match flash attention's.
+
+Under pipeline parallelism rank 0 holds the first stage(s), which keep the most micro-batches' activations alive:
+the trace runs rank 0's stages on micro-batches in the schedule's order on that rank, as many forwards ahead of
+their backwards as the schedule runs there (GPipe all m, 1F1B p, LoopedBFS all v*m, Interleaved1F1B its warmup), with
+a gradient of the right shape standing in for the one the next stage would send. The pipeline's send and receive
+buffers (one micro-batch's hidden states each) are left out.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from torchtitan_lite.model import ModelArgs, Transformer, flavor_args
 from torchtitan_lite.optim import build_optimizer, clip_grad_norm_
 from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.parallelize import parallelize
+from torchtitan_lite.pipeline import check_pipeline, merge, microbatches, split
 from torchtitan_lite.precision import DTYPES
 from torchtitan_lite.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
 
@@ -95,8 +102,10 @@ class _DevicePeak:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, host: tuple[str, ...]):
-        super().__init__(model, optimizer) if isinstance(model, FSDPModule) else super().__init__()
-        if not isinstance(model, FSDPModule):
+        if isinstance(self, FSDPMemTracker):
+            super().__init__(model, optimizer)
+        else:
+            super().__init__()
             self.track_external(model, optimizer)
         self.host, self.device_peak, self.device_snap, self.paused = host, 0, {}, False
 
@@ -148,7 +157,13 @@ class _FSDPTracker(_DevicePeak, FSDPMemTracker):
 
 
 class _Tracker(_DevicePeak, MemTracker):
-    pass
+    """Without per-module statistics, which nothing here reads and which torch keeps for one forward per module per
+    step: a pipeline stage runs one per micro-batch."""
+
+    def _pre_fw_hook(self, *args):
+        pass
+
+    _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
 
 
 def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
@@ -161,6 +176,8 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
     args, vocab_note = model_args(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.validate_model(args)
+    if dims.pp > 1:
+        check_pipeline(cfg.parallelism, args.n_layers, cfg.training.local_batch_size)
     # Imported here: the fake backend registers itself on import, and only the estimate needs it.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -168,20 +185,23 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
     try:
         mesh = dims.build_mesh("cpu")[0]
         with torch.device("meta"):
-            model = Transformer(args)
-        # Outside fake mode: FSDP on top of TP builds meshes, from real (small) tensors.
-        parallelize(model, mesh, dims, cfg)
+            parts = split(args, 0, cfg.parallelism) if dims.pp > 1 else [Transformer(args)]
+        for part in parts:  # outside fake mode: FSDP on top of TP builds meshes, from real (small) tensors
+            parallelize(part, mesh, dims, cfg)
         # Real tensors may still come in (mesh coordinates, DTensor's bookkeeping): fake mode lets them through.
         fake = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
-            model.to_empty(device="cpu")
+            for part in parts:
+                part.to_empty(device="cpu")
+        model = merge(parts)
         # Outside fake mode: build_optimizer may probe the CPU's fused AdamW with real tensors; it allocates nothing.
         optimizer = build_optimizer(model, cfg.optimizer, "cpu")
         offload = cfg.parallelism.fsdp_cpu_offload
         host = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT") if offload else ()
-        tracker_class = _FSDPTracker if isinstance(model, FSDPModule) else _Tracker
+        # FSDPMemTracker follows one forward per module per step: not a pipeline's micro-batches.
+        tracker_class = _FSDPTracker if isinstance(model, FSDPModule) and dims.pp == 1 else _Tracker
         with fake, tracker_class(model, optimizer, host) as tracker:
-            activations, held = _two_steps(model, optimizer, cfg, dims, args, tracker)
+            activations, held = _two_steps(parts, optimizer, cfg, dims, args, tracker)
     finally:
         dist.destroy_process_group()
     state = sum(held.values())
@@ -193,15 +213,17 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
                     peak_bytes=tracker.device_peak, host_bytes=state if offload else 0)
 
 
-def _two_steps(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: JobConfig, dims: ParallelDims,
+def _two_steps(parts: list[Transformer], optimizer: torch.optim.Optimizer, cfg: JobConfig, dims: ParallelDims,
                args: ModelArgs, tracker: _DevicePeak) -> tuple[int, dict[str, int]]:
-    """train.py's step twice on fake data, one micro-batch each: (activation bytes, held bytes after step 1).
-    Step 1 creates the optimizer state; step 2, the steady state, is the one measured."""
+    """train.py's step twice on fake data: (activation bytes, held bytes after step 1). Step 1 creates the optimizer
+    state; step 2, the steady state, is the one measured. One micro-batch, or under PP the first stage's schedule."""
     t = cfg.training
-    tokens = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len))
+    model = merge(parts)
     use_loss_parallel = dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
     compute_dtype = DTYPES[t.mixed_precision_param]
     autocast = not dims.fsdp and compute_dtype != torch.float32  # as in train.py: FSDP casts, else autocast does
+    order = _first_rank_order(cfg, dims, len(parts))
+    micro = microbatches(cfg.parallelism, t.local_batch_size) if dims.pp > 1 else 1
     activations, held = 0, {}
     for step in (1, 2):
         tracker.reset_mod_stats()  # per-module statistics only; the peaks carry over
@@ -209,14 +231,51 @@ def _two_steps(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: JobConfi
         with loss_parallel() if use_loss_parallel else torch.enable_grad(), \
                 torch.autocast("cpu", dtype=compute_dtype, enabled=autocast):
             before = tracker.now()["ACT"]
-            logits = model(tokens)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
+            outputs = [_forward(parts, stage, t.local_batch_size // micro, t.seq_len, args, dims, compute_dtype)
+                       for stage in order]
             activations = tracker.now()["ACT"] - before
-            del logits
-            loss.backward()
+            for i, out in enumerate(outputs):
+                for part in parts:  # FSDP reduces gradients after the last micro-batch, as the pipeline has it
+                    if isinstance(part, FSDPModule):
+                        part.set_requires_gradient_sync(i == len(outputs) - 1)
+                out.backward(torch.ones_like(out) if out.dim() else None)
+                outputs[i] = None
         clip_grad_norm_(list(model.parameters()), t.max_norm, dims.world_size)
         optimizer.step()
         if step == 1:
             held = held_bytes(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
     return activations, held
+
+
+def _first_rank_order(cfg: JobConfig, dims: ParallelDims, v: int) -> list[int]:
+    """Which of rank 0's stages runs each forward its schedule makes before the first backward (one micro-batch's
+    worth without PP): the activations rank 0 holds at once."""
+    p = cfg.parallelism
+    if dims.pp == 1:
+        return [0]
+    m = microbatches(p, cfg.training.local_batch_size)
+    ahead = {"gpipe": m, "1f1b": dims.pp, "loopedbfs": v * m}.get(p.pipeline_parallel_schedule.lower())
+    per_round = m // max(1, m // dims.pp)
+    if ahead is None:  # Interleaved1F1B: torch's warmup on rank 0, then the first forward of its steady state
+        ahead = min((v - 1) * per_round + 2 * (dims.pp - 1) + 1, v * m)
+    per_stage = m if p.pipeline_parallel_schedule.lower() == "loopedbfs" else per_round
+    return [(i // per_stage) % v for i in range(ahead)]
+
+
+def _forward(parts: list[Transformer], stage: int, batch: int, seq_len: int, args: ModelArgs, dims: ParallelDims,
+             dtype: torch.dtype) -> torch.Tensor:
+    """One micro-batch through one of rank 0's stages: its loss, or under PP its output hidden states (the first
+    stage takes tokens; a later one, hidden states as the previous stage sends them, sequence-sharded under TP)."""
+    part = parts[stage]
+    if part.tok_embeddings is not None:
+        x = torch.randint(0, args.vocab_size, (batch, seq_len))
+    else:
+        x = torch.randn(batch, seq_len // dims.tp, args.dim, dtype=dtype, requires_grad=True)
+    out = part(x)
+    if part.output is None:
+        return out
+    loss = F.cross_entropy(out.flatten(0, 1).float(), torch.randint(0, args.vocab_size, (batch * seq_len,)),
+                           reduction="sum")
+    del out
+    return loss

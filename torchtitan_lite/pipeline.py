@@ -17,16 +17,14 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, Schedule1F1B,
-                                                    ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
-                                                    get_schedule_class)
 
 from torchtitan_lite.config import ConfigError, JobConfig, Parallelism
+from torchtitan_lite.distributed import wait
 from torchtitan_lite.model import Transformer
 
-SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-             "LoopedBFS": ScheduleLoopedBFS}
+# torch's schedule names -> whether the schedule runs several stages per rank. torch.distributed.pipelining itself
+# is imported only by a pipelined run: it imports torch._dynamo, half a second more to every process's start.
+SCHEDULES = {"GPipe": False, "1F1B": False, "Interleaved1F1B": True, "LoopedBFS": True}
 # torch 2.13's other schedules, and why they are refused at start.
 REFUSED = {
     "InterleavedZeroBubble": "it splits backward into input and weight passes, which FSDP's gradient reduction and "
@@ -38,29 +36,40 @@ REFUSED = {
 }
 
 
-def schedule_class(name: str) -> type:
-    """The schedule named `name` (torch's names, any case), or one ConfigError line saying what to use instead."""
+def schedule_name(name: str) -> str:
+    """torch's name of the schedule `name` (any case, as torch reads it), or one ConfigError line saying what to use
+    instead."""
     supported = ", ".join(SCHEDULES)
-    try:
-        cls = get_schedule_class(name)
-    except ValueError:
-        raise ConfigError(f"unknown parallelism.pipeline_parallel_schedule {name!r}: choose one of {supported}") \
-            from None
-    if cls in SCHEDULES.values():
-        return cls
-    found = next((k for k in REFUSED if get_schedule_class(k) is cls), name)
-    raise ConfigError(f"parallelism.pipeline_parallel_schedule {found} is not supported: "
-                      f"{REFUSED.get(found, 'not tested here')}; choose one of {supported}")
+    found = next((k for k in (*SCHEDULES, *REFUSED) if k.lower() == name.lower()), None)
+    if found is None:
+        raise ConfigError(f"unknown parallelism.pipeline_parallel_schedule {name!r}: choose one of {supported}")
+    if found in REFUSED:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule {found} is not supported: {REFUSED[found]}; "
+                          f"choose one of {supported}")
+    return found
+
+
+def stage_blocks(n_layers: int, n_stages: int) -> list[int] | None:
+    """The blocks of each stage: n_layers / n_stages each; or, when only the blocks with the embedding and the output
+    counted as one more each divide evenly, one fewer on the first and the last stage, which hold those
+    (torchtitan's rule: Llama 3 405B's 126 blocks in 16 stages, 7, 8, ..., 8, 7). None when neither divides."""
+    if n_layers % n_stages == 0:
+        return [n_layers // n_stages] * n_stages
+    per_stage = (n_layers + 2) // n_stages
+    if n_stages > 1 and (n_layers + 2) % n_stages == 0 and per_stage > 1:
+        return [per_stage - 1] + [per_stage] * (n_stages - 2) + [per_stage - 1]
+    return None
 
 
 def stages_per_rank(p: Parallelism, n_layers: int) -> int:
     """How many stages each pipeline rank holds, from the schedule and `pipeline_parallel_layers_per_stage`; raises
     one ConfigError line when the blocks cannot be cut that way."""
     pp, per_stage, name = p.pipeline_parallel_degree, p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_schedule
-    looped = issubclass(schedule_class(name), PipelineScheduleMulti)
+    name = schedule_name(name)
+    looped = SCHEDULES[name]
     if per_stage == -1:
-        # Interleaved: the fewest stages per rank above one that split the blocks evenly (2 if they can).
-        v = next((v for v in range(2, n_layers // pp + 1) if n_layers % (pp * v) == 0), 2) if looped else 1
+        # Interleaved: the fewest stages per rank above one that split the blocks (2 if none does).
+        v = next((v for v in range(2, n_layers // pp + 1) if stage_blocks(n_layers, pp * v)), 2) if looped else 1
         n_stages = pp * v
     elif n_layers % per_stage:
         raise ConfigError(f"parallelism.pipeline_parallel_layers_per_stage {per_stage} does not divide the model's "
@@ -70,7 +79,7 @@ def stages_per_rank(p: Parallelism, n_layers: int) -> int:
     if n_stages > n_layers:
         raise ConfigError(f"{n_stages} pipeline stages exceed the model's {n_layers} blocks: every stage needs at "
                           f"least one block; lower parallelism.pipeline_parallel_degree")
-    if n_layers % n_stages:
+    if stage_blocks(n_layers, n_stages) is None:
         raise ConfigError(f"the model's {n_layers} blocks do not split evenly into {n_stages} pipeline stages: set "
                           f"parallelism.pipeline_parallel_layers_per_stage to a divisor of {n_layers}")
     if n_stages % pp:
@@ -109,13 +118,13 @@ def split(model_args, pp_rank: int, p: Parallelism) -> list[Transformer]:
     """This rank's stages, on the meta device: stages pp_rank, pp_rank + pp, ... of all, in order."""
     pp = p.pipeline_parallel_degree
     n_stages = pp * stages_per_rank(p, model_args.n_layers)
-    per_stage = model_args.n_layers // n_stages
+    blocks = stage_blocks(model_args.n_layers, n_stages)
     parts = []
     for stage in range(pp_rank, n_stages, pp):
         with torch.device("meta"):
             part = Transformer(model_args)
-        part.layers = nn.ModuleDict({str(i): part.layers[str(i)]
-                                     for i in range(stage * per_stage, (stage + 1) * per_stage)})
+        first = sum(blocks[:stage])
+        part.layers = nn.ModuleDict({str(i): part.layers[str(i)] for i in range(first, first + blocks[stage])})
         if stage > 0:
             part.tok_embeddings = None
         if stage < n_stages - 1:
@@ -147,6 +156,8 @@ class Pipeline:
 
     def __init__(self, parts: list[Transformer], pp_mesh: DeviceMesh, device: torch.device, cfg: JobConfig,
                  loss_fn: Callable, value: Callable, scale: Callable):
+        from torch.distributed.pipelining import PipelineStage, schedules
+
         p = cfg.parallelism
         n_stages = p.pipeline_parallel_degree * len(parts)
         group = pp_mesh.get_group()
@@ -154,8 +165,11 @@ class Pipeline:
         self.is_last = any(s.is_last for s in self.stages)
         self.loss_fn, self.value, self.scale = loss_fn, value, scale
         self.device, self.tokens, self.losses = device, 1, []
-        cls = schedule_class(p.pipeline_parallel_schedule)
-        stages = self.stages if issubclass(cls, PipelineScheduleMulti) else self.stages[0]
+        # torch 2.13's schedules wait on their sends and receives with no timeout: ours (distributed.wait).
+        schedules._wait_batch_p2p = wait
+        name = schedule_name(p.pipeline_parallel_schedule)
+        cls = schedules.get_schedule_class(name)
+        stages = self.stages if SCHEDULES[name] else self.stages[0]
         self.microbatches = microbatches(p, cfg.training.local_batch_size)
         self.schedule = cls(stages, self.microbatches, loss_fn=self._loss, scale_grads=False)
 

@@ -43,7 +43,7 @@ SHARED_RUNS = {
                       *CHECKPOINTED)),
     "pp2_fsdp2": (4, (*PP2, "--training.local_batch_size", "4", *CHECKPOINTED, "--validation.enable",
                       "--validation.freq", "2", "--validation.steps", "2")),
-    # 6 stages of 1 block, 3 per rank, 4 micro-batches of 2 (TP 2: 2 of 4 sequences' halves).
+    # 4 stages (1, 2, 2, 1 blocks: the end ones hold the embedding and the output), 2 per rank, 4 micro-batches of 2.
     "pp2_tp2_looped_bfs": (4, (*PP2, *TP2, "--parallelism.pipeline_parallel_schedule", "LoopedBFS",
                                "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "4",
                                *SHORT)),
