@@ -1,5 +1,6 @@
 """A NaN loss on one rank stops the whole job before the update, naming the step (at the next logging step or
-checkpoint save: the decision stays on the device until then), and leaves only finite checkpoints; with training.skip_nonfinite_steps the update is skipped and counted instead.
+checkpoint save: the decision stays on the device until then), and leaves only finite checkpoints; with
+training.skip_nonfinite_steps the update is skipped and counted instead.
 
 The NaN comes from rank 1's loss alone (nan_loss.py): the gradient reduce-scatter spreads it to every rank's
 gradients, so the global gradient norm every rank checks is NaN on all of them, and they stop (or skip) together.
