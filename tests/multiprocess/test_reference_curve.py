@@ -6,13 +6,14 @@ changing the layout (other reduction orders) moves it by < 1e-6 over 50 steps; a
 changes every matmul's reduction order, for which 100x that is ample. A real numerics change (init, data order,
 schedule, loss normalization, a missed gradient reduction) moves the early steps by 1e-3 or more.
 Regenerate after an intended change: `python tests/multiprocess/test_reference_curve.py --update`.
+A 2-stage pipeline (Interleaved1F1B, 2 processes) reproduces the same reference, as every layout must.
 """
 
 import sys
 import tempfile
 from pathlib import Path
 
-from launch import ROOT, losses, train_in_process
+from launch import PP2, ROOT, losses, torchrun, train_in_process
 
 REFERENCE = ROOT / "tests/assets/losses/debugmodel_cpu.txt"
 STEPS, TOLERANCE = 50, 1e-4
@@ -28,11 +29,21 @@ def read_reference() -> dict[int, float]:
     return {int(step): float(loss) for step, loss in rows}
 
 
-def test_reference_curve_is_reproduced(tmp_path):
-    ref, now = read_reference(), current_curve(tmp_path)
+def assert_reproduces(now: dict[int, float]) -> None:
+    ref = read_reference()
     assert sorted(ref) == list(range(1, STEPS + 1)) and now.keys() == ref.keys()
     worst = max(abs(now[s] - ref[s]) for s in ref)
     assert worst <= TOLERANCE, f"loss curve moved by {worst:.2e} (step {max(ref, key=lambda s: abs(now[s] - ref[s]))})"
+
+
+def test_reference_curve_is_reproduced(tmp_path):
+    assert_reproduces(current_curve(tmp_path))
+
+
+def test_pipeline_reproduces_the_reference_curve(tmp_path):
+    torchrun(2, tmp_path, "--training.steps", str(STEPS), *PP2, "--parallelism.pipeline_parallel_schedule",
+             "Interleaved1F1B")
+    assert_reproduces(losses(tmp_path))
 
 
 if __name__ == "__main__" and "--update" in sys.argv:
