@@ -234,10 +234,10 @@ def _two_steps(parts: list[Transformer], optimizer: torch.optim.Optimizer, cfg: 
             outputs = [_forward(parts, stage, t.local_batch_size // micro, t.seq_len, args, dims, compute_dtype)
                        for stage in order]
             activations = tracker.now()["ACT"] - before
-            for i, out in enumerate(outputs):
-                for part in parts:  # FSDP reduces gradients after the last micro-batch, as the pipeline has it
-                    if isinstance(part, FSDPModule):
-                        part.set_requires_gradient_sync(i == len(outputs) - 1)
+            last = {stage: i for i, stage in enumerate(order)}
+            for i, (stage, out) in enumerate(zip(order, outputs)):
+                if isinstance(parts[stage], FSDPModule):  # each stage reduces after its last micro-batch
+                    parts[stage].set_requires_gradient_sync(i == last[stage])
                 out.backward(torch.ones_like(out) if out.dim() else None)
                 outputs[i] = None
         clip_grad_norm_(list(model.parameters()), t.max_norm, dims.world_size)

@@ -46,13 +46,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """Megatron-style TP with sequence parallelism: activations between blocks are sharded on the sequence dim
     (Shard(1)), gathered before attention/FFN, and reduce-scattered after their output projections."""
-    parallelize_module(model, tp_mesh, {
+    root_plan = {
         "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         # With loss parallel the logits stay sharded on the vocab dim: cross-entropy never gathers them.
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
-    })
+    }
+    # A pipeline stage lacks the pieces other stages hold.
+    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k) is not None})
     block_plan = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
