@@ -151,7 +151,7 @@ def main(cfg: JobConfig, env: Env) -> None:
         return total.item()
 
     # ---- Checkpoint: resume from the newest complete checkpoint in the folder, or start from
-    # checkpoint.initial_load_path. After peak_flops, which draws random numbers, so the restored RNG state stays put.
+    # checkpoint.initial_load_path.
     train_state = TrainState()
     checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, optimizer, scheduler, data, train_state,
                                    guard, t.steps)

@@ -81,7 +81,8 @@ def _cpu_peak(dtype: torch.dtype, num_threads: int) -> float:
     # made of them cannot beat it, and MFU stays at most 100%. Keyed on the thread count because torchrun ranks on
     # one host may each be given fewer threads.
     n = 512
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    g = torch.Generator().manual_seed(0)  # not the global generator: a run's RNG state never depends on the cache
+    a, b = torch.randn(n, n, dtype=dtype, generator=g), torch.randn(n, n, dtype=dtype, generator=g)
     best = float("inf")
     for x, y in ((a, b), (a, b.t()), (a.t(), b)):
         x @ y  # warm up: the first call pays for allocation and kernel selection

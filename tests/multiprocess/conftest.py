@@ -1,12 +1,14 @@
-"""The suite's shared runs: each launched once per session, on first use, and read by every test that needs it.
+"""The suite's shared runs: each made once per session, on first use, and read by every test that needs it.
 
 A torchrun job costs seconds before its first step (the launcher, every rank importing torch, the mesh), and on a
-2-core machine 4 ranks' collectives cost ~6 ms each, so the suite's time is its number of launches and steps. The
+2-core machine 4 ranks' collectives cost ~6 ms each, so the suite's time is its number of launches and steps: the
+first use of a shared run makes every shared run of its size in one job (several_runs.py). The
 runs below use one config, so the same run answers the layout parity tests, the resume and resharding tests, and
 the validation test. Tests read these folders and never write into them: a test that resumes a run copies the
 checkpoint it needs into a folder of its own.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -17,9 +19,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 
-from grad_dump import GRAD_DUMP, load_grads, recording  # noqa: E402
-from launch import (CHECKPOINTED, COMMON, HSDP, PP2, STEPS, TP2, TP2_FSDP2, stopped_after, torchrun,  # noqa: E402
-                    train_in_process, train_job)
+from grad_dump import load_grads, recording  # noqa: E402
+from launch import (CHECKPOINTED, COMMON, HSDP, PP2, STEPS, TP2, TP2_FSDP2, run_job, stopped_after,  # noqa: E402
+                    torchrun_cmd, train_argv, train_in_process, train_job)
+
+SEVERAL_RUNS = Path(__file__).parent / "several_runs.py"
 
 SHORT = ("--training.steps", "6")  # after STEPS on the command line, so it wins
 # name -> (processes, overrides), all with global batch 8. One process and DDP accumulate; the 4-process layouts take
@@ -43,13 +47,14 @@ SHARED_RUNS = {
                       *CHECKPOINTED)),
     "pp2_fsdp2": (4, (*PP2, "--training.local_batch_size", "4", *CHECKPOINTED, "--validation.enable",
                       "--validation.freq", "2", "--validation.steps", "2")),
-    # 4 stages (1, 2, 2, 1 blocks: the end ones hold the embedding and the output), 2 per rank, 4 micro-batches of 2.
+    # 4 stages (1, 2, 2, 1 blocks: the end ones hold the embedding and the output), 2 per rank, 4 micro-batches of 2,
+    # every block recomputed in backward; interleaved with blocks compiled (aot_eager).
     "pp2_tp2_looped_bfs": (4, (*PP2, *TP2, "--parallelism.pipeline_parallel_schedule", "LoopedBFS",
                                "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "4",
-                               *SHORT)),
-    "pp2_interleaved": (2, (*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                            "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "4",
-                            *SHORT)),
+                               "--activation_checkpoint.mode", "full", *SHORT)),
+    "pp2_interleaved_compiled": (2, (*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                     "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches",
+                                     "4", "--compile.enable", "--compile.backend", "aot_eager", *SHORT)),
 }
 PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
@@ -73,11 +78,16 @@ class SharedRuns:
                 stopped_after(self[run], step, self.root / name)
             else:
                 nproc, overrides = SHARED_RUNS[name]
-            if name in PIPELINED:
-                torchrun(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *overrides,
-                         script=GRAD_DUMP, script_args=(str(self.root / name),))
-            else:
+            if name in RESUMED_RUNS or nproc == 1:
                 train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *overrides)
+            else:  # every shared run of this many processes not yet made, in one job (several_runs.py)
+                batch = [n for n, (p, _) in SHARED_RUNS.items() if p == nproc and n not in self.done]
+                spec = [[str(self.root / n), n in PIPELINED,
+                         train_argv(self.root / n, *COMMON, "--training.steps", str(STEPS), *SHARED_RUNS[n][1])]
+                        for n in batch]
+                (self.root / f"runs-{nproc}.json").write_text(json.dumps(spec))
+                run_job(*torchrun_cmd(nproc, SEVERAL_RUNS, str(self.root / f"runs-{nproc}.json")))
+                self.done.update({n: self.root / n for n in batch})
             self.done[name] = self.root / name
         return self.done[name]
 

@@ -2,7 +2,8 @@
 parameter, true numbers in the log whichever stage the logging rank holds, and checkpoints that know no layout.
 
 The runs are the suite's shared pipeline runs (conftest.py), one per schedule: GPipe with accumulation, 1F1B beside
-FSDP 2, LoopedBFS beside TP 2 and Interleaved1F1B, with 3 stages per rank for the last two. Their loss curves are in
+FSDP 2, LoopedBFS beside TP 2 with every block recomputed, and Interleaved1F1B with compiled blocks, with 2 stages per
+rank for the last two. Their loss curves are in
 the layout matrix of test_layouts.py; here, what a curve could hide. Tolerance 1e-5 as there: a micro-batch's matmuls
 and the gradient sums over micro-batches round in another order than one batch's, nothing more.
 """

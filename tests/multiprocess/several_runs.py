@@ -1,0 +1,29 @@
+"""Several train.py runs one after another in the same torchrun job, so they pay its start-up once (the launcher,
+every rank importing torch, the first process group): a job of 4 ranks costs seconds before its first step.
+
+    several_runs.py RUNS_JSON      RUNS_JSON: a list of [dump folder, record gradients (grad_dump.py), train args]
+
+Each run is train.run as in a job of its own: its own mesh and subgroups, seed, data and dump folder; only the
+default process group is made once and kept (comm_count.py does the same).
+"""
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import train
+from grad_dump import recording
+
+init_distributed, destroy = train.init_distributed, dist.destroy_process_group
+train.init_distributed = lambda *a, **k: torch.device("cpu") if dist.is_initialized() else init_distributed(*a, **k)
+dist.destroy_process_group = lambda *a, **k: None
+for folder, record, argv in json.loads(Path(sys.argv[1]).read_text()):
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with recording(Path(folder)) if record else contextlib.nullcontext():
+        if (code := train.run(argv)) != 0:
+            sys.exit(code)
+destroy()
