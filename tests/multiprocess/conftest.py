@@ -43,6 +43,16 @@ SHARED_RUNS = {
                  *SHORT)),
     # Pipeline layouts, one per schedule, recording every parameter's gradient at step 1 (grad_dump.py). GPipe: 2
     # local batches of 4 accumulated, 2 micro-batches each; 1F1B beside FSDP, validating and saving every 2 steps.
+    # FSDP2's options (test_fsdp_options.py). hpZ over pairs of the 4 shards, two blocks prefetched each way, and 2
+    # micro-batches of 1 per rank reduced once after the last; the output and input casts are fp32 here, so they are
+    # only shown to run. Then parameters, gradients and AdamW's state in host memory (the device is the host here).
+    "fsdp4_hpz_prefetch_deferred_reduce": (4, (
+        "--parallelism.fsdp_reshard_after_forward", "2", "--parallelism.fsdp_prefetch", "2",
+        "--training.local_batch_size", "1", "--parallelism.fsdp_defer_grad_reduce",
+        "--training.mixed_precision_output", "float32", "--no-training.mixed_precision_cast_forward_inputs", *SHORT)),
+    "fsdp4_offload_reshard_always": (4, (
+        "--parallelism.fsdp_cpu_offload", "--no-parallelism.fsdp_offload_pin_memory",
+        "--parallelism.fsdp_reshard_after_forward", "always", *SHORT)),
     "pp2_gpipe": (2, (*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", "--training.local_batch_size", "4",
                       *CHECKPOINTED)),
     "pp2_fsdp2": (4, (*PP2, "--training.local_batch_size", "4", *CHECKPOINTED, "--validation.enable",
