@@ -8,7 +8,6 @@ the validation test. Tests read these folders and never write into them: a test 
 checkpoint it needs into a folder of its own.
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -20,10 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 from grad_dump import load_grads, recording  # noqa: E402
-from launch import (CHECKPOINTED, COMMON, HSDP, PP2, STEPS, TP2, TP2_FSDP2, run_job, stopped_after,  # noqa: E402
-                    torchrun_cmd, train_argv, train_in_process, train_job)
-
-SEVERAL_RUNS = Path(__file__).parent / "several_runs.py"
+from launch import (CHECKPOINTED, COMMON, HSDP, PP2, STEPS, TP2, TP2_FSDP2, stopped_after,  # noqa: E402
+                    torchrun_several, train_in_process, train_job)
 
 SHORT = ("--training.steps", "6")  # after STEPS on the command line, so it wins
 # name -> (processes, overrides), all with global batch 8. One process and DDP accumulate; the 4-process layouts take
@@ -53,6 +50,10 @@ SHARED_RUNS = {
     "fsdp4_offload_reshard_always": (4, (
         "--parallelism.fsdp_cpu_offload", "--no-parallelism.fsdp_offload_pin_memory",
         "--parallelism.fsdp_reshard_after_forward", "always", *SHORT)),
+    # TP 2 compiled (aot_eager), validating and saving every 2 steps: test_compile.py resumes it.
+    "tp2_compiled": (2, (*TP2, "--training.local_batch_size", "4", "--compile.enable", "--compile.backend", "aot_eager",
+                         *CHECKPOINTED, "--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
+                         *SHORT)),
     "pp2_gpipe": (2, (*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", "--training.local_batch_size", "4",
                       *CHECKPOINTED)),
     "pp2_fsdp2": (4, (*PP2, "--training.local_batch_size", "4", *CHECKPOINTED, "--validation.enable",
@@ -66,6 +67,7 @@ SHARED_RUNS = {
                                      "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches",
                                      "4", "--compile.enable", "--compile.backend", "aot_eager", *SHORT)),
 }
+RECORDED = [name for name in SHARED_RUNS if name.startswith("pp") or name == "tp2_compiled"]  # grad_dump.py's files
 PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
 RESUMED_RUNS = {
@@ -92,11 +94,8 @@ class SharedRuns:
                 train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *overrides)
             else:  # every shared run of this many processes not yet made, in one job (several_runs.py)
                 batch = [n for n, (p, _) in SHARED_RUNS.items() if p == nproc and n not in self.done]
-                spec = [[str(self.root / n), n in PIPELINED,
-                         train_argv(self.root / n, *COMMON, "--training.steps", str(STEPS), *SHARED_RUNS[n][1])]
-                        for n in batch]
-                (self.root / f"runs-{nproc}.json").write_text(json.dumps(spec))
-                run_job(*torchrun_cmd(nproc, SEVERAL_RUNS, str(self.root / f"runs-{nproc}.json")))
+                torchrun_several(nproc, [(self.root / n, n in RECORDED, (*COMMON, "--training.steps", str(STEPS),
+                                                                           *SHARED_RUNS[n][1])) for n in batch])
                 self.done.update({n: self.root / n for n in batch})
             self.done[name] = self.root / name
         return self.done[name]

@@ -105,6 +105,19 @@ def torchrun(nproc: int, dump_folder: Path, *overrides: str, config: Path = TINY
     return run_job(cmd, {**base_env, **(env or {})}, check)
 
 
+SEVERAL_RUNS = ROOT / "tests" / "multiprocess" / "several_runs.py"
+
+
+def torchrun_several(nproc: int, runs: list[tuple[Path, bool, tuple[str, ...]]]) -> None:
+    """Several runs of train.py, each (dump folder, record its gradients (grad_dump.py), overrides), one after another
+    in one torchrun job (several_runs.py), which pays the start-up of a job once."""
+    spec = [[str(folder), record, list(train_argv(folder, *overrides))] for folder, record, overrides in runs]
+    path = Path(runs[0][0]).with_suffix(".runs.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec))
+    run_job(*torchrun_cmd(nproc, SEVERAL_RUNS, str(path)))
+
+
 # Recovery bounds of the multi-agent jobs (README, "Running on a cluster"): a round closes 1 s after its minimum of
 # nodes is there, and a node silent for 10 heartbeats of 1 s (one is sent every second) is dropped from the next one.
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=10"

@@ -3,8 +3,8 @@ every rank importing torch, the first process group): a job of 4 ranks costs sec
 
     several_runs.py RUNS_JSON      RUNS_JSON: a list of [dump folder, record gradients (grad_dump.py), train args]
 
-Each run is train.run as in a job of its own: its own mesh and subgroups, seed, data and dump folder; only the
-default process group is made once and kept (comm_count.py does the same).
+Each run is train.run as in a job of its own: its own mesh and subgroups, seed, data, dump folder, torch.compile
+caches and graph counts; only the default process group is made once and kept (comm_count.py does the same).
 """
 
 import contextlib
@@ -23,6 +23,9 @@ train.init_distributed = lambda *a, **k: torch.device("cpu") if dist.is_initiali
 dist.destroy_process_group = lambda *a, **k: None
 for folder, record, argv in json.loads(Path(sys.argv[1]).read_text()):
     Path(folder).mkdir(parents=True, exist_ok=True)
+    if "torch._dynamo" in sys.modules:  # compiled graphs, their caches and counts as in a new process
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
     with recording(Path(folder)) if record else contextlib.nullcontext():
         if (code := train.run(argv)) != 0:
             sys.exit(code)

@@ -14,8 +14,9 @@ import json
 
 import pytest
 
+from conftest import SHARED_RUNS
 from grad_dump import GRAD_DUMP, assert_grads_match, load_grads
-from launch import CHECKPOINTED, COMMON, HSDP, STEPS, TP2, TP2_FSDP2, losses, stopped_after, torchrun
+from launch import COMMON, HSDP, STEPS, TP2_FSDP2, losses, stopped_after, torchrun, torchrun_several
 
 # fp32: a compiled gradient differs from eager's by the order of its reductions (inductor fuses the norms, TP and
 # FSDP sum partial results in another order), measured at <= 2e-6 of the parameter's largest gradient; 1e-5 leaves
@@ -30,8 +31,7 @@ COMPILED = ("--compile.enable",)
 AOT = (*COMPILED, "--compile.backend", "aot_eager")
 ONE_STEP = ("--training.steps", "1")
 VALIDATED = ("--validation.enable", "--validation.freq", "2", "--validation.steps", "1")
-# name -> (processes, overrides, gradient tolerance)
-AOT_TP2 = (*TP2, "--training.local_batch_size", "4", *AOT, "--training.steps", "6", *CHECKPOINTED, *VALIDATED)
+# name -> (processes, overrides, gradient tolerance): 4 processes, run after the inductor run in its job
 LAYOUTS = {
     "fsdp4_ac_every_2": (4, ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
                              "2", *AOT, *ONE_STEP), GRAD_TOLERANCE),
@@ -42,21 +42,24 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def inductor_run(tmp_path_factory):
-    """TP 2 x FSDP 2 (the shared run's settings), compiled by inductor, validating and checkpointing every 2 steps."""
-    out = tmp_path_factory.mktemp("compiled") / "tp2_fsdp2"
-    out.mkdir()
-    torchrun(4, out, *COMMON, "--training.steps", str(STEPS), *TP2_FSDP2, *COMPILED, *VALIDATED, script=GRAD_DUMP,
-             script_args=(str(out),))
-    return out
+def compiled_runs(tmp_path_factory):
+    """The 4-process runs, in one job (several_runs.py): first TP 2 x FSDP 2 (the shared run's settings) compiled by
+    inductor, validating and checkpointing every 2 steps; then LAYOUTS."""
+    root = tmp_path_factory.mktemp("compiled")
+    runs = {"tp2_fsdp2": (*COMMON, "--training.steps", str(STEPS), *TP2_FSDP2, *COMPILED, *VALIDATED),
+            **{name: (*COMMON, *overrides) for name, (_, overrides, _) in LAYOUTS.items()}}
+    torchrun_several(4, [(root / name, True, overrides) for name, overrides in runs.items()])
+    return {name: root / name for name in runs}
 
 
 @pytest.fixture(scope="module")
-def aot_tp2_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compiled") / "tp2"
-    out.mkdir()
-    torchrun(2, out, *COMMON, *AOT_TP2, script=GRAD_DUMP, script_args=(str(out),))
-    return out
+def inductor_run(compiled_runs):
+    return compiled_runs["tp2_fsdp2"]
+
+
+@pytest.fixture(scope="module")
+def aot_tp2_run(runs):
+    return runs["tp2_compiled"]
 
 
 def test_inductor_tp2_fsdp2_trains_every_weight_as_eager(inductor_run, eager_grads):
@@ -89,7 +92,7 @@ def test_compiled_run_resumes_on_its_exact_curve(aot_tp2_run, tmp_path):
     """Stopped after step 2 and resumed by a new job: steps 3-6 bitwise, and the new job compiles the same graphs
     once (its first validation, at step 4, adds the inference graph) and never again."""
     folder = stopped_after(aot_tp2_run, 2, tmp_path / "resumed")
-    torchrun(2, folder, *COMMON, *AOT_TP2, script=GRAD_DUMP, script_args=(str(folder),))
+    torchrun(2, folder, *COMMON, *SHARED_RUNS["tp2_compiled"][1], script=GRAD_DUMP, script_args=(str(folder),))
     straight, resumed = losses(aot_tp2_run), losses(folder)
     assert sorted(straight) == list(range(1, 7))
     assert [resumed[s] for s in range(3, 7)] == [straight[s] for s in range(3, 7)]
@@ -99,7 +102,5 @@ def test_compiled_run_resumes_on_its_exact_curve(aot_tp2_run, tmp_path):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_compiled_layout_trains_every_weight_as_eager(layout, eager_grads, tmp_path):
-    nproc, overrides, tolerance = LAYOUTS[layout]
-    torchrun(nproc, tmp_path, *COMMON, *overrides, script=GRAD_DUMP, script_args=(str(tmp_path),))
-    assert_grads_match(load_grads(tmp_path), eager_grads, tolerance)
+def test_compiled_layout_trains_every_weight_as_eager(layout, eager_grads, compiled_runs):
+    assert_grads_match(load_grads(compiled_runs[layout]), eager_grads, LAYOUTS[layout][2])
