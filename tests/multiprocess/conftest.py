@@ -8,6 +8,7 @@ the validation test. Tests read these folders and never write into them: a test 
 checkpoint it needs into a folder of its own.
 """
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 from grad_dump import load_grads, recording  # noqa: E402
-from launch import (CHECKPOINTED, COMMON, HSDP, PP2, STEPS, TP2, TP2_FSDP2, stopped_after,  # noqa: E402
-                    torchrun_several, train_in_process, train_job)
+from launch import (CHECKPOINTED, COMMON, HSDP, PP2, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,  # noqa: E402
+                    stopped_after, torchrun_several, train_in_process, train_job)
 
 SHORT = ("--training.steps", "6")  # after STEPS on the command line, so it wins
 # name -> (processes, overrides), all with global batch 8. One process and DDP accumulate; the 4-process layouts take
@@ -104,6 +105,24 @@ class SharedRuns:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> SharedRuns:
     return SharedRuns(tmp_path_factory.mktemp("shared_runs"))
+
+
+@pytest.fixture(scope="session")
+def resharded(runs, tmp_path_factory) -> dict:
+    """The first legs of the resharding tests (test_checkpoint.py, test_pipeline.py), in one job: each resumes a shared
+    run's step 4 on another layout and trains to step 6, saving every 2 steps. "tp2_fsdp2": FSDP 4's checkpoint copied
+    in; "hsdp2x2": the same through checkpoint.initial_load_path (full state), its own folder empty; "fsdp4": PP 2 x
+    FSDP 2's checkpoint copied in; and "source_snapshot", FSDP 4's step 4 before (initial_load_path never writes)."""
+    root = tmp_path_factory.mktemp("resharded")
+    source = ckpt(runs["fsdp4"], 4)
+    shutil.copytree(source, ckpt(root / "tp2_fsdp2", 4))
+    shutil.copytree(ckpt(runs["pp2_fsdp2"], 4), ckpt(root / "fsdp4", 4))
+    initial = ("--checkpoint.initial_load_path", str(source), "--no-checkpoint.initial_load_model_only")
+    legs = {"tp2_fsdp2": TP2, "fsdp4": (), "hsdp2x2": (*HSDP, *initial)}
+    before = snapshot(source)
+    torchrun_several(4, [(root / name, False, (*COMMON, *CHECKPOINTED, "--training.steps", "6", *overrides))
+                         for name, overrides in legs.items()])
+    return {name: root / name for name in legs} | {"source_snapshot": before}
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ their processes outlives the test, and read back what they wrote."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -209,6 +210,17 @@ def stopped_after(run: Path, step: int, folder: Path) -> Path:
     with open(run / "metrics.jsonl") as src, open(folder / "metrics.jsonl", "w") as dst:
         dst.writelines(line for line in src if json.loads(line)["step"] <= step)
     return folder
+
+
+def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
+    """Every file under folder with its content hash and mtime: equal snapshots mean nothing was touched."""
+    out = {}
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
+    return out
 
 
 def read_metrics(dump_folder: Path) -> list[dict]:

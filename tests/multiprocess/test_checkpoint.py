@@ -6,7 +6,6 @@ The same layout resumed is bitwise equal to the straight run; a resume on anothe
 reductions run in another order), like tests/multiprocess/test_layouts.py.
 """
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -16,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import (CHECKPOINTED, COMMON, HSDP, ROOT, STEPS, TINY, TP2, TRAIN, assert_one_error_line, ckpt, kill_tree,
-                    losses, read_metrics, stopped_after, torchrun, torchrun_cmd, train_in_process, train_job)
+from launch import (CHECKPOINTED, COMMON, ROOT, STEPS, TINY, TP2, TRAIN, assert_one_error_line, ckpt, kill_tree,
+                    losses, read_metrics, snapshot, stopped_after, torchrun, torchrun_cmd, train_in_process,
+                    train_job)
 from torchtitan_lite.checkpoint import complete_checkpoints
 from torchtitan_lite.checkpoint_reader import read_tensors
 
@@ -28,17 +28,6 @@ TOLERANCE = 1e-5
 def train(nproc, folder, *overrides, steps=STEPS, **kw):
     """A checkpointing run with the shared runs' settings (with 1 process, in this process: see launch.train_job)."""
     return train_job(nproc, folder, *COMMON, *CHECKPOINTED, "--training.steps", str(steps), *overrides, **kw)
-
-
-def snapshot(folder):
-    """Every file under folder with its content hash and mtime: equal snapshots mean nothing was touched."""
-    out = {}
-    for dirpath, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, folder)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
-    return out
 
 
 def assert_continues(resumed, reference, first_step):
@@ -131,28 +120,28 @@ def test_finished_run_has_nothing_to_do(fsdp_straight, tmp_path):
 
 # ---- Resharding: the data position is global and DCP reshards every DTensor, so the curve goes on.
 
-def test_reshard_fsdp_to_tp_fsdp_to_single_process(fsdp_straight, tmp_path):
-    shutil.copytree(ckpt(fsdp_straight, 4), ckpt(tmp_path, 4))
-    train(4, tmp_path, *TP2, steps=6)
-    assert_same_state(ckpt(tmp_path, 6), ckpt(fsdp_straight, 6))
-    train(1, tmp_path)
-    assert_continues(tmp_path, fsdp_straight, first_step=5)
-    assert_same_state(ckpt(tmp_path, 8), ckpt(fsdp_straight, 8))
+# The first legs, to step 6, run in one job (conftest.resharded); the second legs here.
+
+def test_reshard_fsdp_to_tp_fsdp_to_single_process(fsdp_straight, resharded):
+    folder = resharded["tp2_fsdp2"]
+    assert_same_state(ckpt(folder, 6), ckpt(fsdp_straight, 6))
+    train(1, folder)
+    assert_continues(folder, fsdp_straight, first_step=5)
+    assert_same_state(ckpt(folder, 8), ckpt(fsdp_straight, 8))
 
 
-def test_reshard_fsdp_to_hsdp_via_initial_load_to_single_process(fsdp_straight, tmp_path):
-    # FSDP 4 -> HSDP 2 x 2 -> 1 process. The first run's own folder is empty, so it starts from initial_load_path
-    # (full state) and never writes there; the second finds its own step-6 and resumes that instead.
-    source = ckpt(fsdp_straight, 4)
-    before = snapshot(source)
+def test_reshard_fsdp_to_hsdp_via_initial_load_to_single_process(fsdp_straight, resharded):
+    # FSDP 4 -> HSDP 2 x 2 -> 1 process. The first run's own folder was empty, so it started from initial_load_path
+    # (full state) and never wrote there; the second finds its own step-6 and resumes that instead.
+    source, tmp_path = ckpt(fsdp_straight, 4), resharded["hsdp2x2"]
     initial = ("--checkpoint.initial_load_path", str(source), "--no-checkpoint.initial_load_model_only")
-    train(4, tmp_path, *HSDP, *initial, steps=6)
+    assert not ckpt(tmp_path, 4).exists() and sorted(complete_checkpoints(str(tmp_path / "checkpoint"))) == [6]
     assert_same_state(ckpt(tmp_path, 6), ckpt(fsdp_straight, 6))
     proc = train(1, tmp_path, *initial)
     assert f"loaded full state from {ckpt(tmp_path, 6)}" in proc.stdout + proc.stderr
     assert_continues(tmp_path, fsdp_straight, first_step=5)
     assert_same_state(ckpt(tmp_path, 8), ckpt(fsdp_straight, 8))
-    assert snapshot(source) == before
+    assert snapshot(source) == resharded["source_snapshot"]
 
 
 # ---- Seed checkpoint and export

@@ -9,14 +9,13 @@ and the gradient sums over micro-batches round in another order than one batch's
 """
 
 import os
-import shutil
 
 import pytest
 
 from conftest import PIPELINED, SHARED_RUNS
 from grad_dump import assert_grads_match, load_grads
 from launch import COMMON, STEPS, ckpt, losses, read_metrics, stopped_after, torchrun, train_job
-from test_checkpoint import assert_continues, assert_same_state, train
+from test_checkpoint import assert_continues, assert_same_state
 
 TOLERANCE = 1e-5
 
@@ -55,12 +54,11 @@ def test_pipeline_resumes_bitwise_with_async_saves_keeping_the_latest_2(runs, tm
     assert sorted(os.listdir(folder / "checkpoint")) == ["step-6", "step-8"]
 
 
-def test_pipeline_checkpoint_resumes_on_fsdp_and_back(runs, tmp_path):
-    """PP 2 x FSDP 2's step 4 goes on as FSDP 4 to step 6, and that goes on as PP 2 x FSDP 2 to step 8: the state
-    (model, optimizer moments, data position) and curve of the FSDP 4 run that never changed layout."""
-    fsdp = runs["fsdp4"]
-    shutil.copytree(ckpt(runs["pp2_fsdp2"], 4), ckpt(tmp_path, 4))
-    train(4, tmp_path, steps=6)
+def test_pipeline_checkpoint_resumes_on_fsdp_and_back(runs, resharded):
+    """PP 2 x FSDP 2's step 4 goes on as FSDP 4 to step 6 (conftest.resharded), and that goes on as PP 2 x FSDP 2 to
+    step 8: the state (model, optimizer moments, data position) and curve of the FSDP 4 run that never changed
+    layout."""
+    fsdp, tmp_path = runs["fsdp4"], resharded["fsdp4"]
     assert_same_state(ckpt(tmp_path, 6), ckpt(fsdp, 6))
     train_job(4, tmp_path, *COMMON, "--training.steps", str(STEPS), *SHARED_RUNS["pp2_fsdp2"][1])
     assert_continues(tmp_path, fsdp, first_step=5)
