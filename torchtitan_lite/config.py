@@ -101,8 +101,7 @@ class Parallelism:
     pipeline_parallel_degree: int = opt(1, "pipeline stages across this many ranks (the outermost mesh dim)")
     pipeline_parallel_schedule: str = opt("1F1B", "torch's schedule name: GPipe, 1F1B, Interleaved1F1B, LoopedBFS")
     pipeline_parallel_microbatches: int = opt(-1, "micro-batches per local batch; -1 = the pipeline degree")
-    pipeline_parallel_layers_per_stage: int = opt(
-        -1, "blocks per stage; -1 = the blocks split evenly over 1 stage per rank (interleaved: the fewest above 1)")
+    pipeline_parallel_layers_per_stage: int = opt(-1, "blocks per stage; -1 = split over 1 stage a rank (see README)")
 
 
 @dataclass
@@ -272,10 +271,8 @@ def _apply_toml(cfg: JobConfig, data: dict[str, Any], source: str) -> None:
         if not isinstance(table, dict):
             raise ConfigError(f"{sec} in {source} must be a table: write [{sec}] and its keys below it")
         for name, value in table.items():
-            o = OPTIONS.get(f"{sec}.{name}")
-            if o is None:
-                hint = _did_you_mean(f"{sec}.{name}", list(OPTIONS))
-                raise ConfigError(f"unknown key {sec}.{name} in {source}{hint}")
+            if (o := OPTIONS.get(key := f"{sec}.{name}")) is None:
+                raise ConfigError(f"unknown key {key} in {source}{_did_you_mean(key, list(OPTIONS))}")
             _set(cfg, o, _coerce(o, value, f" in {source}"))
 
 
@@ -328,35 +325,29 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
 
 
 # Range checks, listed plainly: (key, rule as the user reads it, test).
+_AT_LEAST_1 = ("training.steps", "training.local_batch_size", "comm.init_timeout_seconds", "comm.train_timeout_seconds",
+               "checkpoint.interval", "metrics.log_freq", "validation.freq", "validation.steps",
+               "parallelism.data_parallel_replicate_degree", "parallelism.tensor_parallel_degree",
+               "parallelism.pipeline_parallel_degree")
 _RULES = [
-    ("training.steps", ">= 1", lambda v: v >= 1),
+    *((key, ">= 1", lambda v: v >= 1) for key in _AT_LEAST_1),
+    *((key, ">= 0", lambda v: v >= 0) for key in ("training.skip_nonfinite_steps", "lr_scheduler.warmup_steps",
+                                                   "parallelism.fsdp_prefetch")),
+    *((f"parallelism.pipeline_parallel_{key}", ">= 1 or -1", lambda v: v >= 1 or v == -1)
+      for key in ("microbatches", "layers_per_stage")),
     ("training.seq_len", ">= 2", lambda v: v >= 2),  # next-token targets need at least two tokens
-    ("training.local_batch_size", ">= 1", lambda v: v >= 1),
     ("training.global_batch_size", "-1 (local x data-parallel degree) or >= 1", lambda v: v == -1 or v >= 1),
     ("training.max_norm", ">= 0 (0 disables clipping)", lambda v: v >= 0),
     ("training.gc_freq", ">= 0 (0 leaves automatic GC on)", lambda v: v >= 0),
-    ("training.skip_nonfinite_steps", ">= 0", lambda v: v >= 0),
     ("optimizer.lr", "> 0", lambda v: v > 0),
-    ("lr_scheduler.warmup_steps", ">= 0", lambda v: v >= 0),
     ("lr_scheduler.decay_ratio", "none or in [0, 1]", lambda v: v is None or 0 <= v <= 1),
     ("lr_scheduler.min_lr_factor", "in [0, 1]", lambda v: 0 <= v <= 1),
-    ("parallelism.data_parallel_replicate_degree", ">= 1", lambda v: v >= 1),
     ("parallelism.data_parallel_shard_degree", "-1 (the rest of the world) or >= 1", lambda v: v == -1 or v >= 1),
-    ("parallelism.tensor_parallel_degree", ">= 1", lambda v: v >= 1),
-    ("parallelism.pipeline_parallel_degree", ">= 1", lambda v: v >= 1),
-    ("parallelism.pipeline_parallel_microbatches", ">= 1 or -1", lambda v: v >= 1 or v == -1),
-    ("parallelism.pipeline_parallel_layers_per_stage", ">= 1 or -1", lambda v: v >= 1 or v == -1),
     ("parallelism.fsdp_reshard_after_forward", "default, always, never or a group size >= 1",
      lambda v: v in ("default", "always", "never") or (v.isdecimal() and int(v) >= 1)),
-    ("parallelism.fsdp_prefetch", ">= 0", lambda v: v >= 0),
-    ("comm.init_timeout_seconds", ">= 1", lambda v: v >= 1),
-    ("comm.train_timeout_seconds", ">= 1", lambda v: v >= 1),
-    ("checkpoint.interval", ">= 1", lambda v: v >= 1),
     ("checkpoint.keep_latest_k", ">= 0 (0 keeps all)", lambda v: v >= 0),
     ("activation_checkpoint.selective_ac_option", '"op" or a positive integer',
      lambda v: v == "op" or (v.isdecimal() and int(v) >= 1)),
-    ("metrics.log_freq", ">= 1", lambda v: v >= 1),
-    ("validation.freq", ">= 1", lambda v: v >= 1), ("validation.steps", ">= 1", lambda v: v >= 1),
 ]
 
 
@@ -368,8 +359,7 @@ def validate(cfg: JobConfig) -> None:
         if o.choices and value not in o.choices:
             raise ConfigError(f"{o.key} must be one of {', '.join(o.choices)} (got {value!r})")
     for key, rule, ok in _RULES:
-        value = _get(cfg, OPTIONS[key])
-        if not ok(value):
+        if not ok(value := _get(cfg, OPTIONS[key])):
             raise ConfigError(f"{key} must be {rule} (got {value!r})")
 
 
