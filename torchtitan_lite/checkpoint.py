@@ -166,8 +166,8 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def _global_shapes(state: dict[str, Any]) -> dict[str, Any]:
     """The state's keys as DCP names them, each tensor as a meta tensor of its global shape (small to send)."""
-    flat = {key: v for k, value in state.items() for key, v in flatten_state(k, value, {}).items()}
-    return {k: torch.empty(v.shape, device="meta") if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+    return {k: torch.empty(v.shape, device="meta") if isinstance(v, torch.Tensor) else v
+            for k, v in flatten_state(state).items()}
 
 
 def _is_full(metadata: Metadata) -> bool:

@@ -96,14 +96,18 @@ def read_tensors(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def flatten_state(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
-    """The dotted keys DCP flattens nested dicts (and lists holding tensors or dicts) into."""
+def flatten_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict under the dotted keys DCP flattens nested dicts (and lists holding tensors or dicts) into."""
+    return {key: v for k, value in state.items() for key, v in _flatten(k, value, {}).items()}
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
     if isinstance(value, list) and any(isinstance(v, (dict, list, torch.Tensor)) for v in value):
         value = dict(enumerate(value))
     if not isinstance(value, dict):
         out[prefix] = value
     for k, v in value.items() if isinstance(value, dict) else ():
-        flatten_state(f"{prefix}.{k}", v, out)
+        _flatten(f"{prefix}.{k}", v, out)
     return out
 
 
@@ -112,7 +116,7 @@ def check_fits(state: dict[str, Any], path: str, metadata: Metadata) -> None:
     shape, and the checkpoint's model has no tensor this model lacks; else one line naming the tensor instead of
     DCP's errors from deep in DTensor."""
     saved = metadata.state_dict_metadata
-    ours = {key: v for k, value in state.items() for key, v in flatten_state(k, value, {}).items()}
+    ours = flatten_state(state)
     for key, value in ours.items():
         if key.startswith(("rng.", "update_guard.")):
             continue  # a CPU checkpoint has no rng.cuda, nor an fp32 one a loss scale: what is there is loaded

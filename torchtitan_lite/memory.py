@@ -56,7 +56,7 @@ from torchtitan_lite.model import ModelArgs, Transformer, flavor_args
 from torchtitan_lite.optim import build_optimizer, clip_grad_norm_
 from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.parallelize import parallelize
-from torchtitan_lite.pipeline import check_pipeline, merge, microbatches, split
+from torchtitan_lite.pipeline import check_pipeline, merge, microbatches, schedule_name, split
 from torchtitan_lite.precision import DTYPES
 from torchtitan_lite.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
 
@@ -222,8 +222,8 @@ def _two_steps(parts: list[Transformer], optimizer: torch.optim.Optimizer, cfg: 
     use_loss_parallel = dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
     compute_dtype = DTYPES[t.mixed_precision_param]
     autocast = not dims.fsdp and compute_dtype != torch.float32  # as in train.py: FSDP casts, else autocast does
-    order = _first_rank_order(cfg, dims, len(parts))
     micro = microbatches(cfg.parallelism, t.local_batch_size) if dims.pp > 1 else 1
+    order = _first_rank_order(cfg.parallelism.pipeline_parallel_schedule, dims.pp, len(parts), micro)
     activations, held = 0, {}
     for step in (1, 2):
         tracker.reset_mod_stats()  # per-module statistics only; the peaks carry over
@@ -248,18 +248,18 @@ def _two_steps(parts: list[Transformer], optimizer: torch.optim.Optimizer, cfg: 
     return activations, held
 
 
-def _first_rank_order(cfg: JobConfig, dims: ParallelDims, v: int) -> list[int]:
-    """Which of rank 0's stages runs each forward its schedule makes before the first backward (one micro-batch's
-    worth without PP): the activations rank 0 holds at once."""
-    p = cfg.parallelism
-    if dims.pp == 1:
+def _first_rank_order(schedule: str, pp: int, v: int, m: int) -> list[int]:
+    """Which of rank 0's v stages runs each forward its schedule makes before the first backward, m micro-batches a
+    step (one forward without PP): the activations rank 0 holds at once."""
+    if pp == 1:
         return [0]
-    m = microbatches(p, cfg.training.local_batch_size)
-    ahead = {"gpipe": m, "1f1b": dims.pp, "loopedbfs": v * m}.get(p.pipeline_parallel_schedule.lower())
-    per_round = m // max(1, m // dims.pp)
-    if ahead is None:  # Interleaved1F1B: torch's warmup on rank 0, then the first forward of its steady state
-        ahead = min((v - 1) * per_round + 2 * (dims.pp - 1) + 1, v * m)
-    per_stage = m if p.pipeline_parallel_schedule.lower() == "loopedbfs" else per_round
+    name = schedule_name(schedule)
+    per_round = m // max(1, m // pp)
+    if name == "Interleaved1F1B":  # torch's warmup on rank 0, then the first forward of its steady state
+        ahead = min((v - 1) * per_round + 2 * (pp - 1) + 1, v * m)
+    else:
+        ahead = {"GPipe": m, "1F1B": pp, "LoopedBFS": v * m}[name]
+    per_stage = m if name == "LoopedBFS" else per_round
     return [(i // per_stage) % v for i in range(ahead)]
 
 
