@@ -1,4 +1,4 @@
-"""Pretrain a Llama model with PyTorch-native parallelism (PP + TP + FSDP2/HSDP), configured by a TOML file.
+"""Pretrain a Llama model with PyTorch-native parallelism (PP + TP + CP + FSDP2/HSDP), configured by a TOML file.
 
 Launch (one node, 8 GPUs or 4 CPU processes):
     NGPU=8 CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh --training.steps 100
@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan_lite.checkpoint import CheckpointManager, CheckpointSaveError, TrainState, check_config
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
+from torchtitan_lite.context_parallel import check_cp, sharder
 from torchtitan_lite.data import DataLoader, build_source
 from torchtitan_lite.distributed import Env, init_distributed, peer_timeout, set_determinism, set_timeout
 from torchtitan_lite.errors import checks_passed, report
@@ -52,6 +53,8 @@ def preflight(cfg: JobConfig, world_size: int):
     dims.validate_model(model_args)
     if dims.pp > 1:
         check_pipeline(cfg.parallelism, model_args.n_layers, cfg.training.local_batch_size)
+    if dims.cp > 1:
+        check_cp(cfg.training.seq_len, dims.cp, dims.tp, cfg.parallelism.context_parallel_load_balancer)
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
     t, v = cfg.training, cfg.validation
     global_batch = dims.global_batch(t.local_batch_size, t.global_batch_size)
@@ -75,7 +78,8 @@ def main(cfg: JobConfig, env: Env) -> None:
         with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
         logger.info("resolved config:\n%s", to_toml(cfg))
-    data = DataLoader(source, global_batch, t.local_batch_size, dp_mesh.get_local_rank(), dims.dp)
+    seq_share = sharder(mesh["cp"], t.seq_len, cfg.parallelism.context_parallel_load_balancer)
+    data = DataLoader(source, global_batch, t.local_batch_size, dp_mesh.get_local_rank(), dims.dp, seq_share)
 
     # ---- Model: built on meta (no memory), cut into this rank's pipeline stages, parallelized, then materialized
     # shard by shard.
@@ -141,7 +145,8 @@ def main(cfg: JobConfig, env: Env) -> None:
     @torch.no_grad()
     def validate() -> float:
         """Loss on the same held-out batches every time: `validation.steps` global batches from the start."""
-        loader = DataLoader(val_source, global_batch, t.local_batch_size, dp_mesh.get_local_rank(), dims.dp)
+        loader = DataLoader(val_source, global_batch, t.local_batch_size, dp_mesh.get_local_rank(), dims.dp,
+                            seq_share)
         total = torch.zeros((), device=device)
         for _ in range(v.steps):
             for inputs, labels in loader.next_batch():

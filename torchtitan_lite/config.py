@@ -102,6 +102,10 @@ class Parallelism:
     pipeline_parallel_schedule: str = opt("1F1B", "torch's schedule name: GPipe, 1F1B, Interleaved1F1B, LoopedBFS")
     pipeline_parallel_microbatches: int = opt(-1, "micro-batches per local batch; -1 = the pipeline degree")
     pipeline_parallel_layers_per_stage: int = opt(-1, "blocks per stage; -1 = split over 1 stage a rank (see README)")
+    context_parallel_degree: int = opt(1, "each sequence split across this many ranks (long context; see README)")
+    context_parallel_load_balancer: str = opt("headtail", "a rank's share of the sequence: headtail = chunks i and "
+                                              "2cp-1-i (equal causal work), none = one contiguous chunk",
+                                              choices=("headtail", "none"))
 
 
 @dataclass
@@ -328,7 +332,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
 _AT_LEAST_1 = ("training.steps", "training.local_batch_size", "comm.init_timeout_seconds", "comm.train_timeout_seconds",
                "checkpoint.interval", "metrics.log_freq", "validation.freq", "validation.steps",
                "parallelism.data_parallel_replicate_degree", "parallelism.tensor_parallel_degree",
-               "parallelism.pipeline_parallel_degree")
+               "parallelism.pipeline_parallel_degree", "parallelism.context_parallel_degree")
 _RULES = [
     *((key, ">= 1", lambda v: v >= 1) for key in _AT_LEAST_1),
     *((key, ">= 0", lambda v: v >= 0) for key in ("training.skip_nonfinite_steps", "lr_scheduler.warmup_steps",

@@ -21,6 +21,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -184,8 +185,11 @@ class Packer:
 class DataLoader:
     """Yields, per step, this rank's micro-batches of (inputs, labels); stateful for checkpoints."""
 
-    def __init__(self, source, global_batch: int, local_batch: int, dp_rank: int, dp_size: int):
+    def __init__(self, source, global_batch: int, local_batch: int, dp_rank: int, dp_size: int,
+                 shard: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """`shard` (context parallelism) cuts inputs and labels down to this rank's part of every sequence."""
         self.source, self.global_batch, self.local_batch = source, global_batch, local_batch
+        self.shard = shard or (lambda x: x)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.position = 0  # windows of the global order consumed so far
         self.streaming = getattr(source, "streaming", False)
@@ -203,7 +207,7 @@ class DataLoader:
             first = self.position + self.dp_rank * per_rank
             windows = self.source.windows(torch.arange(first, first + per_rank))
         self.position += self.global_batch
-        return [(w[:, :-1], w[:, 1:]) for w in windows.split(self.local_batch)]
+        return [(self.shard(w[:, :-1]), self.shard(w[:, 1:])) for w in windows.split(self.local_batch)]
 
     def state_dict(self) -> dict:
         if not self.streaming:

@@ -123,22 +123,28 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.attend = attend  # context parallelism swaps in its own (context_parallel.py)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bs, seq, _ = x.shape
         q = self.wq(x).view(bs, seq, -1, self.head_dim)
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        # Grouped-query attention: each kv head serves n_rep query heads, inside SDPA, without copies of K and V.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             enable_gqa=self.n_rep > 1)
-        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+        return self.wo(self.attend(q, k, v, rope).reshape(bs, seq, -1))
 
     def init_weights(self, init, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             init(linear.weight, 0.02)
         init(self.wo.weight, out_std)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention over whole sequences, (bs, seq, heads, head_dim) in and out, at positions 0..seq-1."""
+    q, k = apply_rope(q, rope), apply_rope(k, rope)
+    # Grouped-query attention: each kv head serves several query heads, inside SDPA, without copies of K and V.
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
 
 
 class FeedForward(nn.Module):

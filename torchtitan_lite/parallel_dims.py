@@ -18,32 +18,34 @@ class ParallelDims:
     tp: int
     world_size: int
     pp: int = 1
+    cp: int = 1
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
-        pp, replicate, shard, tp = (cfg.pipeline_parallel_degree, cfg.data_parallel_replicate_degree,
-                                    cfg.data_parallel_shard_degree, cfg.tensor_parallel_degree)
+        pp, replicate, shard, cp, tp = (cfg.pipeline_parallel_degree, cfg.data_parallel_replicate_degree,
+                                        cfg.data_parallel_shard_degree, cfg.context_parallel_degree,
+                                        cfg.tensor_parallel_degree)
         if shard == -1:
-            if world_size % (pp * replicate * tp):
+            if world_size % (pp * replicate * cp * tp):
                 raise ConfigError(
                     f"world size {world_size} is not divisible by pipeline_parallel_degree {pp} x "
-                    f"data_parallel_replicate_degree {replicate} x tensor_parallel_degree {tp}: change the degrees "
-                    f"or the number of processes")
-            shard = world_size // (pp * replicate * tp)
-        if pp * replicate * shard * tp != world_size:
+                    f"data_parallel_replicate_degree {replicate} x context_parallel_degree {cp} x "
+                    f"tensor_parallel_degree {tp}: change the degrees or the number of processes")
+            shard = world_size // (pp * replicate * cp * tp)
+        if pp * replicate * shard * cp * tp != world_size:
             raise ConfigError(
-                f"parallelism degrees multiply to {pp * replicate * shard * tp} (pp {pp} x replicate {replicate} x "
-                f"shard {shard} x tp {tp}) but the world size is {world_size}: make them multiply to {world_size}, "
-                f"or set parallelism.data_parallel_shard_degree = -1")
-        group = cfg.fsdp_reshard_after_forward
-        if group.isdecimal() and replicate * shard > 1 and shard % int(group):
-            divisors = [d for d in range(1, shard + 1) if shard % d == 0]
+                f"parallelism degrees multiply to {pp * replicate * shard * cp * tp} (pp {pp} x replicate {replicate} "
+                f"x shard {shard} x cp {cp} x tp {tp}) but the world size is {world_size}: make them multiply to "
+                f"{world_size}, or set parallelism.data_parallel_shard_degree = -1")
+        group, sharded = cfg.fsdp_reshard_after_forward, shard * cp  # FSDP shards over dp_shard x cp
+        if group.isdecimal() and replicate * sharded > 1 and sharded % int(group):
+            divisors = [d for d in range(1, sharded + 1) if sharded % d == 0]
             raise ConfigError(f"parallelism.fsdp_reshard_after_forward = {group} must divide the FSDP shard degree "
-                              f"{shard}: choose one of {', '.join(map(str, divisors))} (e.g. the GPUs per node)")
+                              f"{sharded}: choose one of {', '.join(map(str, divisors))} (e.g. the GPUs per node)")
         if cfg.fsdp_cpu_offload and cfg.fsdp_offload_pin_memory and not torch.cuda.is_available():
             raise ConfigError("parallelism.fsdp_offload_pin_memory needs a GPU (pinned memory speeds host-to-device "
                               "copies): pass --no-parallelism.fsdp_offload_pin_memory to offload on this machine")
-        return cls(replicate, shard, tp, world_size, pp)
+        return cls(replicate, shard, tp, world_size, pp, cp)
 
     @property
     def dp(self) -> int:
@@ -51,8 +53,9 @@ class ParallelDims:
 
     @property
     def fsdp(self) -> bool:
-        """Whether data parallelism is applied (FSDP, HSDP, or DDP as HSDP with shard degree 1)."""
-        return self.dp > 1
+        """Whether FSDP is applied (or HSDP, or DDP as HSDP with shard degree 1): over dp_shard x cp, since context
+        parallel ranks hold the same weights and each computes gradients from its share of the tokens."""
+        return self.dp * self.cp > 1
 
     def global_batch(self, local_batch: int, global_batch: int) -> int:
         """training.global_batch_size, resolved (-1: one micro-batch per data-parallel rank). It must split into
@@ -62,7 +65,7 @@ class ParallelDims:
             return per_step
         if global_batch % per_step:
             n = global_batch // local_batch if global_batch % local_batch == 0 else 0
-            sizes = [d * self.tp * self.pp for d in range(1, n + 1) if n % d == 0 and d % self.dp_replicate == 0]
+            sizes = [d * self.tp * self.pp * self.cp for d in range(1, n + 1) if n % d == 0 and d % self.dp_replicate == 0]
             raise ConfigError(
                 f"training.global_batch_size {global_batch} is not a multiple of local_batch_size {local_batch} x "
                 f"data-parallel degree {self.dp}: use a multiple of {per_step}"
@@ -70,7 +73,8 @@ class ParallelDims:
         return global_batch
 
     def validate_model(self, args: ModelArgs) -> None:
-        """The model's shapes must split evenly across tensor-parallel ranks."""
+        """The model's shapes must split evenly across tensor-parallel ranks (the sequence across cp ranks: see
+        context_parallel.check_cp)."""
         for name, size in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
                            ("FFN hidden size", args.ffn_hidden)):
             if size % self.tp:
@@ -79,9 +83,13 @@ class ParallelDims:
                     f"choose a degree that divides {size}")
 
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
-        """One mesh ("pp", "dp_replicate", "dp_shard", "tp"); its data-parallel dims flattened into one ("dp"), the
-        data loader's rank; and the group that sums the logged loss (dp, and pp whose last stage alone has it)."""
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        """One mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp"); its data-parallel dims flattened into one
+        ("dp"), the data loader's rank; and the group that sums the logged loss (dp; cp, whose ranks hold parts of
+        the sequences; pp, whose last stage alone has it). Under CP, FSDP's shard dim is "dp_shard_cp"."""
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
         dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh, dp_mesh, mesh["pp", "dp_replicate", "dp_shard"]._flatten("loss") if self.pp > 1 else dp_mesh
+        if self.cp > 1:
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        loss_dims = ("pp",) * (self.pp > 1) + ("dp_replicate", "dp_shard") + ("cp",) * (self.cp > 1)
+        return mesh, dp_mesh, mesh[loss_dims]._flatten("loss") if len(loss_dims) > 2 else dp_mesh

@@ -1,4 +1,4 @@
-"""Parallelism applied from outside the model, in one order: TP, activation checkpointing, compile, FSDP."""
+"""Parallelism applied from outside the model, in one order: TP, CP, activation checkpointing, compile, FSDP."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan_lite.config import JobConfig, Parallelism
+from torchtitan_lite.context_parallel import apply_cp
 from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.precision import DTYPES
 
@@ -27,6 +28,8 @@ logger = logging.getLogger("torchtitan_lite")
 def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig) -> None:
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=not cfg.parallelism.disable_loss_parallel)
+    if dims.cp > 1:
+        apply_cp(model, mesh["cp"], cfg.training.seq_len, cfg.parallelism.context_parallel_load_balancer)
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option,
                  keep_attention=cfg.compile.enable and dims.tp > 1)
@@ -34,7 +37,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
         for block in model.layers.values():
             block.compile(backend=cfg.compile.backend, fullgraph=True)  # in place: parameter names stay unchanged
     if dims.fsdp:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"  # CP ranks hold the same weights
+        dp_mesh = mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
         apply_fsdp(model, dp_mesh, cfg)
     else:
         p, default = cfg.parallelism, Parallelism()

@@ -1,0 +1,110 @@
+"""Context parallelism (CP): each sequence split across the ranks of the "cp" mesh dim, the way Llama 3 was trained.
+
+Llama 3's long-context stage (paper, section 3.3.2) all-gathers keys and values: each rank holds part of every
+sequence, projects its tokens' queries, keys and values, gathers the keys and values of the whole sequence (one
+all-gather per block; under grouped-query attention they are kv_heads/n_heads the size of the queries) and attends
+with its own queries. The all-gather's backward is a reduce-scatter of dK and dV. Ring attention (torchtitan's,
+through torch's `context_parallel`) overlaps the exchange with compute but needs attention kernels torch registers
+for CUDA alone; the all-gather runs anywhere on plain SDPA, and is exactly testable on a CPU.
+
+Design. The model never learns about meshes: its Attention calls `self.attend(q, k, v, rope)` (model.attend:
+rotary embeddings from the table's first rows, causal SDPA over the whole sequence) and `apply_cp` swaps in
+`Attend`, which knows this rank's positions and the cp group. The data loader hands each rank its share of every
+sequence (`shard`, inputs and labels alike), so everything but attention (norms, FFN, the loss) is token-wise and
+untouched: the loss stays a sum of token losses over the global token count, and FSDP, which shards the parameters
+over dp_shard x cp since CP ranks hold the same weights, sums the cp ranks' gradients like any data-parallel ones.
+Under TP, attention sees its local heads and the tokens of its cp rank: the two compose without knowing each other.
+
+Load balance. Under a causal mask the last tokens attend to the most keys. "headtail" cuts the sequence into 2 x cp
+chunks and gives rank i chunks i and 2 x cp - 1 - i, so every rank does the same work; "none" gives rank i the i-th
+of cp contiguous chunks (the last rank then does 2 - 1/cp times the average). Each chunk's queries attend to the
+gathered keys up to the chunk's end under SDPA's lower-right causal bias: on the GPU, the flash kernel's own causal
+mask; on the CPU, torch materializes it (one chunk x prefix boolean mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
+
+from torchtitan_lite.config import ConfigError
+from torchtitan_lite.model import apply_rope
+
+
+def chunks(seq_len: int, cp: int, rank: int, balancer: str) -> list[tuple[int, int]]:
+    """This rank's [start, stop) ranges of a sequence, in the order it holds them."""
+    if balancer == "none":
+        size = seq_len // cp
+        return [(rank * size, (rank + 1) * size)]
+    size = seq_len // (2 * cp)
+    return [(i * size, (i + 1) * size) for i in (rank, 2 * cp - 1 - rank)]
+
+
+def shard(x: torch.Tensor, ranges: list[tuple[int, int]], dim: int = 1) -> torch.Tensor:
+    """The rows of `x` along `dim` that `ranges` name, in their order."""
+    return torch.cat([x.narrow(dim, start, stop - start) for start, stop in ranges], dim)
+
+
+def sharder(cp_mesh: DeviceMesh, seq_len: int, balancer: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the data loader applies to inputs and labels: this rank's part of every sequence (None without CP)."""
+    if cp_mesh.size() == 1:
+        return None
+    return partial(shard, ranges=chunks(seq_len, cp_mesh.size(), cp_mesh.get_local_rank(), balancer))
+
+
+def check_cp(seq_len: int, cp: int, tp: int, balancer: str) -> None:
+    """Every rank must hold whole, equal chunks, which sequence parallelism (TP) splits again into equal parts."""
+    parts = (2 if balancer == "headtail" else 1) * cp * tp
+    if seq_len % parts:
+        what = f"{'2 x ' if balancer == 'headtail' else ''}context_parallel_degree {cp}" + (
+            f" x tensor_parallel_degree {tp} (sequence parallel)" if tp > 1 else "")
+        raise ConfigError(f"training.seq_len {seq_len} is not divisible by {what} = {parts}: use a multiple of "
+                          f"{parts}, e.g. {max(parts, seq_len // parts * parts)}")
+
+
+class Attend:
+    """model.attend for this cp rank's tokens: their true positions, keys and values gathered over the cp group."""
+
+    def __init__(self, cp_mesh: DeviceMesh, seq_len: int, balancer: str):
+        self.cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        self.group = cp_mesh.get_group().group_name  # a name, not an object: compiled blocks trace it as a constant
+        self.ranges = chunks(seq_len, self.cp, rank, balancer)
+        self.local = [stop - start for start, stop in self.ranges]
+        # Where each chunk of the true sequence sits in the gathered tensor: (rank, offset in its share, length).
+        held = [(r, sum(b - a for a, b in chunks(seq_len, self.cp, r, balancer)[:i]), a, b)
+                for r in range(self.cp) for i, (a, b) in enumerate(chunks(seq_len, self.cp, r, balancer))]
+        self.order = [(r, offset, b - a) for r, offset, a, b in sorted(held, key=lambda h: h[2])]
+        # A chunk's queries see the keys up to its end. Built here: compiled code cannot construct the bias.
+        self.masks = [causal_lower_right(size, stop) for (_, stop), size in zip(self.ranges, self.local)]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        rope = shard(rope, self.ranges, dim=0)  # the table's rows at this rank's positions
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        kv = self.gather(torch.cat([k, v], dim=-1))  # one collective for both
+        k, v = kv.transpose(1, 2).chunk(2, dim=-1)
+        q = q.transpose(1, 2)
+        outs, start = [], 0
+        for (_, stop), size, mask in zip(self.ranges, self.local, self.masks):
+            outs.append(F.scaled_dot_product_attention(q[:, :, start:start + size], k[:, :, :stop], v[:, :, :stop],
+                                                       attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]))
+            start += size
+        return torch.cat(outs, dim=2).transpose(1, 2)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(bs, local seq, ...) -> (bs, whole seq, ...) in true order; backward: a reduce-scatter (sum) of the
+        gradient, each rank getting its own tokens' share."""
+        parts = funcol.all_gather_tensor_autograd(x, gather_dim=0, group=self.group).chunk(self.cp)
+        return torch.cat([parts[r].narrow(1, offset, size) for r, offset, size in self.order], dim=1)
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, balancer: str) -> None:
+    attend = Attend(cp_mesh, seq_len, balancer)
+    for block in model.layers.values():
+        block.attention.attend = attend
