@@ -65,7 +65,8 @@ class ParallelDims:
             return per_step
         if global_batch % per_step:
             n = global_batch // local_batch if global_batch % local_batch == 0 else 0
-            sizes = [d * self.tp * self.pp * self.cp for d in range(1, n + 1) if n % d == 0 and d % self.dp_replicate == 0]
+            others = self.tp * self.pp * self.cp
+            sizes = [d * others for d in range(1, n + 1) if n % d == 0 and d % self.dp_replicate == 0]
             raise ConfigError(
                 f"training.global_batch_size {global_batch} is not a multiple of local_batch_size {local_batch} x "
                 f"data-parallel degree {self.dp}: use a multiple of {per_step}"

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 from grad_dump import load_grads, recording  # noqa: E402
-from launch import (CHECKPOINTED, COMMON, HSDP, PP2, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,  # noqa: E402
+from launch import (CHECKPOINTED, COMMON, CP2, HSDP, PP2, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,  # noqa: E402
                     stopped_after, torchrun_several, train_in_process, train_job)
 
 SHORT = ("--training.steps", "6")  # after STEPS on the command line, so it wins
@@ -67,15 +67,31 @@ SHARED_RUNS = {
     "pp2_interleaved_compiled": (2, (*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                                      "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches",
                                      "4", "--compile.enable", "--compile.backend", "aot_eager", *SHORT)),
+    # Context-parallel layouts (each sequence split over the cp ranks), recording every parameter's gradient at step
+    # 1. CP 2: 4 micro-batches of 2 accumulated, validating and saving every 2 steps (resumed below). CP 2 x FSDP 2 with
+    # contiguous chunks, saving (test_context_parallel.py reshards it). CP 4 recomputing every block; CP 2 x TP 2
+    # compiled (aot_eager); HSDP over cp with op-level selective AC; CP inside pipeline stages.
+    "cp2": (2, (*CP2, *CHECKPOINTED, "--validation.enable", "--validation.freq", "2", "--validation.steps", "2")),
+    "cp2_fsdp2": (4, (*CP2, "--training.local_batch_size", "4", "--parallelism.context_parallel_load_balancer", "none",
+                      *CHECKPOINTED)),
+    "cp4": (4, ("--parallelism.context_parallel_degree", "4", "--training.local_batch_size", "8",
+                "--activation_checkpoint.mode", "full", *SHORT)),
+    "cp2_tp2_compiled": (4, (*CP2, *TP2, "--training.local_batch_size", "8", "--compile.enable", "--compile.backend",
+                             "aot_eager", *SHORT)),
+    "hsdp2_cp2": (4, (*HSDP, *CP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
+                      "--activation_checkpoint.selective_ac_option", "op", *SHORT)),
+    "pp2_cp2": (4, (*PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
 }
-RECORDED = [name for name in SHARED_RUNS if name.startswith("pp") or name == "tp2_compiled"]  # grad_dump.py's files
+RECORDED = [name for name in SHARED_RUNS if name.startswith("pp") or "cp" in name or name == "tp2_compiled"]
 PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
+CONTEXT_PARALLEL = [name for name in SHARED_RUNS if "cp" in name]
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
 RESUMED_RUNS = {
     # Validating at steps 6 and 8 and keeping only the newest 2 checkpoints: steps 7 and 8 must still equal the
     # straight run's, bitwise.
     "tp2_fsdp2_resumed": ("tp2_fsdp2", 4, 4, (*TP2_FSDP2, "--checkpoint.keep_latest_k", "2", "--validation.enable",
                                               "--validation.freq", "2", "--validation.steps", "2")),
+    "cp2_resumed": ("cp2", 4, 2, SHARED_RUNS["cp2"][1]),
 }
 
 
@@ -109,20 +125,29 @@ def runs(tmp_path_factory) -> SharedRuns:
 
 @pytest.fixture(scope="session")
 def resharded(runs, tmp_path_factory) -> dict:
-    """The first legs of the resharding tests (test_checkpoint.py, test_pipeline.py), in one job: each resumes a shared
-    run's step 4 on another layout and trains to step 6, saving every 2 steps. "tp2_fsdp2": FSDP 4's checkpoint copied
-    in; "hsdp2x2": the same through checkpoint.initial_load_path (full state), its own folder empty; "fsdp4": PP 2 x
-    FSDP 2's checkpoint copied in; and "source_snapshot", FSDP 4's step 4 before (initial_load_path never writes)."""
+    """The resharding tests (test_checkpoint.py, test_pipeline.py, test_context_parallel.py), their legs in two jobs.
+    First, each resumes a shared run's step 4 on another layout and trains to step 6, saving every 2 steps.
+    "tp2_fsdp2": FSDP 4's checkpoint copied in; "hsdp2x2": the same through checkpoint.initial_load_path (full state),
+    its own folder empty; "fsdp4": PP 2 x FSDP 2's checkpoint copied in; "fsdp4_from_cp": CP 2 x FSDP 2's; and
+    "source_snapshot", FSDP 4's step 4 before (initial_load_path never writes). Then the last two go back to their
+    first layout to step 8: "fsdp4"'s step 6 as PP 2 x FSDP 2 ("fsdp4_back") and "fsdp4_from_cp"'s as CP 2 x FSDP 2
+    ("fsdp4_from_cp_back")."""
     root = tmp_path_factory.mktemp("resharded")
     source = ckpt(runs["fsdp4"], 4)
     shutil.copytree(source, ckpt(root / "tp2_fsdp2", 4))
     shutil.copytree(ckpt(runs["pp2_fsdp2"], 4), ckpt(root / "fsdp4", 4))
+    shutil.copytree(ckpt(runs["cp2_fsdp2"], 4), ckpt(root / "fsdp4_from_cp", 4))
     initial = ("--checkpoint.initial_load_path", str(source), "--no-checkpoint.initial_load_model_only")
-    legs = {"tp2_fsdp2": TP2, "fsdp4": (), "hsdp2x2": (*HSDP, *initial)}
+    legs = {"tp2_fsdp2": TP2, "fsdp4": (), "hsdp2x2": (*HSDP, *initial), "fsdp4_from_cp": ()}
     before = snapshot(source)
     torchrun_several(4, [(root / name, False, (*COMMON, *CHECKPOINTED, "--training.steps", "6", *overrides))
                          for name, overrides in legs.items()])
-    return {name: root / name for name in legs} | {"source_snapshot": before}
+    back = {"fsdp4": "pp2_fsdp2", "fsdp4_from_cp": "cp2_fsdp2"}
+    for name in back:
+        shutil.copytree(root / name, root / f"{name}_back")
+    torchrun_several(4, [(root / f"{name}_back", False, (*COMMON, "--training.steps", str(STEPS), *SHARED_RUNS[run][1]))
+                         for name, run in back.items()])
+    return {name: root / name for name in [*legs, *(f"{n}_back" for n in back)]} | {"source_snapshot": before}
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ CHECKPOINTED = ("--checkpoint.enable", "--checkpoint.interval", "2")
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 PP2 = ("--parallelism.pipeline_parallel_degree", "2")
 HSDP = ("--parallelism.data_parallel_replicate_degree", "2")
+CP2 = ("--parallelism.context_parallel_degree", "2")
 TP2_FSDP2 = (*TP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full",
              *CHECKPOINTED)  # the shared run "tp2_fsdp2"
 

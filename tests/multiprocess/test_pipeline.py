@@ -14,7 +14,7 @@ import pytest
 
 from conftest import PIPELINED, SHARED_RUNS
 from grad_dump import assert_grads_match, load_grads
-from launch import COMMON, STEPS, ckpt, losses, read_metrics, stopped_after, torchrun, train_job
+from launch import COMMON, STEPS, ckpt, losses, read_metrics, stopped_after, torchrun
 from test_checkpoint import assert_continues, assert_same_state
 
 TOLERANCE = 1e-5
@@ -58,8 +58,7 @@ def test_pipeline_checkpoint_resumes_on_fsdp_and_back(runs, resharded):
     """PP 2 x FSDP 2's step 4 goes on as FSDP 4 to step 6 (conftest.resharded), and that goes on as PP 2 x FSDP 2 to
     step 8: the state (model, optimizer moments, data position) and curve of the FSDP 4 run that never changed
     layout."""
-    fsdp, tmp_path = runs["fsdp4"], resharded["fsdp4"]
-    assert_same_state(ckpt(tmp_path, 6), ckpt(fsdp, 6))
-    train_job(4, tmp_path, *COMMON, "--training.steps", str(STEPS), *SHARED_RUNS["pp2_fsdp2"][1])
-    assert_continues(tmp_path, fsdp, first_step=5)
-    assert_same_state(ckpt(tmp_path, 8), ckpt(fsdp, 8))
+    fsdp, there, back = runs["fsdp4"], resharded["fsdp4"], resharded["fsdp4_back"]
+    assert_same_state(ckpt(there, 6), ckpt(fsdp, 6))
+    assert_continues(back, fsdp, first_step=5)
+    assert_same_state(ckpt(back, 8), ckpt(fsdp, 8))
