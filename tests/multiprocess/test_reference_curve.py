@@ -6,14 +6,17 @@ changing the layout (other reduction orders) moves it by < 1e-6 over 50 steps; a
 changes every matmul's reduction order, for which 100x that is ample. A real numerics change (init, data order,
 schedule, loss normalization, a missed gradient reduction) moves the early steps by 1e-3 or more.
 Regenerate after an intended change: `python tests/multiprocess/test_reference_curve.py --update`.
-A 2-stage pipeline (Interleaved1F1B, 2 processes) reproduces the same reference, as every layout must.
+A 2-stage pipeline (Interleaved1F1B) and context parallelism over 2 ranks reproduce the same reference, as every
+layout must (both in one 2-process job).
 """
 
 import sys
 import tempfile
 from pathlib import Path
 
-from launch import PP2, ROOT, losses, torchrun, train_in_process
+import pytest
+
+from launch import CP2, PP2, ROOT, losses, torchrun_several, train_in_process
 
 REFERENCE = ROOT / "tests/assets/losses/debugmodel_cpu.txt"
 STEPS, TOLERANCE = 50, 1e-4
@@ -40,10 +43,21 @@ def test_reference_curve_is_reproduced(tmp_path):
     assert_reproduces(current_curve(tmp_path))
 
 
-def test_pipeline_reproduces_the_reference_curve(tmp_path):
-    torchrun(2, tmp_path, "--training.steps", str(STEPS), *PP2, "--parallelism.pipeline_parallel_schedule",
-             "Interleaved1F1B")
-    assert_reproduces(losses(tmp_path))
+LAYOUTS = {"pipeline": (*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
+           "context_parallel": CP2}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("reference_layouts")
+    torchrun_several(2, [(root / name, False, ("--training.steps", str(STEPS), *overrides))
+                         for name, overrides in LAYOUTS.items()])
+    return root
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_reproduces_the_reference_curve(layouts, layout):
+    assert_reproduces(losses(layouts / layout))
 
 
 if __name__ == "__main__" and "--update" in sys.argv:

@@ -1,0 +1,96 @@
+"""Context parallelism's arithmetic in one process: which tokens a cp rank holds, attention over them equal to the
+whole sequence's rows, and a layout that cannot run refused in one line (train.py --check). The multi-process runs,
+gradients and checkpoints are in tests/multiprocess/test_context_parallel.py."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train
+from torchtitan_lite import context_parallel
+from torchtitan_lite.context_parallel import Attend, chunks, shard
+from torchtitan_lite.model import FLAVORS, apply_rope, attend, rope_table
+
+TINY = Path(__file__).parent / "assets" / "tiny.toml"
+
+
+@pytest.mark.parametrize("balancer", ["headtail", "none"])
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_ranks_hold_every_position_once_and_headtail_balances_the_work(cp, balancer):
+    seq = 48
+    held = [chunks(seq, cp, rank, balancer) for rank in range(cp)]
+    positions = sorted(p for ranges in held for start, stop in ranges for p in range(start, stop))
+    assert positions == list(range(seq))
+    # Causal work: a query at position p attends to p + 1 keys.
+    work = [sum(p + 1 for start, stop in ranges for p in range(start, stop)) for ranges in held]
+    if balancer == "headtail":
+        assert len(set(work)) == 1 and all(len(ranges) == 2 for ranges in held)
+    else:
+        assert work == sorted(work) and (cp == 1 or work[-1] > work[0])
+    assert held[0][0][0] == 0
+
+
+class FakeMesh:
+    """One rank of a cp group, for Attend outside a process group."""
+
+    def __init__(self, cp: int, rank: int):
+        self.cp, self.rank = cp, rank
+
+    def size(self):
+        return self.cp
+
+    def get_local_rank(self):
+        return self.rank
+
+    def get_group(self):
+        return SimpleNamespace(group_name="fake")
+
+
+@pytest.mark.parametrize("balancer", ["headtail", "none"])
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_each_rank_attends_as_its_rows_of_whole_sequence_attention(cp, balancer, monkeypatch):
+    """Every rank's output is its tokens' rows of attention over the whole sequence: true positions for the rotary
+    embeddings, the gathered keys put back in sequence order, each chunk's causal mask. Grouped-query heads (8 query,
+    2 kv) as in Llama 3."""
+    seq, args = 48, FLAVORS["debugmodel"].with_(vocab_size=8, max_seq_len=48, dim=64, n_heads=8, n_kv_heads=2)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, seq, heads, args.head_dim, generator=gen) for heads in (8, 2, 2))
+    rope = rope_table(args)
+    whole = attend(q, k, v, rope)
+    kv = torch.cat([apply_rope(k, rope), v], dim=-1)  # what each rank contributes to the gather, in true order
+    gathered = torch.cat([shard(kv, chunks(seq, cp, rank, balancer)) for rank in range(cp)])  # in rank order
+    monkeypatch.setattr(context_parallel.funcol, "all_gather_tensor_autograd", lambda x, gather_dim, group: gathered)
+    for rank in range(cp):
+        attn = Attend(FakeMesh(cp, rank), seq, balancer)
+        out = attn(*(shard(x, attn.ranges) for x in (q, k, v)), rope)
+        torch.testing.assert_close(out, shard(whole, attn.ranges), rtol=0, atol=1e-6)
+
+
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+CASES = {  # world size, overrides, what the one line must name
+    "seq_len_not_split_in_2cp_chunks": (3, ["--parallelism.context_parallel_degree", "3"],
+                                        "training.seq_len 64 is not divisible by 2 x context_parallel_degree 3 = 6"),
+    "seq_len_not_split_under_sequence_parallel": (
+        4, [*CP2, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "36"],
+        "36 is not divisible by 2 x context_parallel_degree 2 x tensor_parallel_degree 2 (sequence parallel) = 8"),
+    "seq_len_not_split_in_cp_chunks": (4, ["--parallelism.context_parallel_degree", "4", "--training.seq_len", "66",
+                                           "--parallelism.context_parallel_load_balancer", "none"],
+                                       "66 is not divisible by context_parallel_degree 4 = 4"),
+    "degrees_not_multiplying": (6, [*CP2, "--parallelism.tensor_parallel_degree", "2"],
+                                "x context_parallel_degree 2 x tensor_parallel_degree 2"),
+    "reshard_group_not_dividing_dp_shard_x_cp": (2, [*CP2, "--parallelism.fsdp_reshard_after_forward", "4"],
+                                                 "must divide the FSDP shard degree 2"),
+    "unknown_balancer": (2, [*CP2, "--parallelism.context_parallel_load_balancer", "ring"],
+                         "context_parallel_load_balancer must be one of headtail, none"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_context_parallel_layout_is_one_line(case, tmp_path, monkeypatch, capsys):
+    world, overrides, expected = CASES[case]
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    code = train.run(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), *overrides], check=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
