@@ -44,9 +44,10 @@ def default_world_size(cfg: JobConfig) -> int:
     if os.environ.get("NGPU", "").isdecimal():
         return int(os.environ["NGPU"])
     p = cfg.parallelism
-    degrees = (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree)
+    degrees = (p.pipeline_parallel_degree, p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+               p.context_parallel_degree, p.tensor_parallel_degree)
     if -1 not in degrees:
-        return degrees[0] * degrees[1] * degrees[2]
+        return math.prod(degrees)
     return DEFAULT_WORLD.get(cfg.model.flavor, 8)
 
 

@@ -35,8 +35,8 @@ def test_ranks_hold_every_position_once_and_headtail_balances_the_work(cp, balan
 class FakeMesh:
     """One rank of a cp group, for Attend outside a process group."""
 
-    def __init__(self, cp: int, rank: int):
-        self.cp, self.rank = cp, rank
+    def __init__(self, cp: int, rank: int, device_type: str):
+        self.cp, self.rank, self.device_type = cp, rank, device_type
 
     def size(self):
         return self.cp
@@ -48,12 +48,13 @@ class FakeMesh:
         return SimpleNamespace(group_name="fake")
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("balancer", ["headtail", "none"])
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_each_rank_attends_as_its_rows_of_whole_sequence_attention(cp, balancer, monkeypatch):
+def test_each_rank_attends_as_its_rows_of_whole_sequence_attention(cp, balancer, device_type, monkeypatch):
     """Every rank's output is its tokens' rows of attention over the whole sequence: true positions for the rotary
-    embeddings, the gathered keys put back in sequence order, each chunk's causal mask. Grouped-query heads (8 query,
-    2 kv) as in Llama 3."""
+    embeddings, the gathered keys put back in sequence order, each chunk's causal mask (the GPU's, SDPA's lower-right
+    causal bias, run here on the CPU too). Grouped-query heads (8 query, 2 kv) as in Llama 3."""
     seq, args = 48, FLAVORS["debugmodel"].with_(vocab_size=8, max_seq_len=48, dim=64, n_heads=8, n_kv_heads=2)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, seq, heads, args.head_dim, generator=gen) for heads in (8, 2, 2))
@@ -63,7 +64,7 @@ def test_each_rank_attends_as_its_rows_of_whole_sequence_attention(cp, balancer,
     gathered = torch.cat([shard(kv, chunks(seq, cp, rank, balancer)) for rank in range(cp)])  # in rank order
     monkeypatch.setattr(context_parallel.funcol, "all_gather_tensor_autograd", lambda x, gather_dim, group: gathered)
     for rank in range(cp):
-        attn = Attend(FakeMesh(cp, rank), seq, balancer)
+        attn = Attend(FakeMesh(cp, rank, device_type), seq, balancer)
         out = attn(*(shard(x, attn.ranges) for x in (q, k, v)), rope)
         torch.testing.assert_close(out, shard(whole, attn.ranges), rtol=0, atol=1e-6)
 

@@ -81,8 +81,7 @@ class Attend:
         held = [(r, sum(b - a for a, b in chunks(seq_len, self.cp, r, balancer)[:i]), a, b)
                 for r in range(self.cp) for i, (a, b) in enumerate(chunks(seq_len, self.cp, r, balancer))]
         self.order = [(r, offset, b - a) for r, offset, a, b in sorted(held, key=lambda h: h[2])]
-        # A chunk's queries see the keys up to its end. Built here: compiled code cannot construct the bias.
-        self.masks = [causal_lower_right(size, stop) for (_, stop), size in zip(self.ranges, self.local)]
+        self.masks = lower_right_masks(self.ranges, cp_mesh.device_type)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         rope = shard(rope, self.ranges, dim=0)  # the table's rows at this rank's positions
@@ -102,6 +101,17 @@ class Attend:
         gradient, each rank getting its own tokens' share."""
         parts = funcol.all_gather_tensor_autograd(x, gather_dim=0, group=self.group).chunk(self.cp)
         return torch.cat([parts[r].narrow(1, offset, size) for r, offset, size in self.order], dim=1)
+
+
+def lower_right_masks(ranges: list[tuple[int, int]], device_type: str) -> list:
+    """Each chunk's mask: its queries see the keys up to its end. On the GPU, SDPA's lower-right causal bias, which
+    the flash kernel applies itself. Elsewhere SDPA would materialize that bias as a new float mask at every call,
+    which every block keeps for its backward: one float mask per chunk is made here and shared. Both are built before
+    any compiled code runs, which cannot construct them."""
+    if device_type == "cuda":
+        return [causal_lower_right(stop - start, stop) for start, stop in ranges]
+    return [torch.zeros(stop - start, stop).masked_fill_(~causal_lower_right(stop - start, stop)._materialize(),
+                                                         float("-inf")) for start, stop in ranges]
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, balancer: str) -> None:

@@ -28,6 +28,11 @@ Not included: the caching allocator's rounding and fragmentation, NCCL's and cuB
 tensors cannot be compiled. The trace runs on the CPU, so attention is the CPU's SDPA kernel, whose saved tensors
 (output and log-sum-exp) match flash attention's.
 
+Under context parallelism rank 0 runs its share of each sequence (seq_len / cp tokens, seq_len / (cp x tp) between
+blocks under TP) and every block gathers the whole sequence's keys and values, which its attention keeps for
+backward. The GPU's flash kernel applies the chunks' causal masks itself and keeps none, so the trace attends
+unmasked (the same tensors saved), where the CPU would materialize a mask.
+
 Under pipeline parallelism rank 0 holds the first stage(s), which keep the most micro-batches' activations alive:
 the trace runs rank 0's stages on micro-batches in the schedule's order on that rank, as many forwards ahead of
 their backwards as the schedule runs there (GPipe all m, 1F1B p, LoopedBFS all v*m, Interleaved1F1B its warmup), with
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -50,7 +56,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan_lite import context_parallel
 from torchtitan_lite.config import ConfigError, JobConfig
+from torchtitan_lite.context_parallel import check_cp
 from torchtitan_lite.metrics import held_bytes
 from torchtitan_lite.model import ModelArgs, Transformer, flavor_args
 from torchtitan_lite.optim import build_optimizer, clip_grad_norm_
@@ -178,6 +186,8 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
     dims.validate_model(args)
     if dims.pp > 1:
         check_pipeline(cfg.parallelism, args.n_layers, cfg.training.local_batch_size)
+    if dims.cp > 1:
+        check_cp(cfg.training.seq_len, dims.cp, dims.tp, cfg.parallelism.context_parallel_load_balancer)
     # Imported here: the fake backend registers itself on import, and only the estimate needs it.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -186,8 +196,10 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
         mesh = dims.build_mesh("cpu")[0]
         with torch.device("meta"):
             parts = split(args, 0, cfg.parallelism) if dims.pp > 1 else [Transformer(args)]
-        for part in parts:  # outside fake mode: FSDP on top of TP builds meshes, from real (small) tensors
-            parallelize(part, mesh, dims, cfg)
+        unmasked = mock.patch.object(context_parallel, "lower_right_masks", lambda ranges, _: [None] * len(ranges))
+        with unmasked:  # the GPU's masks, not the CPU's (module docstring)
+            for part in parts:  # outside fake mode: FSDP on top of TP builds meshes, from real (small) tensors
+                parallelize(part, mesh, dims, cfg)
         # Real tensors may still come in (mesh coordinates, DTensor's bookkeeping): fake mode lets them through.
         fake = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
@@ -231,7 +243,8 @@ def _two_steps(parts: list[Transformer], optimizer: torch.optim.Optimizer, cfg: 
         with loss_parallel() if use_loss_parallel else torch.enable_grad(), \
                 torch.autocast("cpu", dtype=compute_dtype, enabled=autocast):
             before = tracker.now()["ACT"]
-            outputs = [_forward(parts, stage, t.local_batch_size // micro, t.seq_len, args, dims, compute_dtype)
+            outputs = [_forward(parts, stage, t.local_batch_size // micro, t.seq_len // dims.cp, args, dims,
+                                compute_dtype)
                        for stage in order]
             activations = tracker.now()["ACT"] - before
             last = {stage: i for i, stage in enumerate(order)}
@@ -265,8 +278,9 @@ def _first_rank_order(schedule: str, pp: int, v: int, m: int) -> list[int]:
 
 def _forward(parts: list[Transformer], stage: int, batch: int, seq_len: int, args: ModelArgs, dims: ParallelDims,
              dtype: torch.dtype) -> torch.Tensor:
-    """One micro-batch through one of rank 0's stages: its loss, or under PP its output hidden states (the first
-    stage takes tokens; a later one, hidden states as the previous stage sends them, sequence-sharded under TP)."""
+    """One micro-batch of rank 0's `seq_len` tokens a sequence through one of its stages: its loss, or under PP its
+    output hidden states (the first stage takes tokens; a later one, hidden states as the previous stage sends them,
+    sequence-sharded under TP)."""
     part = parts[stage]
     if part.tok_embeddings is not None:
         x = torch.randint(0, args.vocab_size, (batch, seq_len))
