@@ -1,5 +1,5 @@
 """The estimate's state bytes equal what the real trainer holds, byte for byte, on the shared 4-process runs (under
-PP, rank 0's: the first stage, or stages 0 and 2 of LoopedBFS's 4)."""
+PP, rank 0's: the first stage, or stages 0 and 2 of LoopedBFS's 4; under CP, FSDP's shards over dp_shard x cp)."""
 
 import pytest
 from conftest import SHARED_RUNS
@@ -9,7 +9,8 @@ from torchtitan_lite.config import load_config
 from torchtitan_lite.memory import estimate_memory
 
 
-@pytest.mark.parametrize("name", ["fsdp4", "tp2_fsdp2", "pp2_fsdp2", "pp2_tp2_looped_bfs"])
+@pytest.mark.parametrize("name", ["fsdp4", "tp2_fsdp2", "pp2_fsdp2", "pp2_tp2_looped_bfs", "cp2_fsdp2",
+                                  "cp2_tp2_compiled"])
 def test_estimate_equals_the_trainers_held_bytes(runs, name):
     nproc, overrides = SHARED_RUNS[name]
     first = read_metrics(runs[name])[0]
