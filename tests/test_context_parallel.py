@@ -62,7 +62,7 @@ def test_each_rank_attends_as_its_rows_of_whole_sequence_attention(cp, balancer,
     whole = attend(q, k, v, rope)
     kv = torch.cat([apply_rope(k, rope), v], dim=-1)  # what each rank contributes to the gather, in true order
     gathered = torch.cat([shard(kv, chunks(seq, cp, rank, balancer)) for rank in range(cp)])  # in rank order
-    monkeypatch.setattr(context_parallel.funcol, "all_gather_tensor_autograd", lambda x, gather_dim, group: gathered)
+    monkeypatch.setattr(context_parallel.funcol, "all_gather_single_autograd", lambda x, gather_dim, group: gathered)
     for rank in range(cp):
         attn = Attend(FakeMesh(cp, rank, device_type), seq, balancer)
         out = attn(*(shard(x, attn.ranges) for x in (q, k, v)), rope)

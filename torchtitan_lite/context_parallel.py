@@ -99,7 +99,7 @@ class Attend:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(bs, local seq, ...) -> (bs, whole seq, ...) in true order; backward: a reduce-scatter (sum) of the
         gradient, each rank getting its own tokens' share."""
-        parts = funcol.all_gather_tensor_autograd(x, gather_dim=0, group=self.group).chunk(self.cp)
+        parts = funcol.all_gather_single_autograd(x, gather_dim=0, group=self.group).chunk(self.cp)
         return torch.cat([parts[r].narrow(1, offset, size) for r, offset, size in self.order], dim=1)
 
 

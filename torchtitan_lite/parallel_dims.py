@@ -86,11 +86,19 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
         """One mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp"); its data-parallel dims flattened into one
         ("dp"), the data loader's rank; and the group that sums the logged loss (dp; cp, whose ranks hold parts of
-        the sequences; pp, whose last stage alone has it). Under CP, FSDP's shard dim is "dp_shard_cp"."""
+        the sequences; pp, whose last stage alone has it)."""
         mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
         dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        if self.cp > 1:
-            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         loss_dims = ("pp",) * (self.pp > 1) + ("dp_replicate", "dp_shard") + ("cp",) * (self.cp > 1)
         return mesh, dp_mesh, mesh[loss_dims]._flatten("loss") if len(loss_dims) > 2 else dp_mesh
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """FSDP's mesh: (dp_replicate, shard dim) under HSDP, else the shard dim alone; the shard dim is dp_shard, or
+        under CP dp_shard x cp flattened ("dp_shard_cp"), since context-parallel ranks hold the same weights."""
+        if self.cp == 1:
+            return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+        if self.dp_replicate == 1:
+            return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")._unflatten(
+            "dp_cp", (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))

@@ -37,9 +37,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
         for block in model.layers.values():
             block.compile(backend=cfg.compile.backend, fullgraph=True)  # in place: parameter names stay unchanged
     if dims.fsdp:
-        shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"  # CP ranks hold the same weights
-        dp_mesh = mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
-        apply_fsdp(model, dp_mesh, cfg)
+        apply_fsdp(model, dims.fsdp_mesh(mesh), cfg)
     else:
         p, default = cfg.parallelism, Parallelism()
         unused = [f"parallelism.{k}" for k in vars(p) if k.startswith("fsdp_") and getattr(p, k) != getattr(default, k)]

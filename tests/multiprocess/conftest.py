@@ -23,7 +23,7 @@ from grad_dump import load_grads, recording  # noqa: E402
 from launch import (CHECKPOINTED, COMMON, CP2, HSDP, PP2, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,  # noqa: E402
                     stopped_after, torchrun_several, train_in_process, train_job)
 
-SHORT = ("--training.steps", "6")  # after STEPS on the command line, so it wins
+SHORT = ("--training.steps", "4")  # after STEPS on the command line, so it wins
 # name -> (processes, overrides), all with global batch 8. One process and DDP accumulate; the 4-process layouts take
 # one micro-batch per rank, since under TP each costs ~8 collectives per block (test_checkpoint.py accumulates on
 # TP 2 x FSDP 2 too).
@@ -33,7 +33,7 @@ SHARED_RUNS = {
     # 1 of 4 per rank, each block recomputed in backward: AC leaves the numerics alone (the TP 2 x FSDP 2 reshard leg
     # of test_checkpoint.py runs without it).
     "tp2_fsdp2": (4, TP2_FSDP2),
-    # Read by the layout test alone, which compares the steps both runs have: 6 show parity as well as 8.
+    # Read by the layout test alone, which compares the steps both runs have: 4 show parity as well as 8.
     "tp4": (4, ("--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "8", *SHORT)),  # 1 of 8
     "hsdp2x2": (4, (*HSDP, *SHORT)),  # 1 of 2 per rank
     # DDP is FSDP2 on a (replicate, shard = 1) mesh; 2 replicas show it as well as 4. 2 micro-batches of 2 per rank.
@@ -54,7 +54,7 @@ SHARED_RUNS = {
     # TP 2 compiled (aot_eager), validating and saving every 2 steps: test_compile.py resumes it.
     "tp2_compiled": (2, (*TP2, "--training.local_batch_size", "4", "--compile.enable", "--compile.backend", "aot_eager",
                          *CHECKPOINTED, "--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
-                         *SHORT)),
+                         "--training.steps", "6")),
     "pp2_gpipe": (2, (*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", "--training.local_batch_size", "4",
                       *CHECKPOINTED)),
     "pp2_fsdp2": (4, (*PP2, "--training.local_batch_size", "4", *CHECKPOINTED, "--validation.enable",
@@ -82,7 +82,8 @@ SHARED_RUNS = {
                       "--activation_checkpoint.selective_ac_option", "op", *SHORT)),
     "pp2_cp2": (4, (*PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
 }
-RECORDED = [name for name in SHARED_RUNS if name.startswith("pp") or "cp" in name or name == "tp2_compiled"]
+RECORDED = [name for name in SHARED_RUNS if name.startswith("pp") or "cp" in name or name == "tp2_compiled"] + [
+    "tp2_compiled_resumed"]
 PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
 CONTEXT_PARALLEL = [name for name in SHARED_RUNS if "cp" in name]
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
@@ -91,7 +92,11 @@ RESUMED_RUNS = {
     # straight run's, bitwise.
     "tp2_fsdp2_resumed": ("tp2_fsdp2", 4, 4, (*TP2_FSDP2, "--checkpoint.keep_latest_k", "2", "--validation.enable",
                                               "--validation.freq", "2", "--validation.steps", "2")),
-    "cp2_resumed": ("cp2", 4, 2, SHARED_RUNS["cp2"][1]),
+    # Saving asynchronously and keeping the newest 2 (test_pipeline.py).
+    "pp2_gpipe_resumed": ("pp2_gpipe", 4, 2, (*SHARED_RUNS["pp2_gpipe"][1], "--checkpoint.async_mode", "async",
+                                              "--checkpoint.keep_latest_k", "2")),
+    "cp2_resumed": ("cp2", 6, 2, SHARED_RUNS["cp2"][1]),
+    "tp2_compiled_resumed": ("tp2_compiled", 2, 2, SHARED_RUNS["tp2_compiled"][1]),  # recording its graph counts
 }
 
 
@@ -102,20 +107,25 @@ class SharedRuns:
     def __getitem__(self, name: str) -> Path:
         """The dump folder of the shared run `name` (COMMON settings, STEPS steps), launched on first use."""
         if name not in self.done:
-            if name in RESUMED_RUNS:
-                run, step, nproc, overrides = RESUMED_RUNS[name]
-                stopped_after(self[run], step, self.root / name)
-            else:
-                nproc, overrides = SHARED_RUNS[name]
-            if name in RESUMED_RUNS or nproc == 1:
-                train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *overrides)
+            if name in RESUMED_RUNS:  # every resumed run of this many processes not yet made, in one job
+                nproc = RESUMED_RUNS[name][2]
+                batch = [n for n, (_, _, p, _) in RESUMED_RUNS.items() if p == nproc and n not in self.done]
+                for n in batch:
+                    run, step, _, _ = RESUMED_RUNS[n]
+                    stopped_after(self[run], step, self.root / n)
+                self._make(nproc, batch, {n: RESUMED_RUNS[n][3] for n in batch})
+            elif (nproc := SHARED_RUNS[name][0]) == 1:
+                train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *SHARED_RUNS[name][1])
+                self.done[name] = self.root / name
             else:  # every shared run of this many processes not yet made, in one job (several_runs.py)
                 batch = [n for n, (p, _) in SHARED_RUNS.items() if p == nproc and n not in self.done]
-                torchrun_several(nproc, [(self.root / n, n in RECORDED, (*COMMON, "--training.steps", str(STEPS),
-                                                                           *SHARED_RUNS[n][1])) for n in batch])
-                self.done.update({n: self.root / n for n in batch})
-            self.done[name] = self.root / name
+                self._make(nproc, batch, {n: SHARED_RUNS[n][1] for n in batch})
         return self.done[name]
+
+    def _make(self, nproc: int, batch: list[str], overrides: dict[str, tuple[str, ...]]) -> None:
+        torchrun_several(nproc, [(self.root / n, n in RECORDED, (*COMMON, "--training.steps", str(STEPS),
+                                                                   *overrides[n])) for n in batch])
+        self.done.update({n: self.root / n for n in batch})
 
 
 @pytest.fixture(scope="session")
@@ -125,29 +135,26 @@ def runs(tmp_path_factory) -> SharedRuns:
 
 @pytest.fixture(scope="session")
 def resharded(runs, tmp_path_factory) -> dict:
-    """The resharding tests (test_checkpoint.py, test_pipeline.py, test_context_parallel.py), their legs in two jobs.
-    First, each resumes a shared run's step 4 on another layout and trains to step 6, saving every 2 steps.
-    "tp2_fsdp2": FSDP 4's checkpoint copied in; "hsdp2x2": the same through checkpoint.initial_load_path (full state),
-    its own folder empty; "fsdp4": PP 2 x FSDP 2's checkpoint copied in; "fsdp4_from_cp": CP 2 x FSDP 2's; and
-    "source_snapshot", FSDP 4's step 4 before (initial_load_path never writes). Then the last two go back to their
-    first layout to step 8: "fsdp4"'s step 6 as PP 2 x FSDP 2 ("fsdp4_back") and "fsdp4_from_cp"'s as CP 2 x FSDP 2
-    ("fsdp4_from_cp_back")."""
+    """The resharding tests' legs (test_checkpoint.py, test_pipeline.py, test_context_parallel.py), in one job. Each
+    resumes a shared run's step 4 on another layout and trains to step 6, saving every 2 steps: "tp2_fsdp2", FSDP 4's
+    checkpoint copied in; "hsdp2x2", the same through checkpoint.initial_load_path (full state), its own folder empty;
+    "pp_to_fsdp4", PP 2 x FSDP 2's copied in; "cp_to_fsdp4", CP 2 x FSDP 2's. Then the last two go on in their folder
+    on their first layout to step 8 (their step-6 checkpoints stay). "source_snapshot": FSDP 4's step 4 before
+    (initial_load_path never writes)."""
     root = tmp_path_factory.mktemp("resharded")
     source = ckpt(runs["fsdp4"], 4)
     shutil.copytree(source, ckpt(root / "tp2_fsdp2", 4))
-    shutil.copytree(ckpt(runs["pp2_fsdp2"], 4), ckpt(root / "fsdp4", 4))
-    shutil.copytree(ckpt(runs["cp2_fsdp2"], 4), ckpt(root / "fsdp4_from_cp", 4))
+    shutil.copytree(ckpt(runs["pp2_fsdp2"], 4), ckpt(root / "pp_to_fsdp4", 4))
+    shutil.copytree(ckpt(runs["cp2_fsdp2"], 4), ckpt(root / "cp_to_fsdp4", 4))
     initial = ("--checkpoint.initial_load_path", str(source), "--no-checkpoint.initial_load_model_only")
-    legs = {"tp2_fsdp2": TP2, "fsdp4": (), "hsdp2x2": (*HSDP, *initial), "fsdp4_from_cp": ()}
+    legs = {"tp2_fsdp2": TP2, "hsdp2x2": (*HSDP, *initial), "pp_to_fsdp4": (), "cp_to_fsdp4": ()}
+    back = {"pp_to_fsdp4": "pp2_fsdp2", "cp_to_fsdp4": "cp2_fsdp2"}
     before = snapshot(source)
     torchrun_several(4, [(root / name, False, (*COMMON, *CHECKPOINTED, "--training.steps", "6", *overrides))
-                         for name, overrides in legs.items()])
-    back = {"fsdp4": "pp2_fsdp2", "fsdp4_from_cp": "cp2_fsdp2"}
-    for name in back:
-        shutil.copytree(root / name, root / f"{name}_back")
-    torchrun_several(4, [(root / f"{name}_back", False, (*COMMON, "--training.steps", str(STEPS), *SHARED_RUNS[run][1]))
-                         for name, run in back.items()])
-    return {name: root / name for name in [*legs, *(f"{n}_back" for n in back)]} | {"source_snapshot": before}
+                         for name, overrides in legs.items()]
+                     + [(root / name, False, (*COMMON, "--training.steps", str(STEPS), *SHARED_RUNS[run][1]))
+                        for name, run in back.items()])
+    return {name: root / name for name in legs} | {"source_snapshot": before}
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,8 @@ import json
 
 import pytest
 
-from conftest import SHARED_RUNS
-from grad_dump import GRAD_DUMP, assert_grads_match, load_grads
-from launch import COMMON, HSDP, STEPS, TP2_FSDP2, losses, stopped_after, torchrun, torchrun_several
+from grad_dump import assert_grads_match, load_grads
+from launch import COMMON, HSDP, STEPS, TP2_FSDP2, losses, torchrun_several
 
 # fp32: a compiled gradient differs from eager's by the order of its reductions (inductor fuses the norms, TP and
 # FSDP sum partial results in another order), measured at <= 2e-6 of the parameter's largest gradient; 1e-5 leaves
@@ -88,11 +87,10 @@ def test_aot_tp2_trains_every_weight_as_eager(aot_tp2_run, eager_grads):
     assert_grads_match(load_grads(aot_tp2_run), eager_grads, GRAD_TOLERANCE)
 
 
-def test_compiled_run_resumes_on_its_exact_curve(aot_tp2_run, tmp_path):
-    """Stopped after step 2 and resumed by a new job: steps 3-6 bitwise, and the new job compiles the same graphs
-    once (its first validation, at step 4, adds the inference graph) and never again."""
-    folder = stopped_after(aot_tp2_run, 2, tmp_path / "resumed")
-    torchrun(2, folder, *COMMON, *SHARED_RUNS["tp2_compiled"][1], script=GRAD_DUMP, script_args=(str(folder),))
+def test_compiled_run_resumes_on_its_exact_curve(aot_tp2_run, runs):
+    """Stopped after step 2 and resumed by a new run (conftest.RESUMED_RUNS): steps 3-6 bitwise, and the new run
+    compiles the same graphs once (its first validation, at step 4, adds the inference graph) and never again."""
+    folder = runs["tp2_compiled_resumed"]
     straight, resumed = losses(aot_tp2_run), losses(folder)
     assert sorted(straight) == list(range(1, 7))
     assert [resumed[s] for s in range(3, 7)] == [straight[s] for s in range(3, 7)]

@@ -27,7 +27,7 @@ def test_single_process_with_accumulation_learns(runs):
 def test_layout_matches_single_process_through_loss_compare(runs, layout):
     single, folder = runs["single"], runs[layout]
     curve, ref = losses(folder), losses(single)
-    assert sorted(curve) == list(range(1, len(curve) + 1)) and len(curve) >= 6 and curve.keys() <= ref.keys()
+    assert sorted(curve) == list(range(1, len(curve) + 1)) and len(curve) >= 4 and curve.keys() <= ref.keys()
     worst = max(abs(curve[s] - ref[s]) for s in curve)
     assert worst <= TOLERANCE, f"max |diff| {worst:.2e}"
     # The user-facing tool agrees, and fails when asked for more than the layouts can give.

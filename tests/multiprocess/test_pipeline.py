@@ -12,9 +12,9 @@ import os
 
 import pytest
 
-from conftest import PIPELINED, SHARED_RUNS
+from conftest import PIPELINED
 from grad_dump import assert_grads_match, load_grads
-from launch import COMMON, STEPS, ckpt, losses, read_metrics, stopped_after, torchrun
+from launch import ckpt, losses, read_metrics
 from test_checkpoint import assert_continues, assert_same_state
 
 TOLERANCE = 1e-5
@@ -45,20 +45,16 @@ def test_validation_under_pipeline_gives_the_true_loss(runs):
     assert [pp[s] for s in ref] == pytest.approx([ref[s] for s in ref], abs=TOLERANCE, rel=0)
 
 
-def test_pipeline_resumes_bitwise_with_async_saves_keeping_the_latest_2(runs, tmp_path):
-    straight = runs["pp2_gpipe"]
-    folder = stopped_after(straight, 4, tmp_path)
-    torchrun(2, folder, *COMMON, "--training.steps", str(STEPS), *SHARED_RUNS["pp2_gpipe"][1],
-             "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "2")
-    assert losses(folder) == losses(straight)
+def test_pipeline_resumes_bitwise_with_async_saves_keeping_the_latest_2(runs):
+    folder = runs["pp2_gpipe_resumed"]  # stopped after step 4
+    assert losses(folder) == losses(runs["pp2_gpipe"])
     assert sorted(os.listdir(folder / "checkpoint")) == ["step-6", "step-8"]
 
 
 def test_pipeline_checkpoint_resumes_on_fsdp_and_back(runs, resharded):
-    """PP 2 x FSDP 2's step 4 goes on as FSDP 4 to step 6 (conftest.resharded), and that goes on as PP 2 x FSDP 2 to
-    step 8: the state (model, optimizer moments, data position) and curve of the FSDP 4 run that never changed
-    layout."""
-    fsdp, there, back = runs["fsdp4"], resharded["fsdp4"], resharded["fsdp4_back"]
-    assert_same_state(ckpt(there, 6), ckpt(fsdp, 6))
-    assert_continues(back, fsdp, first_step=5)
-    assert_same_state(ckpt(back, 8), ckpt(fsdp, 8))
+    """PP 2 x FSDP 2's step 4 goes on as FSDP 4 to step 6, and that as PP 2 x FSDP 2 to step 8 (conftest.resharded):
+    the state (model, optimizer moments, data position) and curve of the FSDP 4 run that never changed layout."""
+    fsdp, folder = runs["fsdp4"], resharded["pp_to_fsdp4"]
+    assert_same_state(ckpt(folder, 6), ckpt(fsdp, 6))
+    assert_continues(folder, fsdp, first_step=5)
+    assert_same_state(ckpt(folder, 8), ckpt(fsdp, 8))
