@@ -2,18 +2,15 @@
 whole sequence's rows, and a layout that cannot run refused in one line (train.py --check). The multi-process runs,
 gradients and checkpoints are in tests/multiprocess/test_context_parallel.py."""
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-import train
 from torchtitan_lite import context_parallel
 from torchtitan_lite.context_parallel import Attend, chunks, shard
 from torchtitan_lite.model import FLAVORS, apply_rope, attend, rope_table
 
-TINY = Path(__file__).parent / "assets" / "tiny.toml"
 
 
 @pytest.mark.parametrize("balancer", ["headtail", "none"])
@@ -89,9 +86,6 @@ CASES = {  # world size, overrides, what the one line must name
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_context_parallel_layout_is_one_line(case, tmp_path, monkeypatch, capsys):
+def test_bad_context_parallel_layout_is_one_line(case, error_line):
     world, overrides, expected = CASES[case]
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    code = train.run(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), *overrides], check=True)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert expected in error_line(world, overrides)

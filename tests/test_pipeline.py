@@ -1,17 +1,14 @@
 """Pipeline stages keep the full model's parameter names, and a pipeline layout that cannot run is refused before any
 process starts, in one line (train.py --check, what run_train.sh runs before torchrun)."""
 
-from pathlib import Path
 
 import pytest
 import torch
 
-import train
 from torchtitan_lite.config import load_config
 from torchtitan_lite.model import FLAVORS, Transformer
 from torchtitan_lite.pipeline import merge, split, stage_blocks
 
-TINY = Path(__file__).parent / "assets" / "tiny.toml"
 ARGS = FLAVORS["debugmodel"].with_(vocab_size=64)  # 6 blocks
 
 
@@ -66,10 +63,6 @@ CASES = {  # world size, overrides, what the one line must name
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_pipeline_layout_is_one_line(case, tmp_path, monkeypatch, capsys):
+def test_bad_pipeline_layout_is_one_line(case, error_line):
     world, overrides, expected = CASES[case]
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    code = train.run(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), *overrides],
-                     check=True)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert expected in error_line(world, overrides)
