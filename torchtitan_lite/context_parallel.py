@@ -19,7 +19,7 @@ Load balance. Under a causal mask the last tokens attend to the most keys. "head
 chunks and gives rank i chunks i and 2 x cp - 1 - i, so every rank does the same work; "none" gives rank i the i-th
 of cp contiguous chunks (the last rank then does 2 - 1/cp times the average). Each chunk's queries attend to the
 gathered keys up to the chunk's end under SDPA's lower-right causal bias: on the GPU, the flash kernel's own causal
-mask; on the CPU, torch materializes it (one chunk x prefix boolean mask).
+mask; elsewhere a float mask per chunk, built once (`lower_right_masks`).
 """
 
 from __future__ import annotations
@@ -77,10 +77,15 @@ class Attend:
         self.group = cp_mesh.get_group().group_name  # a name, not an object: compiled blocks trace it as a constant
         self.ranges = chunks(seq_len, self.cp, rank, balancer)
         self.local = [stop - start for start, stop in self.ranges]
-        # Where each chunk of the true sequence sits in the gathered tensor: (rank, offset in its share, length).
-        held = [(r, sum(b - a for a, b in chunks(seq_len, self.cp, r, balancer)[:i]), a, b)
-                for r in range(self.cp) for i, (a, b) in enumerate(chunks(seq_len, self.cp, r, balancer))]
-        self.order = [(r, offset, b - a) for r, offset, a, b in sorted(held, key=lambda h: h[2])]
+        # Where each chunk of the sequence sits among the gathered shares: (rank, offset in its share, length), in
+        # sequence order.
+        held = []
+        for r in range(self.cp):
+            offset = 0
+            for start, stop in chunks(seq_len, self.cp, r, balancer):
+                held.append((start, r, offset, stop - start))
+                offset += stop - start
+        self.order = [where for _, *where in sorted(held)]
         self.masks = lower_right_masks(self.ranges, cp_mesh.device_type)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
