@@ -2,7 +2,7 @@
 
 Llama 3's long-context stage (paper, section 3.3.2) all-gathers keys and values: each rank holds part of every
 sequence, projects its tokens' queries, keys and values, gathers the keys and values of the whole sequence (one
-all-gather per block; under grouped-query attention they are kv_heads/n_heads the size of the queries) and attends
+all-gather per block; under grouped-query attention each is kv_heads/n_heads the size of the queries) and attends
 with its own queries. The all-gather's backward is a reduce-scatter of dK and dV. Ring attention (torchtitan's,
 through torch's `context_parallel`) overlaps the exchange with compute but needs attention kernels torch registers
 for CUDA alone; the all-gather runs anywhere on plain SDPA, and is exactly testable on a CPU.
