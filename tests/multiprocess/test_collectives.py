@@ -1,4 +1,5 @@
-"""One training step makes exactly the collectives FSDP2's and Megatron sequence parallelism's rules prescribe.
+"""One training step makes exactly the collectives FSDP2's, Megatron sequence parallelism's and context parallelism's
+rules prescribe.
 
 comm_count.py records every collective of step 2 of a real train.py run, for each layout below, all in one 4-process
 launch. The expected counts are derived here from the model's structure, never read off a run:
@@ -11,6 +12,8 @@ launch. The expected counts are derived here from the model's structure, never r
   reduce-scatter and the output layer's input all-gather, each with its backward; the loss-parallel cross-entropy's 3
   all-reduces of b·s (max, sum of exponentials, target logit); one all-reduce per norm weight, whose gradient each
   rank holds partially.
+- Context parallelism, per block: one all-gather of the keys and values over cp in forward, one reduce-scatter of
+  their gradients in backward; FSDP shards over dp_shard x cp.
 - The step itself: the global gradient norm's all-reduce, and the preemption agreement's.
 Any other collective, or one more of these, fails. Bytes count the full buffer (all-gather output, reduce-scatter
 and all-reduce input): FSDP moves ~3x the parameter bytes per step (ZeRO-3: gather, gather again, reduce).
@@ -44,6 +47,7 @@ LAYOUTS = {
     "HSDP 2 x 2": (["--parallelism.data_parallel_replicate_degree", "2"],
                    {WORLD: "world", (0, 1): "shard", (0, 2): "replicate"}),
     "TP 2 x FSDP 2": (["--parallelism.tensor_parallel_degree", "2"], {WORLD: "world", (0, 2): "shard", (0, 1): "tp"}),
+    "CP 2 x FSDP 2": (["--parallelism.context_parallel_degree", "2"], {WORLD: "world", (0, 1): "cp"}),
 }
 STEP = Counter({("all_reduce", "world"): 2})  # the grad norm, the preemption agreement
 
@@ -65,6 +69,9 @@ EXPECTED = {
     "TP 2 x FSDP 2": STEP + fsdp("shard", L - 1) + Counter({
         ("all_gather", "tp"): 4 * L + 2, ("reduce_scatter", "tp"): 4 * L + 2,
         ("all_reduce", "tp"): (2 * L + 1) + 3}),
+    # FSDP over dp_shard x cp (the world); each block all-gathers its keys and values over cp, and reduce-scatters
+    # their gradient in backward.
+    "CP 2 x FSDP 2": STEP + fsdp("world", L - 1) + Counter({("all_gather", "cp"): L, ("reduce_scatter", "cp"): L}),
 }
 
 
@@ -124,3 +131,11 @@ def test_tp_moves_activations_of_b_s_h(calls):
     # Norm weights' partial gradients (dim floats each) and the loss's statistics (b·s floats each).
     reduced = sorted(n for k, n in tp if k == "all_reduce")
     assert reduced == [BATCH * ARGS.max_seq_len * 4] * 3 + [ARGS.dim * 4] * (2 * L + 1)
+
+
+def test_cp_moves_the_whole_sequences_keys_and_values(calls):
+    # Each block gathers b·s keys and values of its kv heads (the whole sequence, every rank's share), and backward
+    # reduce-scatters their gradient, the same size.
+    cp = [(k, n) for k, d, n in calls["CP 2 x FSDP 2"] if d == "cp"]
+    kv = BATCH * ARGS.max_seq_len * 2 * ARGS.kv_heads * ARGS.head_dim * 4
+    assert sorted(cp) == [("all_gather", kv)] * L + [("reduce_scatter", kv)] * L
