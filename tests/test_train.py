@@ -1,11 +1,13 @@
 """train.py in-process on one process: gradient accumulation gives one big batch's curve."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 import train
-from tests.multiprocess.launch import TINY
+from tests.multiprocess.launch import ROOT, TINY
 
 
 def curve(tmp_path, name, *overrides):
@@ -39,3 +41,12 @@ def test_dumped_config_alone_reproduces_the_run(tmp_path):
     assert train.run(["--job.config_file", str(tmp_path / "first" / "config.toml"),
                       "--job.dump_folder", str(again)]) == 0
     assert [json.loads(line)["loss"] for line in (again / "metrics.jsonl").read_text().splitlines()] == first
+
+
+def test_start_up_imports_no_dynamo():
+    """Every process of every job imports train.py: torch._dynamo (~0.5-1 s of it on these CPUs) is imported by the
+    runs that compile or pipeline alone, where they need it (a module-level `torch.nn.attention.bias` import once
+    brought it back for all)."""
+    code = "import sys, train; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -32,7 +32,6 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
 
 from torchtitan_lite.config import ConfigError
 from torchtitan_lite.model import apply_rope
@@ -113,6 +112,10 @@ def lower_right_masks(ranges: list[tuple[int, int]], device_type: str) -> list:
     the flash kernel applies itself. Elsewhere SDPA would materialize that bias as a new float mask at every call,
     which every block keeps for its backward: one float mask per chunk is made here and shared. Both are built before
     any compiled code runs, which cannot construct them."""
+    # Imported here, by CP runs alone: torch.nn.attention.bias imports torch._dynamo, ~0.5 s of every process's
+    # start-up (train.py imports no dynamo unless a run compiles or pipelines).
+    from torch.nn.attention.bias import causal_lower_right
+
     if device_type == "cuda":
         return [causal_lower_right(stop - start, stop) for start, stop in ranges]
     return [torch.zeros(stop - start, stop).masked_fill_(~causal_lower_right(stop - start, stop)._materialize(),
