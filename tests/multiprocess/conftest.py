@@ -68,10 +68,11 @@ SHARED_RUNS = {
                                      "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches",
                                      "4", "--compile.enable", "--compile.backend", "aot_eager", *SHORT)),
     # Context-parallel layouts (each sequence split over the cp ranks), recording every parameter's gradient at step
-    # 1. CP 2: 4 micro-batches of 2 accumulated, validating and saving every 2 steps (resumed below). CP 2 x FSDP 2 with
+    # 1. CP 2: 2 micro-batches of 4 accumulated, validating and saving every 2 steps (resumed below). CP 2 x FSDP 2 with
     # contiguous chunks, saving (test_context_parallel.py reshards it). CP 4 recomputing every block; CP 2 x TP 2
     # compiled (aot_eager); HSDP over cp with op-level selective AC; CP inside pipeline stages.
-    "cp2": (2, (*CP2, *CHECKPOINTED, "--validation.enable", "--validation.freq", "2", "--validation.steps", "2")),
+    "cp2": (2, (*CP2, "--training.local_batch_size", "4", *CHECKPOINTED, "--validation.enable", "--validation.freq",
+                "2", "--validation.steps", "2")),
     "cp2_fsdp2": (4, (*CP2, "--training.local_batch_size", "4", "--parallelism.context_parallel_load_balancer", "none",
                       *CHECKPOINTED)),
     "cp4": (4, ("--parallelism.context_parallel_degree", "4", "--training.local_batch_size", "8",
