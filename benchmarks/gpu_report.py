@@ -67,6 +67,19 @@ def speed(records: list[dict], warmup: int) -> dict[str, float]:
             "peak GiB": max(r["memory_gib"] for r in records)}
 
 
+def group_names(dims: ParallelDims) -> dict[tuple[int, ...], str]:
+    """Rank 0's group along each dimension of train.py's mesh (pp, dp_replicate, dp_shard, cp, tp; row-major) by its
+    ranks, FSDP's over dp_shard x cp under context parallelism, and the world."""
+    sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp}
+    strides, stride = {}, 1
+    for dim in reversed(sizes):
+        strides[dim], stride = stride, stride * sizes[dim]
+    names = {tuple(range(0, n * strides[d], strides[d])): d for d, n in sizes.items() if n > 1}
+    if dims.cp > 1 and dims.dp_shard > 1:
+        names[tuple(range(0, dims.dp_shard * dims.cp * dims.tp, dims.tp))] = "dp_shard x cp"
+    return names | {tuple(range(dims.world_size)): "world"}
+
+
 def main() -> None:
     on_gpu = gpus() > 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,7 +99,8 @@ def main() -> None:
     t, par = cfg.training, cfg.parallelism
     print(f"config {a.config}: {cfg.model.flavor}, {a.nproc} {'GPUs' if on_gpu else 'CPU processes'}, "
           f"seq {t.seq_len} x local batch {t.local_batch_size}, {t.mixed_precision_param}, "
-          f"AC {cfg.activation_checkpoint.mode}, TP {par.tensor_parallel_degree}")
+          f"AC {cfg.activation_checkpoint.mode}, TP {par.tensor_parallel_degree}, CP {par.context_parallel_degree}, "
+          f"PP {par.pipeline_parallel_degree}")
 
     from torchtitan_lite.memory import estimate_memory  # noqa: PLC0415 - imports torch: after the cheap checks
 
@@ -119,12 +133,7 @@ def main() -> None:
 
     print(f"\ndevice syncs: steps that only train {[device(syncs[s]) for s in ('2', '4', '5')]}, "
           f"a logging step {device(syncs['3'])}")
-    # Rank 0's group along each mesh dimension (train.py's mesh: dp_replicate, dp_shard, tp; row-major).
-    dims = ParallelDims.from_config(par, a.nproc)
-    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
-    strides = {"dp_replicate": dims.dp_shard * dims.tp, "dp_shard": dims.tp, "tp": 1}
-    names = {tuple(range(0, n * strides[d], strides[d])): d for d, n in sizes.items() if n > 1}
-    names[tuple(range(a.nproc))] = "world"
+    names = group_names(ParallelDims.from_config(par, a.nproc))
     counts, nbytes = Counter(), Counter()
     for kind, ranks, size in comms:
         group = names.get(tuple(ranks), f"{len(ranks)} ranks")

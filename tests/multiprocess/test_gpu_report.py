@@ -7,6 +7,8 @@ import sys
 
 from launch import ROOT, TIMEOUT_S, TINY
 
+from torchtitan_lite.parallel_dims import ParallelDims
+
 
 def test_gpu_report_on_the_cpu():
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), "--config", str(TINY), "--nproc", "2",
@@ -21,3 +23,16 @@ def test_gpu_report_on_the_cpu():
     assert re.search(r"^\s+12 all_gather\s+world\s", out, re.M)
     assert re.search(r"^\s+7 reduce_scatter\s+world\s", out, re.M)
     assert re.search(r"^compiled/eager tokens/s: \d+\.\d+$", out, re.M)
+
+
+def test_collectives_are_named_by_the_mesh_dimension_they_run_over():
+    """Rank 0's group on every dimension of the 5-D mesh (pp, dp_replicate, dp_shard, cp, tp), and FSDP's dp_shard x
+    cp: a TP 2 x FSDP 2 label cannot hide a CP or PP layout's collectives among "2 ranks"."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_report import group_names  # noqa: PLC0415 - a script's function
+
+    assert group_names(ParallelDims(1, 2, 2, 4)) == {(0, 2): "dp_shard", (0, 1): "tp", (0, 1, 2, 3): "world"}
+    assert group_names(ParallelDims(1, 2, 1, 4, cp=2)) == {(0, 2): "dp_shard", (0, 1): "cp", (0, 1, 2, 3): "world"}
+    assert group_names(ParallelDims(2, 2, 2, 32, pp=2, cp=2)) == {
+        (0, 16): "pp", (0, 8): "dp_replicate", (0, 4): "dp_shard", (0, 2): "cp", (0, 1): "tp",
+        (0, 2, 4, 6): "dp_shard x cp", tuple(range(32)): "world"}
