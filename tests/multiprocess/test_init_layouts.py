@@ -12,6 +12,8 @@ LAYOUTS = {
     "tp2_fsdp2": ["--parallelism.tensor_parallel_degree", "2"],  # FSDP over TP: a _StridedShard on dim 0
     "tp4": ["--parallelism.tensor_parallel_degree", "4"],
     "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2"],
+    # FSDP over dp_shard x cp flattened: the cp ranks hold shards of one model, not copies.
+    "cp2_fsdp2": ["--parallelism.context_parallel_degree", "2"],
 }
 
 
