@@ -12,7 +12,6 @@ from torchtitan_lite.context_parallel import Attend, chunks, shard
 from torchtitan_lite.model import FLAVORS, apply_rope, attend, rope_table
 
 
-
 @pytest.mark.parametrize("balancer", ["headtail", "none"])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_ranks_hold_every_position_once_and_headtail_balances_the_work(cp, balancer):

@@ -1,7 +1,6 @@
 """Pipeline stages keep the full model's parameter names, and a pipeline layout that cannot run is refused before any
 process starts, in one line (train.py --check, what run_train.sh runs before torchrun)."""
 
-
 import pytest
 import torch
 
