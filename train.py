@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan_lite.checkpoint import CheckpointManager, CheckpointSaveError, TrainState, check_config
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.context_parallel import check_cp, sharder
-from torchtitan_lite.data import DataLoader, build_source
+from torchtitan_lite.data import DataLoader, build_source, to_device
 from torchtitan_lite.distributed import Env, init_distributed, peer_timeout, set_determinism, set_timeout
 from torchtitan_lite.errors import checks_passed, report
 from torchtitan_lite.metrics import MetricLogger, flops_per_token, held_bytes, memory_gib, peak_flops
@@ -79,18 +79,21 @@ def main(cfg: JobConfig, env: Env) -> None:
             f.write(to_toml(cfg))
         logger.info("resolved config:\n%s", to_toml(cfg))
     seq_share = sharder(mesh["cp"], t.seq_len, cfg.parallelism.context_parallel_load_balancer)
-    data = DataLoader(source, global_batch, t.local_batch_size, dp_mesh.get_local_rank(), dims.dp, seq_share)
+    pin = device.type == "cuda"
+    data = DataLoader(source, global_batch, t.local_batch_size, dp_mesh.get_local_rank(), dims.dp, seq_share, pin)
 
     # ---- Model: built on meta (no memory), cut into this rank's pipeline stages, parallelized, then materialized
-    # shard by shard.
+    # shard by shard: on the host under CPU offload, where FSDP keeps the shards (it copies to the device only what
+    # it gathers), with the buffers on the device.
+    init_device = torch.device("cpu") if dims.fsdp and cfg.parallelism.fsdp_cpu_offload else device
     with torch.device("meta"):
         model = Transformer(model_args)
     n_params, n_embedding = count_params(model)
     parts = split(model_args, mesh["pp"].get_local_rank(), cfg.parallelism) if dims.pp > 1 else [model]
     for part in parts:
         parallelize(part, mesh, dims, cfg)
-        part.to_empty(device=device)
-        part.init_weights(seed=t.seed)
+        part.to_empty(device=init_device)
+        part.init_weights(seed=t.seed, buffer_device=device)
         part.train()
     model = merge(parts)  # this rank's parameters under their full-model names: optimizer, norm, checkpoint
     params = list(model.parameters())
@@ -134,7 +137,7 @@ def main(cfg: JobConfig, env: Env) -> None:
     def forward_backward(inputs: torch.Tensor, labels: torch.Tensor, tokens: int, train: bool = True) -> torch.Tensor:
         """A local batch's loss (detached), and with `train` its gradients added to the parameters' .grad; call in
         train_context. Under PP the pipeline schedule is this same call (pipeline.Pipeline)."""
-        loss = loss_fn(model(inputs.to(device)), labels.to(device), tokens)
+        loss = loss_fn(model(to_device(inputs, device)), to_device(labels, device), tokens)
         if train:
             guard.scale(loss).backward()  # inside the context: loss parallel's backward needs it too
         return value(loss)
@@ -146,7 +149,7 @@ def main(cfg: JobConfig, env: Env) -> None:
     def validate() -> float:
         """Loss on the same held-out batches every time: `validation.steps` global batches from the start."""
         loader = DataLoader(val_source, global_batch, t.local_batch_size, dp_mesh.get_local_rank(), dims.dp,
-                            seq_share)
+                            seq_share, pin)
         total = torch.zeros((), device=device)
         for _ in range(v.steps):
             for inputs, labels in loader.next_batch():

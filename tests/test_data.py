@@ -11,7 +11,7 @@ import torch
 
 from torchtitan_lite import datasets
 from torchtitan_lite.config import ConfigError
-from torchtitan_lite.data import DataLoader, Packer, Permutation, SyntheticSource, TokenSource, build_source
+from torchtitan_lite.data import DataLoader, Packer, Permutation, SyntheticSource, TokenSource, build_source, to_device
 from torchtitan_lite.tokenizer import BOS, EOS, STDLIB_BPE, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +61,26 @@ def global_batches(source, dp: int, steps: int, global_batch: int = 8, local_bat
 
 
 # ---- Packing and order
+
+
+def test_gpu_batches_are_pinned_and_copied_without_waiting(monkeypatch):
+    """A GPU run's loader hands out page-locked batches and to_device copies them asynchronously (a copy from
+    pageable memory makes the host wait for the device). This CPU build has no page-locked memory: pinning is
+    stubbed by a copy that remembers it was pinned."""
+    pinned, copies = set(), []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.add(id(c := t.clone())) or c)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: id(t) in pinned)
+    to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: copies.append(k.get("non_blocking")) or to(t, *a, **k))
+    source = arange_source(1000, 8)
+    plain = DataLoader(source, 8, 2, 0, 2).next_batch()
+    batches = DataLoader(source, 8, 2, 0, 2, pin=True).next_batch()
+    assert len(batches) == 2 and all(id(x) in pinned and id(y) in pinned for x, y in batches)
+    assert all(torch.equal(a, b) for pair, plain_pair in zip(batches, plain) for a, b in zip(pair, plain_pair))
+    for x, _ in batches:
+        to_device(x, torch.device("cpu"))
+    to_device(plain[0][0], torch.device("cpu"))
+    assert copies == [True, True, False]
 
 
 def test_packing_emits_every_token_exactly_once_per_epoch():

@@ -15,7 +15,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
-import tomli
+try:
+    import tomllib as tomli  # Python >= 3.11
+except ImportError:
+    import tomli
 
 
 class ConfigError(ValueError):

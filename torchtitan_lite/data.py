@@ -186,9 +186,10 @@ class DataLoader:
     """Yields, per step, this rank's micro-batches of (inputs, labels); stateful for checkpoints."""
 
     def __init__(self, source, global_batch: int, local_batch: int, dp_rank: int, dp_size: int,
-                 shard: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        """`shard` (context parallelism) cuts inputs and labels down to this rank's part of every sequence."""
-        self.source, self.global_batch, self.local_batch = source, global_batch, local_batch
+                 shard: Callable[[torch.Tensor], torch.Tensor] | None = None, pin: bool = False):
+        """`shard` (context parallelism) cuts inputs and labels down to this rank's part of every sequence. With
+        `pin` (a GPU run) batches come in page-locked memory, so their copy to the device need not wait for it."""
+        self.source, self.global_batch, self.local_batch, self.pin = source, global_batch, local_batch, pin
         self.shard = shard or (lambda x: x)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.position = 0  # windows of the global order consumed so far
@@ -207,7 +208,8 @@ class DataLoader:
             first = self.position + self.dp_rank * per_rank
             windows = self.source.windows(torch.arange(first, first + per_rank))
         self.position += self.global_batch
-        return [(self.shard(w[:, :-1]), self.shard(w[:, 1:])) for w in windows.split(self.local_batch)]
+        batches = [(self.shard(w[:, :-1]), self.shard(w[:, 1:])) for w in windows.split(self.local_batch)]
+        return [(x.pin_memory(), y.pin_memory()) for x, y in batches] if self.pin else batches
 
     def state_dict(self) -> dict:
         if not self.streaming:
@@ -271,3 +273,9 @@ def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int, split
         logger.warning("every rank tokenizes %s at every start: pre-tokenize it once (scripts/pretokenize.py) and "
                        "train on dataset 'tokens'", path)
     return source
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on the compute device. From pinned memory the copy is queued behind the device's work; from pageable
+    memory the host would first wait for all of that work (a sync per micro-batch)."""
+    return batch.to(device, non_blocking=batch.is_pinned())

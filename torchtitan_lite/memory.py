@@ -118,11 +118,16 @@ class _DevicePeak:
         self.host, self.device_peak, self.device_snap, self.paused = host, 0, {}, False
 
     def __enter__(self):
-        self._saved_lock, ShardingPropagator._fake_mode_lock = ShardingPropagator._fake_mode_lock, self._Pause(self)
+        # torch 2.11 (the GPU machines') has no such lock: there the estimate also counts DTensor's propagation,
+        # which only loss parallel makes large.
+        self._saved_lock = getattr(ShardingPropagator, "_fake_mode_lock", None)
+        if self._saved_lock is not None:
+            ShardingPropagator._fake_mode_lock = self._Pause(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        ShardingPropagator._fake_mode_lock = self._saved_lock
+        if self._saved_lock is not None:
+            ShardingPropagator._fake_mode_lock = self._saved_lock
         return super().__exit__(*exc)
 
     class _Pause:

@@ -204,14 +204,16 @@ class Transformer(nn.Module):
         return self.output(self.norm(h)) if self.output is not None else h
 
     @torch.no_grad()
-    def init_buffers(self) -> None:
-        """Recomputes the rope table, which to_empty leaves garbage and no checkpoint holds."""
-        self.rope.copy_(rope_table(self.args, device=self.rope.device))
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        """Recomputes the rope table, which to_empty leaves garbage and no checkpoint holds, on `device` (default:
+        where it is)."""
+        self.rope = rope_table(self.args, device=device or self.rope.device)
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Initialize every parameter and recompute every buffer, identically on any mesh (see init.py)."""
-        self.init_buffers()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None:
+        """Initialize every parameter and recompute every buffer, identically on any mesh (see init.py). The buffers
+        go to `buffer_device` when the parameters live elsewhere (on the host under CPU offload)."""
+        self.init_buffers(buffer_device)
         names = {p: canonical_name(n) for n, p in self.named_parameters()}
 
         def init(param: torch.Tensor, std: float, cutoff: float = math.inf) -> None:

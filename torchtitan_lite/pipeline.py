@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_lite.config import ConfigError, JobConfig, Parallelism
+from torchtitan_lite.data import to_device
 from torchtitan_lite.distributed import wait
 from torchtitan_lite.model import Transformer
 
@@ -181,7 +182,7 @@ class Pipeline:
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int, train: bool = True) -> torch.Tensor:
         self.tokens, self.losses = tokens, []
         run = self.schedule.step if train else self.schedule.eval
-        run(inputs.to(self.device), target=labels.to(self.device), return_outputs=False)
+        run(to_device(inputs, self.device), target=to_device(labels, self.device), return_outputs=False)
         if not self.is_last:
             return torch.zeros((), device=self.device)
         # The last m: at the first step, the stage's shape inference computes one loss of its own before them.
