@@ -35,7 +35,7 @@ from torchtitan_lite.metrics import MetricLogger, flops_per_token, held_bytes, m
 from torchtitan_lite.model import Transformer, count_params, flavor_args
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from torchtitan_lite.parallel_dims import ParallelDims
-from torchtitan_lite.parallelize import parallelize
+from torchtitan_lite.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.pipeline import Pipeline, check_pipeline, merge, split
 from torchtitan_lite.precision import DTYPES, NonFiniteError, UpdateGuard, warn_if_slow
 from torchtitan_lite.signals import Preemption, restore_signals, stop_with_launcher
@@ -90,6 +90,7 @@ def main(cfg: JobConfig, env: Env) -> None:
         model = Transformer(model_args)
     n_params, n_embedding = count_params(model)
     parts = split(model_args, mesh["pp"].get_local_rank(), cfg.parallelism) if dims.pp > 1 else [model]
+    warn_ignored_options(cfg.parallelism, dims)
     for part in parts:
         parallelize(part, mesh, dims, cfg)
         part.to_empty(device=init_device)

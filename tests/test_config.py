@@ -1,8 +1,9 @@
 import dataclasses
+import math
 
 import pytest
 
-from torchtitan_lite.config import ConfigError, JobConfig, help_text, load_config, to_toml, validate
+from torchtitan_lite.config import OPTIONS, ConfigError, JobConfig, help_text, load_config, to_toml, validate
 
 
 def all_keys() -> list[tuple[str, str, object]]:
@@ -150,10 +151,66 @@ def test_impossible_values_are_rejected(argv, expected):
     assert expected in error(argv)
 
 
+NUMBERS = [o for o in OPTIONS.values() if o.type in (int, float)]
+
+
+@pytest.mark.parametrize("o", NUMBERS, ids=[o.key for o in NUMBERS])
+def test_every_number_declares_its_range_and_floats_refuse_nan_and_inf(o):
+    assert o.rule is not None, f"{o.key}: give it a range in opt(..., rule=...) (torchtitan_lite/rules.py)"
+    assert o.default is None or o.rule.ok(o.default)
+    if o.type is float:
+        assert not any(o.rule.ok(v) for v in (math.nan, math.inf, -math.inf)), o.rule.text
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # The issue's four: each passed `train.py --check`, and AdamW then raised on every rank.
+    (["--optimizer.beta2", "1.5"], "optimizer.beta2 must be in [0, 1) (got 1.5)"),
+    (["--optimizer.eps", "-1"], "optimizer.eps must be > 0 and finite (got -1.0)"),
+    (["--optimizer.lr", "inf"], "optimizer.lr must be > 0 and finite (got inf)"),
+    (["--checkpoint.load_step", "-5"], "checkpoint.load_step must be -1 (the newest complete checkpoint) or >= 0 "
+                                       "(got -5)"),
+    (["--optimizer.beta1", "1"], "optimizer.beta1 must be in [0, 1) (got 1.0)"),  # 1 would never forget
+    (["--optimizer.beta1", "-0.1"], "optimizer.beta1 must be in [0, 1) (got -0.1)"),
+    (["--optimizer.eps", "0"], "optimizer.eps must be > 0 and finite (got 0.0)"),
+    (["--optimizer.lr", "nan"], "optimizer.lr must be > 0 and finite (got nan)"),
+    (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay must be >= 0 and finite (got -0.1)"),
+    (["--optimizer.weight_decay", "inf"], "optimizer.weight_decay must be >= 0 and finite (got inf)"),
+    (["--training.max_norm", "inf"], "training.max_norm must be >= 0 and finite (0 disables clipping) (got inf)"),
+    (["--lr_scheduler.min_lr_factor", "nan"], "lr_scheduler.min_lr_factor must be in [0, 1] (got nan)"),
+    (["--lr_scheduler.decay_ratio", "inf"], "lr_scheduler.decay_ratio must be none or in [0, 1] (got inf)"),
+    (["--training.seed", "-1"], "training.seed must be in [0, 2**64) (got -1)"),
+    (["--training.seed", str(2**64)], f"training.seed must be in [0, 2**64) (got {2**64})"),
+    (["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds must be >= 1 (got 0)"),
+    (["--parallelism.pipeline_parallel_microbatches", "0"],
+     "parallelism.pipeline_parallel_microbatches must be >= 1 or -1 (got 0)"),
+])
+def test_out_of_range_numbers_are_one_line_naming_the_range(argv, expected):
+    assert error(argv) == expected
+
+
+@pytest.mark.parametrize("toml, expected", [
+    ("[optimizer]\nlr = inf\n", "optimizer.lr must be > 0 and finite (got inf)"),
+    ("[optimizer]\nbeta2 = nan\n", "optimizer.beta2 must be in [0, 1) (got nan)"),
+    ("[training]\nmax_norm = -inf\n", "training.max_norm must be >= 0 and finite (0 disables clipping) (got -inf)"),
+])
+def test_toml_nan_and_inf_are_refused(tmp_path, toml, expected):
+    assert error(["--job.config_file", write(tmp_path, toml)]) == expected
+
+
+@pytest.mark.parametrize("argv", [["--optimizer.beta2", "1.5"], ["--optimizer.eps", "-1"], ["--optimizer.lr", "inf"],
+                                  ["--checkpoint.load_step", "-5"]])
+def test_check_refuses_the_issues_examples_in_one_line(argv, error_line):
+    assert error_line(4, argv).startswith(f"error: {argv[0][2:]} must be ")
+
+
 def test_range_edges_are_allowed():
     cfg = load_config(["--training.seq_len", "2", "--lr_scheduler.decay_ratio", "0", "--training.max_norm", "0",
                        "--activation_checkpoint.selective_ac_option", "op"])
     assert cfg.training.seq_len == 2 and cfg.lr_scheduler.decay_ratio == 0.0
+    cfg = load_config(["--optimizer.beta1", "0", "--optimizer.beta2", "0.999999", "--optimizer.weight_decay", "0",
+                       "--checkpoint.load_step", "0", "--training.seed", str(2**64 - 1), "--lr_scheduler.min_lr_factor",
+                       "1", "--optimizer.eps", "1e-300"])
+    assert cfg.optimizer.beta1 == 0 and cfg.checkpoint.load_step == 0 and cfg.training.seed == 2**64 - 1
 
 
 def test_validate_checks_configs_built_in_code():
@@ -210,6 +267,9 @@ def test_help_lists_every_option_with_default_and_choices(capsys):
         assert line is not None, f"--{section}.{key} missing from help"
         assert f" = {shown(default)}" in line, line
     assert "{foreach, fused, for-loop}" in text
+    assert "  --optimizer.beta2 float = 0.95  must be in [0, 1)" in lines
+    assert "  --lr_scheduler.decay_ratio float|none = none  must be none or in [0, 1]" in lines
+    assert all(" must be " in l for l in lines if l.strip().startswith(tuple(f"--{o.key} " for o in NUMBERS)))
     with pytest.raises(SystemExit) as e:
         load_config(["--training.steps", "3", "--help"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == text

@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchtitan_lite.config import JobConfig
+from torchtitan_lite.config import JobConfig, Parallelism
 from torchtitan_lite.model import FLAVORS, Transformer
 from torchtitan_lite.parallel_dims import ParallelDims
-from torchtitan_lite.parallelize import parallelize, reshard_after_forward
+from torchtitan_lite.parallelize import parallelize, reshard_after_forward, warn_ignored_options
 
 
 @pytest.mark.parametrize("policy, blocks, last", [
@@ -91,3 +91,28 @@ def test_bf16_compute_keeps_the_rope_table_exact():
         assert seen == [torch.complex64]
     finally:
         dist.destroy_process_group()
+
+
+SET = {"fsdp_prefetch": 2, "pipeline_parallel_schedule": "GPipe", "pipeline_parallel_microbatches": 4,
+       "pipeline_parallel_layers_per_stage": 3, "context_parallel_load_balancer": "none"}
+
+
+@pytest.mark.parametrize("dims, ignored", [
+    (ParallelDims(1, 1, 1, 1), list(SET)),  # one process: every one of them
+    (ParallelDims(1, 2, 1, 2), ["pipeline_parallel_schedule", "pipeline_parallel_microbatches",
+                                "pipeline_parallel_layers_per_stage", "context_parallel_load_balancer"]),
+    (ParallelDims(1, 1, 1, 2, pp=2), ["fsdp_prefetch", "context_parallel_load_balancer"]),
+    (ParallelDims(1, 1, 1, 2, cp=2), ["pipeline_parallel_schedule", "pipeline_parallel_microbatches",
+                                      "pipeline_parallel_layers_per_stage"]),  # CP alone still gets FSDP
+    (ParallelDims(1, 2, 1, 8, pp=2, cp=2), []),
+])
+def test_options_the_layout_ignores_are_one_warning(caplog, dims, ignored):
+    warn_ignored_options(Parallelism(**SET), dims)
+    named = [k for k in SET if f"parallelism.{k}" in caplog.text]
+    assert named == ignored and len(caplog.records) == (1 if ignored else 0)
+    if "fsdp_prefetch" in ignored:
+        assert "no data parallelism in this layout, so FSDP is not applied: parallelism.fsdp_prefetch ignored" \
+            in caplog.text
+    caplog.clear()
+    warn_ignored_options(Parallelism(), dims)  # defaults are never reported
+    assert not caplog.records

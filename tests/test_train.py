@@ -34,6 +34,14 @@ def test_config_error_returns_2_and_prints_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and "training.seq_len" in err[0]
 
 
+def test_a_run_warns_once_of_options_its_layout_ignores(tmp_path, caplog):
+    assert train.run(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), "--training.steps", "1",
+                      "--parallelism.context_parallel_load_balancer", "none"]) == 0
+    assert [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()] == [
+        "no context parallelism in this layout (context_parallel_degree = 1): "
+        "parallelism.context_parallel_load_balancer ignored"]
+
+
 def test_dumped_config_alone_reproduces_the_run(tmp_path):
     first = curve(tmp_path, "first", "--training.local_batch_size", "3", "--optimizer.lr", "3e-4")
     again = tmp_path / "again"

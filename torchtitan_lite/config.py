@@ -1,8 +1,9 @@
 """Typed run configuration: one dataclass per TOML section, everything else derived from them.
 
-A field's default, help and choices are written once, in `opt(...)`. TOML loading, `--section.key` overrides,
-`--help`, unknown-key errors, type checks and choice checks all walk the dataclasses, so adding an option is one
-line here and nothing else. Precedence: command line > TOML file (`--job.config_file`) > defaults.
+A field's default, help, choices and rule (the values it accepts, rules.py) are written once, in `opt(...)`.
+TOML loading, `--section.key` overrides, `--help`, unknown-key errors, type, choice and range checks all walk the
+dataclasses, so adding an option is one line here and nothing else. Precedence: command line > TOML file
+(`--job.config_file`) > defaults.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ try:
 except ImportError:
     import tomli
 
+from torchtitan_lite.rules import Rule, at_least, finite_above, finite_at_least, or_auto, within, words_or_count
+
 
 class ConfigError(ValueError):
     """A problem with the user's configuration; the message is one line naming the key and the fix."""
 
-def opt(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def opt(default: Any, help: str, choices: tuple[str, ...] = (), rule: Rule | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "rule": rule})
 
 
 @dataclass
@@ -48,31 +51,33 @@ class Model:
 class Optimizer:
     """optimizer and its hyperparameters"""
     name: str = opt("AdamW", "optimizer", choices=("AdamW",))
-    lr: float = opt(8e-4, "peak learning rate")
-    beta1: float = opt(0.9, "Adam first-moment decay")
-    beta2: float = opt(0.95, "Adam second-moment decay")
-    eps: float = opt(1e-8, "Adam denominator epsilon")
-    weight_decay: float = opt(0.1, "decoupled weight decay")
+    lr: float = opt(8e-4, "peak learning rate", rule=finite_above(0))
+    beta1: float = opt(0.9, "Adam first-moment decay", rule=within(0, 1, high_open=True))
+    beta2: float = opt(0.95, "Adam second-moment decay", rule=within(0, 1, high_open=True))
+    eps: float = opt(1e-8, "Adam denominator epsilon", rule=finite_above(0))
+    weight_decay: float = opt(0.1, "decoupled weight decay", rule=finite_at_least(0))
     implementation: str = opt("fused", "kernel flavour of the update", choices=("foreach", "fused", "for-loop"))
 
 
 @dataclass
 class LRScheduler:
     """warmup, then a constant stretch, then decay"""
-    warmup_steps: int = opt(200, "steps of linear warmup from ~0 to lr")
-    decay_ratio: Optional[float] = opt(None, "fraction of steps spent decaying at the end; none = all after warmup")
+    warmup_steps: int = opt(200, "steps of linear warmup from ~0 to lr", rule=at_least(0))
+    decay_ratio: Optional[float] = opt(None, "fraction of steps spent decaying at the end; none = all after warmup",
+                                       rule=within(0, 1))
     decay_type: str = opt("linear", "shape of the decay", choices=("linear", "sqrt", "cosine"))
-    min_lr_factor: float = opt(0.0, "lr at the end of decay, as a fraction of lr")
+    min_lr_factor: float = opt(0.0, "lr at the end of decay, as a fraction of lr", rule=within(0, 1))
 
 
 @dataclass
 class Training:
     """batch, length, duration, data and precision"""
-    local_batch_size: int = opt(8, "sequences per device per micro-batch")
-    global_batch_size: int = opt(-1, "-1 = local x data-parallel degree; larger multiples accumulate gradients")
-    seq_len: int = opt(2048, "tokens per sequence")
-    steps: int = opt(10000, "optimizer steps to train for")
-    max_norm: float = opt(1.0, "gradient clipping norm; 0 disables")
+    local_batch_size: int = opt(8, "sequences per device per micro-batch", rule=at_least(1))
+    global_batch_size: int = opt(-1, "-1 = local x data-parallel degree; larger multiples accumulate gradients",
+                                 rule=or_auto(at_least(1), "local x data-parallel degree"))
+    seq_len: int = opt(2048, "tokens per sequence", rule=at_least(2))  # inputs and next-token targets
+    steps: int = opt(10000, "optimizer steps to train for", rule=at_least(1))
+    max_norm: float = opt(1.0, "gradient clipping norm; 0 disables", rule=finite_at_least(0, "0 disables clipping"))
     dataset: str = opt("synthetic", "training dataset name")
     dataset_path: str = opt("", "local path of the dataset, if it needs one")
     dataset_text_field: str = opt("text", "jsonl and hf datasets: the field that holds a document's text")
@@ -81,31 +86,40 @@ class Training:
     mixed_precision_reduce: str = opt("float32", "FSDP gradient reduce dtype", choices=("float32", "bfloat16"))
     mixed_precision_output: str = opt("none", "output dtype", choices=("none", "float32", "bfloat16", "float16"))
     mixed_precision_cast_forward_inputs: bool = opt(True, "FSDP casts sharded modules' float inputs to param dtype")
-    seed: int = opt(0, "random seed")
+    seed: int = opt(0, "random seed", rule=Rule("in [0, 2**64)", lambda v: 0 <= v < 2**64))  # what torch takes
     deterministic: bool = opt(False, "torch.use_deterministic_algorithms, for bitwise-reproducible runs")
-    skip_nonfinite_steps: int = opt(0, "a NaN/Inf gradient norm stops the run; N > 0 skips up to N such in a row")
-    gc_freq: int = opt(50, "Python GC every N steps, so ranks pause together; 0 leaves automatic GC on")
+    skip_nonfinite_steps: int = opt(0, "a NaN/Inf gradient norm stops the run; N > 0 skips up to N such in a row",
+                                    rule=at_least(0))
+    gc_freq: int = opt(50, "Python GC every N steps, so ranks pause together; 0 leaves automatic GC on",
+                       rule=at_least(0, "0 leaves automatic GC on"))
 
 
 @dataclass
 class Parallelism:
     """device mesh degrees; they must multiply to the world size"""
-    data_parallel_replicate_degree: int = opt(1, "copies of the model (HSDP across nodes)")
-    data_parallel_shard_degree: int = opt(-1, "FSDP shards; -1 = the rest of the world size")
-    tensor_parallel_degree: int = opt(1, "heads and FFN split across this many devices")
+    data_parallel_replicate_degree: int = opt(1, "copies of the model (HSDP across nodes)", rule=at_least(1))
+    data_parallel_shard_degree: int = opt(-1, "FSDP shards; -1 = the rest of the world size",
+                                          rule=or_auto(at_least(1), "the rest of the world"))
+    tensor_parallel_degree: int = opt(1, "heads and FFN split across this many devices", rule=at_least(1))
     disable_loss_parallel: bool = opt(False, "gather logits before the loss instead of a sharded loss under TP")
     fsdp_reshard_after_forward: str = opt(
         "default", "after forward: default (every block but the last), always, never, or N = keep parameters "
-        "sharded over groups of N ranks (hpZ; N divides the shard degree) so backward's all-gather stays within them")
+        "sharded over groups of N ranks (hpZ; N divides the shard degree) so backward's all-gather stays within them",
+        rule=words_or_count(("default", "always", "never"), "default, always, never or a group size >= 1"))
     fsdp_cpu_offload: bool = opt(False, "sharded params, grads and optimizer state in host memory; AdamW runs there")
     fsdp_offload_pin_memory: bool = opt(True, "offload into page-locked host memory (faster copies; needs a GPU)")
-    fsdp_prefetch: int = opt(0, "all-gather the next N blocks ahead in forward and backward; 0 = FSDP2's implicit one")
+    fsdp_prefetch: int = opt(0, "all-gather the next N blocks ahead in forward and backward; 0 = FSDP2's implicit one",
+                             rule=at_least(0))
     fsdp_defer_grad_reduce: bool = opt(False, "accumulation: reduce gradients after the last micro-batch only")
-    pipeline_parallel_degree: int = opt(1, "pipeline stages across this many ranks (the outermost mesh dim)")
+    pipeline_parallel_degree: int = opt(1, "pipeline stages across this many ranks (the outermost mesh dim)",
+                                        rule=at_least(1))
     pipeline_parallel_schedule: str = opt("1F1B", "torch's schedule name: GPipe, 1F1B, Interleaved1F1B, LoopedBFS")
-    pipeline_parallel_microbatches: int = opt(-1, "micro-batches per local batch; -1 = the pipeline degree")
-    pipeline_parallel_layers_per_stage: int = opt(-1, "blocks per stage; -1 = split over 1 stage a rank (see README)")
-    context_parallel_degree: int = opt(1, "each sequence split across this many ranks (long context; see README)")
+    pipeline_parallel_microbatches: int = opt(-1, "micro-batches per local batch; -1 = the pipeline degree",
+                                              rule=or_auto(at_least(1)))
+    pipeline_parallel_layers_per_stage: int = opt(-1, "blocks per stage; -1 = split over 1 stage a rank (see README)",
+                                                  rule=or_auto(at_least(1)))
+    context_parallel_degree: int = opt(1, "each sequence split across this many ranks (long context; see README)",
+                                       rule=at_least(1))
     context_parallel_load_balancer: str = opt("headtail", "a rank's share of the sequence: headtail = chunks i and "
                                               "2cp-1-i (equal causal work), none = one contiguous chunk",
                                               choices=("headtail", "none"))
@@ -114,8 +128,9 @@ class Parallelism:
 @dataclass
 class Comm:
     """how long a rank waits for its peers before the job is ended as hung"""
-    init_timeout_seconds: int = opt(600, "collective timeout from start-up through the first step (which may compile)")
-    train_timeout_seconds: int = opt(100, "collective timeout once training is under way")
+    init_timeout_seconds: int = opt(600, "collective timeout from start-up through the first step (which may compile)",
+                                    rule=at_least(1))
+    train_timeout_seconds: int = opt(100, "collective timeout once training is under way", rule=at_least(1))
 
 
 @dataclass
@@ -123,14 +138,15 @@ class Checkpoint:
     """saving and resuming (DCP)"""
     enable: bool = opt(False, "save checkpoints and resume from the newest one")
     folder: str = opt("checkpoint", "checkpoint folder, under job.dump_folder")
-    interval: int = opt(500, "save every N steps")
+    interval: int = opt(500, "save every N steps", rule=at_least(1))
     continue_on_save_error: bool = opt(False, "a failed save (full disk) is reported and training goes on")
-    keep_latest_k: int = opt(0, "keep only the newest K checkpoints; 0 keeps all")
+    keep_latest_k: int = opt(0, "keep only the newest K checkpoints; 0 keeps all", rule=at_least(0, "0 keeps all"))
     async_mode: str = opt("disabled", "save in the background", choices=("disabled", "async"))
     last_save_model_only: bool = opt(False, "the final save holds weights only (smaller, but cannot be resumed)")
     export_dtype: str = opt("float32", "dtype of a model-only save", choices=("float32", "bfloat16", "float16"))
     create_seed_checkpoint: bool = opt(False, "write the initial weights at step 0 and exit")
-    load_step: int = opt(-1, "step to resume from; -1 = newest complete checkpoint")
+    load_step: int = opt(-1, "step to resume from; -1 = newest complete checkpoint",
+                         rule=or_auto(at_least(0), "the newest complete checkpoint"))
     initial_load_path: str = opt("", "checkpoint to start from when the folder holds none")
     initial_load_model_only: bool = opt(True, "load only weights from initial_load_path")
 
@@ -139,7 +155,8 @@ class Checkpoint:
 class ActivationCheckpoint:
     """recompute activations in backward to save memory"""
     mode: str = opt("none", "what to recompute", choices=("none", "full", "selective"))
-    selective_ac_option: str = opt("2", '"op" (per-op policy) or N: checkpoint every N-th block')
+    selective_ac_option: str = opt("2", '"op" (per-op policy) or N: checkpoint every N-th block',
+                                   rule=words_or_count(("op",), '"op" or a positive integer'))
 
 
 @dataclass
@@ -153,7 +170,7 @@ class Compile:
 @dataclass
 class Metrics:
     """logging"""
-    log_freq: int = opt(10, "log every N steps")
+    log_freq: int = opt(10, "log every N steps", rule=at_least(1))
     enable_tensorboard: bool = opt(False, "also write TensorBoard events")
     save_tb_folder: str = opt("tb", "TensorBoard folder, under job.dump_folder")
 
@@ -164,8 +181,8 @@ class Validation:
     enable: bool = opt(False, "run validation during training")
     dataset: str = opt("synthetic", "validation dataset name")
     dataset_path: str = opt("", "local path of the dataset, if it needs one")
-    freq: int = opt(100, "validate every N steps")
-    steps: int = opt(10, "batches per validation")
+    freq: int = opt(100, "validate every N steps", rule=at_least(1))
+    steps: int = opt(10, "batches per validation", rule=at_least(1))
 
 
 @dataclass
@@ -193,6 +210,7 @@ class _Opt(NamedTuple):
     default: Any
     help: str
     choices: tuple[str, ...]
+    rule: Rule | None  # None only for strings and bools: tests/test_config.py holds every number to a rule
 
 
 _KIND = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}  # the supported types
@@ -210,7 +228,7 @@ def _collect() -> tuple[dict[str, type], dict[str, _Opt]]:
             base = next((a for a in args if a is not type(None)), tp)
             assert base in _KIND, f"{sec}.{f.name}: parsing {tp} is not implemented"
             options[f"{sec}.{f.name}"] = _Opt(f"{sec}.{f.name}", sec, f.name, base, type(None) in args,
-                                              f.default, f.metadata["help"], f.metadata["choices"])
+                                              f.default, f.metadata["help"], f.metadata["choices"], f.metadata["rule"])
     return sections, options
 
 
@@ -331,33 +349,6 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     return cfg
 
 
-# Range checks, listed plainly: (key, rule as the user reads it, test).
-_AT_LEAST_1 = ("training.steps", "training.local_batch_size", "comm.init_timeout_seconds", "comm.train_timeout_seconds",
-               "checkpoint.interval", "metrics.log_freq", "validation.freq", "validation.steps",
-               "parallelism.data_parallel_replicate_degree", "parallelism.tensor_parallel_degree",
-               "parallelism.pipeline_parallel_degree", "parallelism.context_parallel_degree")
-_RULES = [
-    *((key, ">= 1", lambda v: v >= 1) for key in _AT_LEAST_1),
-    *((key, ">= 0", lambda v: v >= 0) for key in ("training.skip_nonfinite_steps", "lr_scheduler.warmup_steps",
-                                                   "parallelism.fsdp_prefetch")),
-    *((f"parallelism.pipeline_parallel_{key}", ">= 1 or -1", lambda v: v >= 1 or v == -1)
-      for key in ("microbatches", "layers_per_stage")),
-    ("training.seq_len", ">= 2", lambda v: v >= 2),  # next-token targets need at least two tokens
-    ("training.global_batch_size", "-1 (local x data-parallel degree) or >= 1", lambda v: v == -1 or v >= 1),
-    ("training.max_norm", ">= 0 (0 disables clipping)", lambda v: v >= 0),
-    ("training.gc_freq", ">= 0 (0 leaves automatic GC on)", lambda v: v >= 0),
-    ("optimizer.lr", "> 0", lambda v: v > 0),
-    ("lr_scheduler.decay_ratio", "none or in [0, 1]", lambda v: v is None or 0 <= v <= 1),
-    ("lr_scheduler.min_lr_factor", "in [0, 1]", lambda v: 0 <= v <= 1),
-    ("parallelism.data_parallel_shard_degree", "-1 (the rest of the world) or >= 1", lambda v: v == -1 or v >= 1),
-    ("parallelism.fsdp_reshard_after_forward", "default, always, never or a group size >= 1",
-     lambda v: v in ("default", "always", "never") or (v.isdecimal() and int(v) >= 1)),
-    ("checkpoint.keep_latest_k", ">= 0 (0 keeps all)", lambda v: v >= 0),
-    ("activation_checkpoint.selective_ac_option", '"op" or a positive integer',
-     lambda v: v == "op" or (v.isdecimal() and int(v) >= 1)),
-]
-
-
 def validate(cfg: JobConfig) -> None:
     """Raises ConfigError on a wrong type, a value outside its choices, or an impossible value."""
     for o in OPTIONS.values():
@@ -365,9 +356,12 @@ def validate(cfg: JobConfig) -> None:
         _coerce(o, value)  # catches configs built in code, which skipped the TOML/CLI checks
         if o.choices and value not in o.choices:
             raise ConfigError(f"{o.key} must be one of {', '.join(o.choices)} (got {value!r})")
-    for key, rule, ok in _RULES:
-        if not ok(value := _get(cfg, OPTIONS[key])):
-            raise ConfigError(f"{key} must be {rule} (got {value!r})")
+        if o.rule and value is not None and not o.rule.ok(value):
+            raise ConfigError(f"{o.key} must be {_allowed(o)} (got {value!r})")
+
+
+def _allowed(o: _Opt) -> str:
+    return ("none or " if o.optional else "") + o.rule.text
 
 
 def _toml_value(value: Any) -> str:
@@ -391,7 +385,7 @@ def to_toml(cfg: JobConfig) -> str:
 
 
 def help_text() -> str:
-    """Every option, grouped by section, with its type, default, choices and doc."""
+    """Every option, grouped by section, with its type, default, choices or rule, and doc."""
     lines = [
         "usage: train.py [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE ...]",
         "Precedence: command line > TOML file > defaults. Booleans: --section.key, --no-section.key,",
@@ -403,5 +397,6 @@ def help_text() -> str:
             kind = o.type.__name__ + ("|none" if o.optional else "")
             default = "none" if o.default is None else _toml_value(o.default)
             choices = f"  {{{', '.join(o.choices)}}}" if o.choices else ""
-            lines += [f"  --{o.key} {kind} = {default}{choices}", f"      {o.help}"]
+            rule = f"  must be {_allowed(o)}" if o.rule else ""
+            lines += [f"  --{o.key} {kind} = {default}{choices}{rule}", f"      {o.help}"]
     return "\n".join(lines)

@@ -38,11 +38,24 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
             block.compile(backend=cfg.compile.backend, fullgraph=True)  # in place: parameter names stay unchanged
     if dims.fsdp:
         apply_fsdp(model, dims.fsdp_mesh(mesh), cfg)
-    else:
-        p, default = cfg.parallelism, Parallelism()
-        unused = [f"parallelism.{k}" for k in vars(p) if k.startswith("fsdp_") and getattr(p, k) != getattr(default, k)]
-        if unused:
-            logger.warning("no data parallelism in this layout, so FSDP is not applied: %s ignored", ", ".join(unused))
+
+
+def warn_ignored_options(p: Parallelism, dims: ParallelDims) -> None:
+    """One warning line for options set away from their defaults that this layout never reads, so a degree left at
+    1 by mistake does not pass for a run with FSDP, a pipeline or context parallelism. Called once per run, not from
+    parallelize(), which runs once per pipeline stage."""
+    default = Parallelism()
+    reasons = []
+    for prefix, ignored, why in (
+            ("fsdp_", not dims.fsdp, "no data parallelism in this layout, so FSDP is not applied"),
+            ("pipeline_parallel_", dims.pp == 1, "no pipeline in this layout (pipeline_parallel_degree = 1)"),
+            ("context_parallel_", dims.cp == 1, "no context parallelism in this layout (context_parallel_degree = 1)")):
+        # A degree is never among them: with its dimension absent it is at its default, 1.
+        keys = [f"parallelism.{k}" for k in vars(p) if k.startswith(prefix) and getattr(p, k) != getattr(default, k)]
+        if ignored and keys:
+            reasons.append(f"{why}: {', '.join(keys)} ignored")
+    if reasons:
+        logger.warning("%s", "; ".join(reasons))
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
