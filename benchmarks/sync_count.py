@@ -4,7 +4,9 @@
 
 A sync is an op whose result the host must wait for: reading a tensor's value (`.item()`, `bool(t)`, `if t:`), or an
 op whose output shape depends on values (nonzero). A TorchDispatchMode sees each one as it is dispatched, on any
-device; on a GPU device-to-host copies (`.cpu()`, `.tolist()`) sync too, and the trainer's step makes none.
+device; on a GPU device-to-host copies (`.cpu()`, `.tolist()`) sync too, and the trainer's step makes none. So does
+a copy to the GPU from pageable host memory (the host first waits for the device's queued work): recorded as
+`file:function:copy@cuda`; batches come pinned and are copied with non_blocking, so a GPU step makes none.
 """
 
 import json
@@ -25,6 +27,18 @@ ROOT = Path(train.__file__).resolve().parent
 OURS = (str(ROOT / "train.py"), str(ROOT / "torchtitan_lite"))
 aten = torch.ops.aten
 SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default, aten.equal.default}
+COPIES = {aten._to_copy.default, aten.copy_.default}
+
+
+def waiting_upload(func, args, kwargs) -> bool:
+    """A host-to-GPU copy the host must wait for: from pageable memory, or without non_blocking."""
+    if func is aten._to_copy.default:
+        src, target, non_blocking = args[0], kwargs.get("device"), kwargs.get("non_blocking", False)
+    else:
+        (target, src), non_blocking = args[:2], (args[2:] or [kwargs.get("non_blocking", False)])[0]
+        target = target.device
+    return (target is not None and torch.device(target).type == "cuda" and src.device.type == "cpu"
+            and not (non_blocking and src.is_pinned()))
 
 
 def call_site() -> str:
@@ -45,6 +59,8 @@ class SyncRecorder(TorchDispatchMode):
             return NotImplemented  # let DTensor desugar the op first: what it syncs on then comes through here
         if func in SYNCS:
             self.syncs[self.step].append(f"{call_site()}@{args[0].device.type}")
+        elif func in COPIES and waiting_upload(func, args, kwargs or {}):
+            self.syncs[self.step].append(f"{call_site()}:copy@cuda")
         return func(*args, **(kwargs or {}))
 
 

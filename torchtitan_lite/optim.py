@@ -68,7 +68,11 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int
     torch.nn.utils.clip_grad_norm_ cannot mix meshes, so each rank sums the squares of its local gradient shards,
     weighted by 1 / (number of ranks holding that same shard), and one all-reduce over the world adds them up (over
     pipeline stages too, whose parameters are disjoint: a plain tensor is held by its stage's rank alone).
-    Returns the total norm (before clipping). max_norm = 0 only measures.
+    Returns the total norm (before clipping), in float64. max_norm = 0 only measures.
+
+    Each tensor's norm is accumulated in float64: the CPU's float32 norm sums a tensor in long sequential runs, whose
+    rounding error grows with its size, so two layouts that split the same gradients differently would log (and
+    clip by) norms further apart than their gradients are.
     """
     for p in params:
         # Under TP without FSDP, a replicated weight used on sequence shards (the norms) gets a Partial gradient:
@@ -80,9 +84,9 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     # Summed on the process group's device: under CPU offload the gradients live on the host, NCCL does not.
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g, norm in zip(grads, torch._foreach_norm(local, 2.0) if local else []):
-        sq += norm.float().to(device) ** 2 * _share(g)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g, norm in zip(grads, torch._foreach_norm(local, 2.0, dtype=torch.float64) if local else []):
+        sq += norm.to(device) ** 2 * _share(g)
     if world_size > 1:
         dist.all_reduce(sq)
     total = sq.sqrt()

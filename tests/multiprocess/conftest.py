@@ -83,8 +83,7 @@ SHARED_RUNS = {
                       "--activation_checkpoint.selective_ac_option", "op", *SHORT)),
     "pp2_cp2": (4, (*PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
 }
-RECORDED = [name for name in SHARED_RUNS if name.startswith("pp") or "cp" in name or name == "tp2_compiled"] + [
-    "tp2_compiled_resumed"]
+RECORDED = [name for name in SHARED_RUNS if name != "single"] + ["tp2_compiled_resumed"]
 PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
 CONTEXT_PARALLEL = [name for name in SHARED_RUNS if "cp" in name]
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.

@@ -229,6 +229,30 @@ def read_metrics(dump_folder: Path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def metric(dump_folder: Path, key: str) -> dict[int, float]:
+    """step -> the logged `key`; a resumed run's later line for a step wins."""
+    return {m["step"]: m[key] for m in read_metrics(dump_folder) if key in m}
+
+
 def losses(dump_folder: Path) -> dict[int, float]:
-    """step -> loss; a resumed run's later line for a step wins."""
-    return {m["step"]: m["loss"] for m in read_metrics(dump_folder) if "loss" in m}
+    return metric(dump_folder, "loss")
+
+
+def curve(dump_folder: Path) -> dict[int, tuple[float, float]]:
+    """step -> (loss, grad norm), for bitwise comparisons: see assert_same_curve."""
+    return {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(dump_folder) if "loss" in m}
+
+
+def assert_same_curve(got: Path, ref: Path, tolerance: float, steps=None) -> dict[str, float]:
+    """`got`'s loss at each of `steps` (default: every step it logged) is `ref`'s within `tolerance`, and its
+    gradient norm within `tolerance` relative. The norm too, since AdamW cancels a constant gradient scale: every
+    gradient x4 (a missing 1/dp) moves an 8-step loss curve by ~5e-7 and the norm x4. Returns the worst of each."""
+    worst = {}
+    for key, relative in (("loss", False), ("grad_norm", True)):
+        a, b = metric(got, key), metric(ref, key)
+        at = sorted(a) if steps is None else list(steps)
+        assert at and set(at) <= a.keys() & b.keys(), f"{key}: steps {sorted(a)} vs {sorted(b)}"
+        worst[key] = max(abs(a[s] - b[s]) / (abs(b[s]) if relative else 1) for s in at)
+        assert worst[key] <= tolerance, f"{key} differs by {worst[key]:.2e} (tolerance {tolerance:g}{' relative' * relative})"
+    print(f"max |loss diff| {worst['loss']:.2e}, grad norm relative diff {worst['grad_norm']:.2e}")
+    return worst

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from grad_dump import assert_grads_match, load_grads
-from launch import COMMON, HSDP, STEPS, TP2_FSDP2, losses, torchrun_several
+from launch import COMMON, HSDP, STEPS, TP2_FSDP2, assert_same_curve, curve, losses, torchrun_several
 
 # fp32: a compiled gradient differs from eager's by the order of its reductions (inductor fuses the norms, TP and
 # FSDP sum partial results in another order), measured at <= 2e-6 of the parameter's largest gradient; 1e-5 leaves
@@ -66,11 +66,8 @@ def test_inductor_tp2_fsdp2_trains_every_weight_as_eager(inductor_run, eager_gra
 
 
 def test_inductor_tp2_fsdp2_follows_the_eager_curve(inductor_run, runs):
-    curve, ref = losses(inductor_run), losses(runs["tp2_fsdp2"])
-    assert sorted(curve) == sorted(ref) == list(range(1, STEPS + 1))
-    worst = max(abs(curve[s] - ref[s]) for s in curve)
-    print(f"compiled vs eager loss: max |diff| {worst:.2e}")
-    assert worst <= CURVE_TOLERANCE
+    assert sorted(losses(inductor_run)) == sorted(losses(runs["tp2_fsdp2"])) == list(range(1, STEPS + 1))
+    assert_same_curve(inductor_run, runs["tp2_fsdp2"], CURVE_TOLERANCE)
 
 
 def test_nothing_recompiles_after_the_first_step_and_validation(inductor_run):
@@ -91,7 +88,7 @@ def test_compiled_run_resumes_on_its_exact_curve(aot_tp2_run, runs):
     """Stopped after step 2 and resumed by a new run (conftest.RESUMED_RUNS): steps 3-6 bitwise, and the new run
     compiles the same graphs once (its first validation, at step 4, adds the inference graph) and never again."""
     folder = runs["tp2_compiled_resumed"]
-    straight, resumed = losses(aot_tp2_run), losses(folder)
+    straight, resumed = curve(aot_tp2_run), curve(folder)
     assert sorted(straight) == list(range(1, 7))
     assert [resumed[s] for s in range(3, 7)] == [straight[s] for s in range(3, 7)]
     first = json.loads((aot_tp2_run / "graphs.json").read_text())

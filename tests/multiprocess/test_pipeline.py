@@ -14,7 +14,7 @@ import pytest
 
 from conftest import PIPELINED
 from grad_dump import assert_grads_match, load_grads
-from launch import ckpt, losses, read_metrics
+from launch import ckpt, curve, read_metrics
 from test_checkpoint import assert_continues, assert_same_state
 
 TOLERANCE = 1e-5
@@ -47,7 +47,7 @@ def test_validation_under_pipeline_gives_the_true_loss(runs):
 
 def test_pipeline_resumes_bitwise_with_async_saves_keeping_the_latest_2(runs):
     folder = runs["pp2_gpipe_resumed"]  # stopped after step 4
-    assert losses(folder) == losses(runs["pp2_gpipe"])
+    assert curve(folder) == curve(runs["pp2_gpipe"])
     assert sorted(os.listdir(folder / "checkpoint")) == ["step-6", "step-8"]
 
 
