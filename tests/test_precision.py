@@ -1,17 +1,21 @@
-"""The update guard: fp16's loss scaling skips overflowed steps (counting them) and carries its scale across a
-resume; in other precisions a non-finite step stops the run before the update, or is skipped when allowed."""
+"""The update guard: fp16's loss scaling skips overflowed steps (counting them), keeps GradScaler's scale rules and
+state, stops at its floor, and carries its scale across a resume; in other precisions a non-finite step stops the run
+before the update, or is skipped when allowed."""
+
+from unittest import mock
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan_lite.precision import NonFiniteError, UpdateGuard
+from torchtitan_lite.precision import LossScaler, NonFiniteError, UpdateGuard, moved
 
 
 def step(guard: UpdateGuard, grad: float, n: int = 1) -> torch.nn.Parameter:
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.5)
     guard.scale(p.sum()).backward()
-    p.grad.fill_(grad * guard.scaler.get_scale())  # what backward of a loss with this gradient gives, scaled
+    p.grad.fill_(grad * guard.scale(torch.tensor(1.0)).item())  # what backward of a loss with this gradient gives
     guard.unscale_(opt)
     guard.step(opt, p.grad.norm(), n)
     return p
@@ -74,3 +78,82 @@ def test_nonfinite_steps_are_skipped_up_to_n_in_a_row():
     assert p.tolist() == [1.0, 1.0]
     with pytest.raises(NonFiniteError, match="step 6: .*[(]3 such step"):
         resumed.check()
+
+
+def test_the_loss_scale_follows_grad_scalers_rules_and_loads_its_state():
+    """Backoff on overflow, growth after growth_interval good steps, bitwise GradScaler's; its checkpointed state
+    (the keys an older run saved) loads."""
+    ours, theirs = LossScaler(torch.device("cpu")), torch.amp.GradScaler("cpu", growth_interval=3)
+    ours.growth_interval = 3
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for overflow in [False, False, False, True, False, True, True, False, False, False, False, False, False]:
+        theirs.scale(p.sum()).backward()
+        p.grad.fill_(float("inf") if overflow else 1.0)
+        theirs.step(opt)
+        theirs.update()
+        opt.zero_grad()
+        ours.update(torch.tensor(overflow))
+        assert (ours.scale.item(), ours.growth_tracker.item()) == (theirs.get_scale(), theirs._get_growth_tracker())
+    assert ours.scale.item() == 2.0**16  # went down and back up
+    assert ours.state_dict() == theirs.state_dict()
+    guard = UpdateGuard(torch.device("cpu"), torch.float16)
+    guard.load_state_dict({**theirs.state_dict(), "skipped_steps": 3, "in_a_row": 0})
+    assert guard.metrics() == {"loss_scale": 2.0**16, "skipped_steps": 3}
+    assert guard.scaler.growth_interval == 3
+
+
+@pytest.mark.parametrize("skip_nonfinite", [0, 1])
+def test_fp16_overflow_at_the_lowest_scale_counts_as_a_nonfinite_step(skip_nonfinite):
+    """Above the floor an overflow only halves the scale; at 1.0 it stops the run (or is skipped up to N in a row),
+    and the scale never falls below 1.0."""
+    guard = UpdateGuard(torch.device("cpu"), torch.float16, skip_nonfinite=skip_nonfinite)
+    guard.scaler.scale.fill_(4.0)
+    inf = float("inf")
+    for n, grad in enumerate([inf, inf, inf, 1.0, inf, inf], start=1):
+        p = step(guard, grad, n)
+        assert p.tolist() == ([0.5, 0.5] if grad == 1.0 and n == 4 and skip_nonfinite else [1.0, 1.0])
+        assert guard.scaler.scale.item() == max(4.0 / 2**n, 1.0)
+        if n == 2:
+            guard.check()  # scale 4 -> 2 -> 1: routine
+    stop = 3 if skip_nonfinite == 0 else 6  # the first (N+1)-th overflow in a row at the floor
+    with pytest.raises(NonFiniteError, match=f"step {stop}: the gradient norm is inf at fp16's lowest loss scale 1.0"):
+        guard.check()
+
+
+def test_the_decision_reaches_the_host_by_a_blocking_copy():
+    """Under CPU offload fused AdamW runs on the host: its found_inf must be a completed copy of the device's flag
+    (fused AdamW's own copy is non-blocking)."""
+    flag = mock.Mock(device=torch.device("cuda", 0))
+    moved(flag, torch.device("cpu"))
+    flag.to.assert_called_once_with(torch.device("cpu"), non_blocking=False)
+    same = torch.zeros(())
+    assert moved(same, torch.device("cpu")) is same  # no copy when the optimizer lives with the flag
+
+
+class Syncs(TorchDispatchMode):
+    """Counts the ops whose result the host waits for (benchmarks/sync_count.py's list)."""
+    SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+             torch.ops.aten.nonzero.default, torch.ops.aten.equal.default}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.SYNCS
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_fp16_step_with_fused_adamw_never_waits_for_the_device():
+    guard = UpdateGuard(torch.device("cpu"), torch.float16)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    for n, grad in enumerate([1.0, float("inf"), 1.0], start=1):
+        with Syncs() as syncs:
+            guard.scale((p * grad).sum()).backward()
+            guard.unscale_(opt)
+            guard.step(opt, torch.linalg.vector_norm(p.grad), n)
+            opt.zero_grad()
+        assert syncs.count == 0, f"step {n}"
+    assert guard.metrics() == {"loss_scale": 2.0**15, "skipped_steps": 1}

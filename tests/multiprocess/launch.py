@@ -110,14 +110,16 @@ def torchrun(nproc: int, dump_folder: Path, *overrides: str, config: Path = TINY
 SEVERAL_RUNS = ROOT / "tests" / "multiprocess" / "several_runs.py"
 
 
-def torchrun_several(nproc: int, runs: list[tuple[Path, bool, tuple[str, ...]]]) -> None:
+def torchrun_several(nproc: int, runs: list[tuple[Path, bool, tuple[str, ...]]], script: Path = SEVERAL_RUNS,
+                     script_args: tuple[str, ...] = ()) -> None:
     """Several runs of train.py, each (dump folder, record its gradients (grad_dump.py), overrides), one after another
-    in one torchrun job (several_runs.py), which pays the start-up of a job once."""
+    in one torchrun job (several_runs.py, or `script script_args... RUNS_JSON`, a shim that runs it), which pays the
+    start-up of a job once."""
     spec = [[str(folder), record, list(train_argv(folder, *overrides))] for folder, record, overrides in runs]
     path = Path(runs[0][0]).with_suffix(".runs.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec))
-    run_job(*torchrun_cmd(nproc, SEVERAL_RUNS, str(path)))
+    run_job(*torchrun_cmd(nproc, script, *script_args, str(path)))
 
 
 # Recovery bounds of the multi-agent jobs (README, "Running on a cluster"): a round closes 1 s after its minimum of
