@@ -63,7 +63,8 @@ def torchtitan_factor(n, warmup, decay_ratio, total, kind, min_factor):
     (2, 0.8, 20, "linear", 0.0),  # the debug config
     (2, None, 10, "linear", 0.0), (0, None, 7, "cosine", 0.1), (0, 0.5, 9, "sqrt", 0.2),
     (3, 0.4, 20, "cosine", 0.0), (5, 0.8, 10, "linear", 0.1),  # warmup + decay > steps: decay shortened
-    (10, None, 5, "linear", 0.0), (2, 0.0, 6, "linear", 0.5), (1, 1 / 3, 13, "sqrt", 1 / 3), (4, 0.1, 10, "linear", 0.0)])
+    (10, None, 5, "linear", 0.0), (2, 0.0, 6, "linear", 0.5), (1, 1 / 3, 13, "sqrt", 1 / 3),
+    (4, 0.1, 10, "linear", 0.0)])
 def test_schedule_is_torchtitans_step_for_step(warmup, decay_ratio, steps, kind, min_factor):
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=warmup, decay_ratio=decay_ratio, decay_type=kind,
