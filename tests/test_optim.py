@@ -42,6 +42,45 @@ def test_decay_shapes(kind, shape):
         assert lr_factor(step, 4, 6, 10, kind, 0.0) == pytest.approx(shape(p))
 
 
+def torchtitan_factor(n, warmup, decay_ratio, total, kind, min_factor):
+    """torchtitan's warmup-stable-decay factor after n optimizer steps (its lr_scheduler.py since
+    pytorch/torchtitan#1284), restated. The stable phase holds one virtual step past the end, so the lr reaches
+    min_factor only once the last step has trained."""
+    warmup = min(warmup, total)
+    decay = total - warmup if decay_ratio is None else min(round(total * decay_ratio), total - warmup)
+    stable = total + 1 - warmup - decay
+    if n < warmup:
+        return (n + 1) / warmup
+    if n < warmup + stable:
+        return 1.0
+    progress = (n + 1 - warmup - stable) / decay
+    shape = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress),
+             "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[kind]
+    return min_factor + (1 - min_factor) * shape
+
+
+@pytest.mark.parametrize("warmup,decay_ratio,steps,kind,min_factor", [
+    (2, 0.8, 20, "linear", 0.0),  # the debug config
+    (2, None, 10, "linear", 0.0), (0, None, 7, "cosine", 0.1), (0, 0.5, 9, "sqrt", 0.2),
+    (3, 0.4, 20, "cosine", 0.0), (5, 0.8, 10, "linear", 0.1),  # warmup + decay > steps: decay shortened
+    (10, None, 5, "linear", 0.0), (2, 0.0, 6, "linear", 0.5), (1, 1 / 3, 13, "sqrt", 1 / 3),
+    (4, 0.1, 10, "linear", 0.0)])
+def test_schedule_is_torchtitans_step_for_step(warmup, decay_ratio, steps, kind, min_factor):
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=warmup, decay_ratio=decay_ratio, decay_type=kind,
+                                                 min_lr_factor=min_factor), steps)
+    ours = [sched.get_last_lr()[0]]
+    for _ in range(steps):  # the lr of each step, then the one left once they are done
+        opt.step()
+        sched.step()
+        ours.append(sched.get_last_lr()[0])
+    assert ours == [torchtitan_factor(n, warmup, decay_ratio, steps, kind, min_factor) for n in range(steps + 1)]
+    decays = (decay_ratio is None or round(decay_ratio * steps) > 0) and warmup < steps
+    if decays:
+        assert ours[-1] == min_factor  # the decay ends at min_lr_factor, right after the last step
+        assert ours[-2] > min_factor or min_factor == 1  # which itself trains one decay step above it
+
+
 def test_clip_matches_torch_on_plain_tensors():
     torch.manual_seed(0)
     a = [torch.randn(5, 3, requires_grad=True), torch.randn(7, requires_grad=True)]

@@ -1,9 +1,14 @@
+from unittest import mock
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan_lite.config import ConfigError, Parallelism
 from torchtitan_lite.model import FLAVORS
-from torchtitan_lite.parallel_dims import ParallelDims
+from torchtitan_lite.parallel_dims import DIMS, ParallelDims
 
 
 def dims(world, replicate=1, shard=-1, tp=1):
@@ -62,3 +67,37 @@ def test_global_batch_is_kept_across_world_sizes_and_a_size_that_cannot_hold_it_
         dims(3).global_batch(2, 8)
     with pytest.raises(ConfigError, match="or a world size of 4, 8, 16$"):  # TP 2, 2 replicas: even dp degrees
         dims(12, replicate=2, tp=2).global_batch(2, 16)
+
+
+@pytest.mark.parametrize("degrees", [(2, 1, 2, 1, 2), (1, 2, 1, 1, 4), (1, 1, 2, 2, 2), (2, 2, 1, 2, 1),
+                                     (1, 1, 1, 1, 8), (1, 1, 8, 1, 1)])
+@pytest.mark.parametrize("rank", [0, 5])
+def test_degree_one_dims_make_no_groups_and_every_dim_still_has_its_ranks(degrees, rank):
+    """On a fake 8-rank world (one process playing `rank`): a dim of degree 1 costs no new_group call per rank of
+    the world, at most one local call for this rank's own group; every dim, "dp" and "loss" still hold the ranks
+    (and this rank's local rank) that slicing the full grid gives."""
+    pp, replicate, shard, cp, tp = degrees
+    grid = torch.arange(8).view(degrees)
+    coord = (grid == rank).nonzero()[0].tolist()
+
+    def expected(names):  # the ranks that share this rank's coordinates outside `names`, in grid order
+        return grid[tuple(slice(None) if n in names else c for n, c in zip(DIMS, coord))].flatten().tolist()
+
+    calls = []
+    real = c10d._new_group_with_tag
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+    try:
+        with mock.patch.object(c10d, "_new_group_with_tag",
+                               lambda ranks=None, *a, **kw: calls.append((ranks, kw)) or real(ranks, *a, **kw)):
+            mesh, dp_mesh, loss_mesh = ParallelDims(replicate, shard, tp, 8, pp, cp).build_mesh("cpu")
+        singles = [kw.get("use_local_synchronization", False) for ranks, kw in calls if len(ranks) == 1]
+        assert singles in ([], [True])
+        assert mesh.mesh_dim_names == DIMS and tuple(mesh.shape) == degrees
+        loss_dims = ("pp", "dp_replicate", "dp_shard", "cp") if pp * cp > 1 else ("dp_replicate", "dp_shard")
+        for m, names in [*((mesh[n], (n,)) for n in DIMS), (dp_mesh, ("dp_replicate", "dp_shard")),
+                         (loss_mesh, loss_dims)]:
+            ranks = dist.get_process_group_ranks(m.get_group())
+            assert sorted(ranks) == expected(names), names
+            assert m.get_local_rank() == expected(names).index(rank), names
+    finally:
+        dist.destroy_process_group()

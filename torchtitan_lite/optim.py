@@ -38,8 +38,9 @@ def _fused_on_cpu() -> bool:
 def lr_factor(step: int, warmup: int, decay: int, total: int, decay_type: str, min_factor: float) -> float:
     """Multiplier of the base lr after `step` optimizer steps: linear warmup, a stable phase, then decay.
 
-    Warmup counts from 1 so the first step trains (lr = base / warmup, not 0). The decay phase is the last
-    `decay` steps and falls from 1 to `min_factor`.
+    Warmup counts from 1 so the first step trains (lr = base / warmup, not 0). The decay falls from 1 to
+    `min_factor` over the last `decay` steps and reaches it when they are done: the last step trains one decay step
+    above it, not at `min_factor` (at 0 it would be wasted). These are torchtitan's values step for step.
     """
     if step < warmup:
         return (step + 1) / warmup

@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan_lite.config import ConfigError, Parallelism
 from torchtitan_lite.model import ModelArgs
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's dims, outermost first
 
 
 @dataclass(frozen=True)
@@ -86,12 +89,27 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
         """One mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp"); its data-parallel dims flattened into one
         ("dp"), the data loader's rank; and the group that sums the logged loss (dp; cp, whose ranks hold parts of
-        the sequences; pp, whose last stage alone has it)."""
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
-                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
-        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        loss_dims = ("pp",) * (self.pp > 1) + ("dp_replicate", "dp_shard") + ("cp",) * (self.cp > 1)
-        return mesh, dp_mesh, mesh[loss_dims]._flatten("loss") if len(loss_dims) > 2 else dp_mesh
+        the sequences; pp, whose last stage alone has it).
+
+        Only the dims of degree > 1 get process groups of their own (as torchtitan builds only those): a dim's
+        groups cost every rank a `new_group` call per subgroup, for a degree-1 dim one per rank of the world, and
+        a group to join that no collective needs. The dims of degree 1 share this rank's own group instead, so
+        every name the code slices is there, with a group (FSDP's HSDP mesh uses a dp_shard of 1: plain DDP).
+        See benchmarks/mesh_build.py.
+        """
+        degrees = dict(zip(DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)))
+        parallel = {name: d for name, d in degrees.items() if d > 1}
+        groups = {}
+        if parallel:
+            real = init_device_mesh(device_type, tuple(parallel.values()), mesh_dim_names=tuple(parallel))
+            groups = {name: real.get_group(name) for name in parallel}
+        own = _own_group() if len(parallel) < len(DIMS) else None
+        mesh = DeviceMesh.from_group([groups.get(name, own) for name in DIMS], device_type,
+                                     mesh=torch.arange(self.world_size).view(*degrees.values()), mesh_dim_names=DIMS)
+        dp_mesh = _flat(mesh, "dp", ("dp_replicate", "dp_shard"))
+        if self.pp * self.cp == 1:
+            return mesh, dp_mesh, dp_mesh
+        return mesh, dp_mesh, _flat(mesh, "loss", ("pp", "dp_replicate", "dp_shard", "cp"))
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """FSDP's mesh: (dp_replicate, shard dim) under HSDP, else the shard dim alone; the shard dim is dp_shard, or
@@ -102,3 +120,20 @@ class ParallelDims:
             return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")._unflatten(
             "dp_cp", (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
+
+
+def _flat(mesh: DeviceMesh, name: str, dims: tuple[str, ...]) -> DeviceMesh:
+    """`dims` of `mesh` as one dim `name`. Flattening makes new groups; with at most one of the dims of degree > 1,
+    that dim's group (or, with none, this rank's own) is already the flat group."""
+    parallel = tuple(d for d in dims if mesh[d].size() > 1)
+    if len(parallel) > 1:
+        return mesh[parallel]._flatten(name)
+    return DeviceMesh.from_group(mesh.get_group((parallel or dims)[0]), mesh.device_type, mesh_dim_names=(name,))
+
+
+def _own_group() -> dist.ProcessGroup:
+    """A group of this rank alone. Made with local synchronization, so no other rank takes part in its creation
+    (NCCL creates the communicator on first use: the default group is not eagerly initialized, see distributed.py)."""
+    if dist.get_world_size() == 1:
+        return dist.group.WORLD
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
