@@ -17,6 +17,7 @@ import re
 import shutil
 import tempfile
 import time
+from concurrent import futures
 from typing import Any, Callable
 
 import torch
@@ -202,8 +203,18 @@ class CheckpointManager:
         }
         self._pending: tuple[Any, int, float] | None = None  # in-flight async save: (future, step, start time)
         # An async save runs its collectives from a background thread while training runs its own: a group of its
-        # own keeps the two streams of messages apart, and gloo keeps it on the CPU where the staged copy lives.
-        self._group = dist.new_group(backend="gloo") if cfg.enable and cfg.async_mode == "async" else None
+        # own keeps the two streams of messages apart, and gloo keeps it on the CPU where the staged copy lives. The
+        # ranks agree on how it went over a second gloo group (_outcome), from the training thread.
+        is_async = cfg.enable and cfg.async_mode == "async"
+        self._group = dist.new_group(backend="gloo") if is_async else None
+        self._control = dist.new_group(backend="gloo") if is_async else None
+        self._closed = False
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        self.close(error)
 
     # ---- Load
 
@@ -269,7 +280,7 @@ class CheckpointManager:
         """Saves every checkpoint.interval steps and at the last step; call after each optimizer step."""
         if not self.cfg.enable:
             return
-        if self._pending is not None and self._pending[0].done():
+        if self._pending is not None and self._outcome(block=False)[0]:
             self.wait()  # publish a finished async save now rather than at the next save
         if last and self.cfg.last_save_model_only:
             self.save(step, model_only=True, dtype=getattr(torch, self.cfg.export_dtype))
@@ -300,37 +311,72 @@ class CheckpointManager:
             logger.info("checkpoint step-%d: training blocked %.2fs while the state was copied; writing in the "
                         "background", step, time.perf_counter() - t0)
 
-    def wait(self) -> None:
-        """Blocks until an in-flight async save is written, then publishes it."""
-        if self._pending is not None:
-            future, step, t0 = self._pending
-            self._pending = None
-            try:
-                future.result()
-            except CheckpointException as e:
-                return self._failed(step, e)
-            self._publish(step, t0)
+    def _outcome(self, block: bool) -> tuple[bool, BaseException | None]:
+        """(written on every rank, this rank's error or, when another rank failed, a RuntimeError) of the in-flight
+        async save, the same verdict on every rank. Each rank's future completes at its own moment, and a rank
+        that raised at its own step would leave the others waiting in the next collective: one small all-reduce
+        makes every rank publish, raise or train on at the same step. Collective; with `block`, after the save."""
+        future = self._pending[0]
+        if block:
+            futures.wait([future])
+        done = future.done()  # asked once: it may turn true meanwhile
+        error = future.exception() if done else None
+        flags = torch.tensor([not done, error is not None], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
+        if flags[1] and error is None:
+            error = RuntimeError("another rank's save failed")
+        return not flags[0], error
 
-    def close(self) -> None:
-        self.wait()
-        dist.barrier()  # DCP's save ends with a broadcast: the exit gloo may abort on, as in _on_rank0
+    def wait(self, exiting_on: BaseException | None = None) -> None:
+        """Blocks until an in-flight async save is written, then publishes it; a failed one is cleared, never
+        published. Exiting on an error, each rank goes by its own future, without a collective (a peer may be gone):
+        rank 0's has succeeded only once every rank has written, and its step was healthy when it was staged."""
+        if self._pending is None:
+            return
+        future, step, t0 = self._pending
+        if exiting_on is None:
+            error = self._outcome(block=True)[1]
+        else:
+            futures.wait([future])
+            error = future.exception()
+        self._pending = None
+        if error is not None:
+            return self._failed(step, error, exiting_on)
+        self._publish(step, t0)
 
-    def _failed(self, step: int, error: CheckpointException) -> None:
-        """A save that failed on some rank (a full disk, a lost mount), which DCP raises on every rank together, after
-        every rank stopped writing. Its step-N.tmp goes, so the folder holds the complete checkpoints it held before;
-        then the run stops, or with checkpoint.continue_on_save_error goes on and tries again at the next save."""
+    def close(self, exiting_on: BaseException | None = None) -> None:
+        """Every way out of a run ends here (the manager is a context manager): an in-flight async save is waited
+        for."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait(exiting_on)
+        if exiting_on is None:
+            dist.barrier()  # DCP's save ends with a broadcast: the exit gloo may abort on, as in _on_rank0
+
+    def _failed(self, step: int, error: BaseException, exiting_on: BaseException | None = None) -> None:
+        """A save that failed on some rank (a full disk, a lost mount), which every rank learns at the same step,
+        after every rank stopped writing. Its step-N.tmp goes, so the folder holds the complete checkpoints it held
+        before; then the run stops, or with checkpoint.continue_on_save_error goes on and tries again at the next
+        save. A run already ending on another error reports that one."""
         if dist.get_rank() == 0:
             shutil.rmtree(os.path.join(self.folder, f"step-{step}.tmp"), ignore_errors=True)
-        rank, (cause, _) = next(iter(error.failures.items()))
+        where, cause = "", error  # another rank's failure, or this rank's outside DCP's own handling
+        if isinstance(error, CheckpointException):
+            rank, (cause, _) = next(iter(error.failures.items()))
+            where = f" on rank {rank}"
         newest = max(complete_checkpoints(self.folder), default=None)
         free = shutil.disk_usage(self.folder).free / 2**30
-        message = (f"saving checkpoint step-{step} failed on rank {rank} ({free:.1f} GiB free in {self.folder}): "
+        message = (f"saving checkpoint step-{step} failed{where} ({free:.1f} GiB free in {self.folder}): "
                    f"{str(cause).strip().splitlines()[0][:200]}; "
                    + (f"step-{newest} is intact" if newest is not None else "no earlier checkpoint exists"))
-        if not self.cfg.continue_on_save_error:
+        if exiting_on is not None:
+            logger.error("%s", message)
+        elif not self.cfg.continue_on_save_error:
             raise CheckpointSaveError(f"{message}: make room in {self.folder} (or set checkpoint.folder) and rerun to "
                                       "resume, or set checkpoint.continue_on_save_error to train on")
-        logger.error("%s: training goes on (checkpoint.continue_on_save_error)", message)
+        else:
+            logger.error("%s: training goes on (checkpoint.continue_on_save_error)", message)
 
     def _publish(self, step: int, t0: float) -> None:
         """Renames step-N.tmp to step-N, then applies keep_latest_k; rank 0 only, after DCP's save has returned there,
