@@ -24,6 +24,7 @@ from torchtitan_lite.checkpoint import complete_checkpoints
 from torchtitan_lite.checkpoint_reader import read_tensors
 
 BPE = str(ROOT / "torchtitan_lite" / "assets" / "stdlib_bpe_2k.tiktoken")
+SLOW_DELETE = ROOT / "tests" / "multiprocess" / "slow_delete.py"
 TOLERANCE = 1e-5
 
 
@@ -239,3 +240,11 @@ def test_a_run_stopped_by_an_error_publishes_its_healthy_async_save(tmp_path, mo
     assert os.listdir(tmp_path / "checkpoint") == ["step-2"]
     assert list(complete_checkpoints(str(tmp_path / "checkpoint"))) == [2]
 
+
+def test_deleting_old_checkpoints_slower_than_the_training_timeout_stops_nothing(tmp_path):
+    # Each delete takes 6 s, twice comm.train_timeout_seconds: rank 0 must not make the other rank wait for it.
+    proc = torchrun(2, tmp_path, *COMMON, *CHECKPOINTED, "--training.steps", "4", "--checkpoint.keep_latest_k", "1",
+                    "--comm.train_timeout_seconds", "3", script=SLOW_DELETE, script_args=("6",))
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    assert "waiting for the deletion of 1 checkpoint folder(s)" in proc.stdout + proc.stderr
+    assert os.listdir(tmp_path / "checkpoint") == ["step-4"]  # the run waited for the delete before it exited
