@@ -305,8 +305,8 @@ class CheckpointManager:
                         "background", step, time.perf_counter() - t0)
 
     def _outcome(self, block: bool) -> tuple[bool, BaseException | None]:
-        """(written on every rank, this rank's error or, when another rank failed, a RuntimeError) of the in-flight
-        async save, the same verdict on every rank. Each rank's future completes at its own moment, and a rank
+        """(ended on every rank, its error if it failed on any) of the in-flight async save: the same verdict on every
+        rank. Each rank's future completes at its own moment, and a rank
         that raised at its own step would leave the others waiting in the next collective: one small all-reduce
         makes every rank publish, raise or train on at the same step. Collective; with `block`, after the save."""
         future = self._pending[0]
