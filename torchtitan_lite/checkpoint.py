@@ -306,9 +306,9 @@ class CheckpointManager:
 
     def _outcome(self, block: bool) -> tuple[bool, BaseException | None]:
         """(ended on every rank, its error if it failed on any) of the in-flight async save: the same verdict on every
-        rank. Each rank's future completes at its own moment, and a rank
-        that raised at its own step would leave the others waiting in the next collective: one small all-reduce
-        makes every rank publish, raise or train on at the same step. Collective; with `block`, after the save."""
+        rank. Each rank's future completes at its own moment, and a rank that raised at its own step would leave the
+        others waiting in the next collective: one small all-reduce makes every rank publish, raise or train on at the
+        same step. Collective; with `block`, after the save has ended here."""
         future = self._pending[0]
         if block:
             futures.wait([future])
