@@ -64,7 +64,8 @@ def preflight(cfg: JobConfig, world_size: int):
     return dims, model_args, global_batch, source, val_source
 
 
-def main(cfg: JobConfig, env: Env) -> None:
+def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> None:
+    """Trains; `exits` closes what main opens on every way out (run())."""
     dims, model_args, global_batch, source, val_source = preflight(cfg, env.world_size)
     t, v = cfg.training, cfg.validation
 
@@ -162,10 +163,12 @@ def main(cfg: JobConfig, env: Env) -> None:
     # ---- Checkpoint: resume from the newest complete checkpoint in the folder, or start from
     # checkpoint.initial_load_path.
     train_state = TrainState()
-    checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, optimizer, scheduler, data, train_state,
-                                   guard, t.steps)
+    # Closed on every way out: an in-flight async save is published or, failed, cleared; old ones finish deleting.
+    checkpoint = exits.enter_context(CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, optimizer,
+                                                       scheduler, data, train_state, guard, t.steps))
     if cfg.checkpoint.create_seed_checkpoint:
         checkpoint.save(0, model_only=True)
+        checkpoint.close()  # an async save is written only now
         logger.info("seed checkpoint written: runs on any mesh with this checkpoint folder start from it")
         return
     checkpoint.load()
@@ -253,7 +256,8 @@ def run(argv: list[str] | None = None, check: bool = False) -> int:
         if check:
             preflight(cfg, env.world_size)
         else:
-            main(cfg, env)
+            with contextlib.ExitStack() as exits:
+                main(cfg, env, exits)
     except ConfigError as e:
         report(e, env)  # one line for the whole job, printed before any rank exits
         return 2

@@ -11,12 +11,14 @@ holds the `model.*` keys alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
 import tempfile
 import time
+from concurrent import futures
 from typing import Any, Callable
 
 import torch
@@ -31,12 +33,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan_lite.checkpoint_reader import SafePlanner, SafeReader, check_fits, flatten_state, read_metadata
+from torchtitan_lite.checkpoint_trash import Trash, fsync_dir
 from torchtitan_lite.config import Checkpoint, ConfigError
 
 logger = logging.getLogger("torchtitan_lite")
 
 _STEP = re.compile(r"step-(\d+)")
-_LEFTOVER = re.compile(r"step-\d+\.(tmp|trash)")
 # Test hook: seconds the coordinator waits with every shard written and `.metadata` not yet, the moment at which a
 # kill would do the most damage. Only the tests set it.
 _PAUSE_BEFORE_METADATA_S = float(os.environ.get("TORCHTITAN_LITE_TEST_PAUSE_BEFORE_METADATA_S", "0"))
@@ -47,7 +49,7 @@ _PAUSE_BEFORE_METADATA_S = float(os.environ.get("TORCHTITAN_LITE_TEST_PAUSE_BEFO
 def complete_checkpoints(folder: str) -> dict[int, str]:
     """step -> path of each complete checkpoint in `folder`, oldest first: a `step-N` folder holding DCP's
     `.metadata`, which exists only once every rank's shards are written. `step-N.tmp` (a save in progress) and
-    `step-N.trash` (a deletion in progress) never match."""
+    `step-N.<tag>.trash` (a deletion in progress) never match."""
     names = os.listdir(folder) if os.path.isdir(folder) else []
     found = {int(m.group(1)): os.path.join(folder, m.group(0)) for m in map(_STEP.fullmatch, names)
              if m and os.path.isfile(os.path.join(folder, m.group(0), ".metadata"))}
@@ -59,13 +61,6 @@ def steps_to_delete(steps: list[int], keep_latest_k: int, just_saved: int) -> li
     when a run resumed from an older one (checkpoint.load_step). 0 keeps everything."""
     keep = set(sorted(steps)[-keep_latest_k:]) | {just_saved} if keep_latest_k > 0 else set(steps)
     return [s for s in sorted(steps) if s not in keep]
-
-
-def _discard(path: str) -> None:
-    # Renamed first: rmtree deletes in no particular order, and a half-deleted folder that still held `.metadata`
-    # would look complete. (save() has cleared any older `.trash`.)
-    os.rename(path, path + ".trash")
-    shutil.rmtree(path + ".trash")
 
 
 class _Writer(FileSystemWriter):
@@ -202,8 +197,18 @@ class CheckpointManager:
         }
         self._pending: tuple[Any, int, float] | None = None  # in-flight async save: (future, step, start time)
         # An async save runs its collectives from a background thread while training runs its own: a group of its
-        # own keeps the two streams of messages apart, and gloo keeps it on the CPU where the staged copy lives.
-        self._group = dist.new_group(backend="gloo") if cfg.enable and cfg.async_mode == "async" else None
+        # own keeps the two streams of messages apart, and gloo keeps it on the CPU where the staged copy lives. The
+        # ranks agree on how it went over a second gloo group (_outcome), from the training thread.
+        is_async = cfg.enable and cfg.async_mode == "async"
+        self._group = dist.new_group(backend="gloo") if is_async else None
+        self._control = dist.new_group(backend="gloo") if is_async else None
+        self._trash, self._closed = Trash(), False
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        self.close(error)
 
     # ---- Load
 
@@ -269,7 +274,7 @@ class CheckpointManager:
         """Saves every checkpoint.interval steps and at the last step; call after each optimizer step."""
         if not self.cfg.enable:
             return
-        if self._pending is not None and self._pending[0].done():
+        if self._pending is not None and self._outcome(block=False)[0]:
             self.wait()  # publish a finished async save now rather than at the next save
         if last and self.cfg.last_save_model_only:
             self.save(step, model_only=True, dtype=getattr(torch, self.cfg.export_dtype))
@@ -282,9 +287,8 @@ class CheckpointManager:
         tmp = os.path.join(self.folder, f"step-{step}.tmp")
         if dist.get_rank() == 0:
             os.makedirs(self.folder, exist_ok=True)
-            for name in filter(_LEFTOVER.fullmatch, os.listdir(self.folder)):  # a crashed save's or deletion's
-                shutil.rmtree(os.path.join(self.folder, name))
-        dist.barrier()  # no rank writes into step-N.tmp before rank 0 has cleared an old one
+            self._trash.sweep(self.folder)  # a crashed save's or deletion's leftovers
+        dist.barrier()  # no rank writes into step-N.tmp before rank 0 has moved an old one away
         states = {"model": _model_state(self.model, dtype)} if model_only else self.states
         t0 = time.perf_counter()
         if self._group is None:
@@ -300,53 +304,92 @@ class CheckpointManager:
             logger.info("checkpoint step-%d: training blocked %.2fs while the state was copied; writing in the "
                         "background", step, time.perf_counter() - t0)
 
-    def wait(self) -> None:
-        """Blocks until an in-flight async save is written, then publishes it."""
-        if self._pending is not None:
-            future, step, t0 = self._pending
-            self._pending = None
-            try:
-                future.result()
-            except CheckpointException as e:
-                return self._failed(step, e)
-            self._publish(step, t0)
+    def _outcome(self, block: bool) -> tuple[bool, BaseException | None]:
+        """(ended on every rank, its error if it failed on any) of the in-flight async save: the same verdict on every
+        rank. Each rank's future completes at its own moment, and a rank that raised at its own step would leave the
+        others waiting in the next collective: one small all-reduce makes every rank publish, raise or train on at the
+        same step. Collective; with `block`, after the save has ended here."""
+        future = self._pending[0]
+        if block:
+            futures.wait([future])
+        done = future.done()  # asked once: it may turn true meanwhile
+        error = future.exception() if done else None
+        flags = torch.tensor([not done, error is not None], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
+        if flags[1] and error is None:
+            error = RuntimeError("another rank's save failed")
+        return not flags[0], error
 
-    def close(self) -> None:
-        self.wait()
-        dist.barrier()  # DCP's save ends with a broadcast: the exit gloo may abort on, as in _on_rank0
+    def wait(self, exiting_on: BaseException | None = None) -> None:
+        """Blocks until an in-flight async save is written, then publishes it; a failed one is cleared, never
+        published. Exiting on an error, each rank goes by its own future, without a collective (a peer may be gone):
+        rank 0's has succeeded only once every rank has written, and its step was healthy when it was staged."""
+        if self._pending is None:
+            return
+        future, step, t0 = self._pending
+        if exiting_on is None:
+            error = self._outcome(block=True)[1]
+        else:
+            futures.wait([future])
+            error = future.exception()
+        self._pending = None
+        if error is not None:
+            return self._failed(step, error, exiting_on)
+        self._publish(step, t0)
 
-    def _failed(self, step: int, error: CheckpointException) -> None:
-        """A save that failed on some rank (a full disk, a lost mount), which DCP raises on every rank together, after
-        every rank stopped writing. Its step-N.tmp goes, so the folder holds the complete checkpoints it held before;
-        then the run stops, or with checkpoint.continue_on_save_error goes on and tries again at the next save."""
-        if dist.get_rank() == 0:
-            shutil.rmtree(os.path.join(self.folder, f"step-{step}.tmp"), ignore_errors=True)
-        rank, (cause, _) = next(iter(error.failures.items()))
+    def close(self, exiting_on: BaseException | None = None) -> None:
+        """Every way out of a run ends here (the manager is a context manager): an in-flight async save is waited
+        for, then rank 0 finishes its deletions. After the other ranks' barrier, so none waits on them."""
+        if self._closed:
+            return
+        try:
+            self.wait(exiting_on)
+            if exiting_on is None:
+                dist.barrier()  # DCP's save ends with a broadcast: the exit gloo may abort on, as in _on_rank0
+        finally:
+            self._closed = True
+            self._trash.wait()
+
+    def _failed(self, step: int, error: BaseException, exiting_on: BaseException | None = None) -> None:
+        """A save that failed on some rank (a full disk, a lost mount), which every rank learns at the same step,
+        after every rank stopped writing. Its step-N.tmp goes, so the folder holds the complete checkpoints it held
+        before; then the run stops, or with checkpoint.continue_on_save_error goes on and tries again at the next
+        save. A run already ending on another error reports that one."""
+        tmp = os.path.join(self.folder, f"step-{step}.tmp")
+        if dist.get_rank() == 0 and os.path.isdir(tmp):
+            with contextlib.suppress(OSError):  # a lost mount: the next save's sweep tries again
+                self._trash.discard(tmp)
+        where, cause = "", error  # another rank's failure, or this rank's outside DCP's own handling
+        if isinstance(error, CheckpointException):
+            rank, (cause, _) = next(iter(error.failures.items()))
+            where = f" on rank {rank}"
         newest = max(complete_checkpoints(self.folder), default=None)
         free = shutil.disk_usage(self.folder).free / 2**30
-        message = (f"saving checkpoint step-{step} failed on rank {rank} ({free:.1f} GiB free in {self.folder}): "
+        message = (f"saving checkpoint step-{step} failed{where} ({free:.1f} GiB free in {self.folder}): "
                    f"{str(cause).strip().splitlines()[0][:200]}; "
                    + (f"step-{newest} is intact" if newest is not None else "no earlier checkpoint exists"))
-        if not self.cfg.continue_on_save_error:
+        if exiting_on is not None:
+            logger.error("%s", message)
+        elif not self.cfg.continue_on_save_error:
             raise CheckpointSaveError(f"{message}: make room in {self.folder} (or set checkpoint.folder) and rerun to "
                                       "resume, or set checkpoint.continue_on_save_error to train on")
-        logger.error("%s: training goes on (checkpoint.continue_on_save_error)", message)
+        else:
+            logger.error("%s: training goes on (checkpoint.continue_on_save_error)", message)
 
     def _publish(self, step: int, t0: float) -> None:
         """Renames step-N.tmp to step-N, then applies keep_latest_k; rank 0 only, after DCP's save has returned there,
         which is after every rank has written. DCP alone writes `.metadata` last, so a fresh folder is never seen
         half-written; the temporary name adds that a save over an existing step-N (a run resumed from an older step)
         never mixes new shards with the old `.metadata`, and that readers (eval jobs, scripts) never see a step-N
-        still being written."""
+        still being written. What goes is deleted in the background (checkpoint_trash.py)."""
         final = os.path.join(self.folder, f"step-{step}")
         if dist.get_rank() == 0:
-            if os.path.exists(final):  # an older step-N is moved aside only now that the new one is complete
-                os.rename(final, final + ".trash")
+            # An older step-N is moved aside only now that the new one is complete, and deleted once it is in place.
+            old = self._trash.move_aside(final) if os.path.exists(final) else None
             os.rename(final + ".tmp", final)
-            fd = os.open(self.folder, os.O_RDONLY)  # the rename is durable before anything older is deleted
-            os.fsync(fd)
-            os.close(fd)
-            shutil.rmtree(final + ".trash", ignore_errors=True)
+            fsync_dir(self.folder)  # the rename is durable before anything older is deleted
+            if old:
+                self._trash.delete(old)
             for s in steps_to_delete(list(complete_checkpoints(self.folder)), self.cfg.keep_latest_k, step):
-                _discard(os.path.join(self.folder, f"step-{s}"))
+                self._trash.discard(os.path.join(self.folder, f"step-{s}"))
         logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - t0)

@@ -15,13 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import (CHECKPOINTED, COMMON, ROOT, STEPS, TINY, TP2, TRAIN, assert_one_error_line, assert_same_curve, ckpt, curve, kill_tree,
-                    losses, read_metrics, snapshot, stopped_after, torchrun, torchrun_cmd, train_in_process,
-                    train_job)
+import train as train_module
+
+from launch import (CHECKPOINTED, COMMON, ROOT, STEPS, TINY, TP2, TRAIN, assert_one_error_line, assert_same_curve, ckpt,
+                    curve, kill_tree, losses, read_metrics, snapshot, stopped_after, torchrun, torchrun_cmd,
+                    train_in_process, train_job)
 from torchtitan_lite.checkpoint import complete_checkpoints
 from torchtitan_lite.checkpoint_reader import read_tensors
 
 BPE = str(ROOT / "torchtitan_lite" / "assets" / "stdlib_bpe_2k.tiktoken")
+SLOW_DELETE = ROOT / "tests" / "multiprocess" / "slow_delete.py"
 TOLERANCE = 1e-5
 
 
@@ -160,6 +163,13 @@ def test_seed_checkpoint_gives_every_mesh_the_same_start(tmp_path):
             assert torch.equal(exported[key], value.to(exported[key].dtype)), key
 
 
+def test_async_seed_checkpoint_is_published(tmp_path):
+    # As the 8B/70B/405B configs set it: checkpoints enabled, saved asynchronously.
+    train_in_process(tmp_path, "--checkpoint.enable", "--checkpoint.async_mode", "async",
+                     "--checkpoint.create_seed_checkpoint")
+    assert os.listdir(tmp_path / "checkpoint") == ["step-0"] and complete_checkpoints(str(tmp_path / "checkpoint"))
+
+
 def test_seed_checkpoint_on_several_processes_is_refused(tmp_path):
     proc = torchrun(2, tmp_path, "--checkpoint.create_seed_checkpoint", check=False)
     assert_one_error_line(proc, "NGPU=1")
@@ -213,3 +223,25 @@ def test_missing_checkpoint_is_a_config_error(tmp_path, override, message):
     override = [o.format(folder=tmp_path) for o in override]
     proc = train(1, tmp_path, *override, check=False)
     assert_one_error_line(proc, message.format(folder=tmp_path))
+
+
+def test_a_run_stopped_by_an_error_publishes_its_healthy_async_save(tmp_path, monkeypatch):
+    # Step 3's loss is NaN: the run stops at step 3's log, while step 2's save is still in flight.
+    batches, next_batch = [], train_module.DataLoader.next_batch
+    monkeypatch.setattr(train_module.DataLoader, "next_batch", lambda self: batches.append(1) or next_batch(self))
+    cross_entropy = torch.nn.functional.cross_entropy
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy",
+                        lambda *a, **k: cross_entropy(*a, **k) * (float("nan") if len(batches) == 3 else 1))
+    proc = train(1, tmp_path, "--checkpoint.async_mode", "async", steps=6, check=False)
+    assert proc.returncode == 1 and "step 3: the gradient norm is nan" in proc.stderr
+    assert os.listdir(tmp_path / "checkpoint") == ["step-2"]
+    assert list(complete_checkpoints(str(tmp_path / "checkpoint"))) == [2]
+
+
+def test_deleting_old_checkpoints_slower_than_the_training_timeout_stops_nothing(tmp_path):
+    # Each delete takes 6 s, twice comm.train_timeout_seconds: rank 0 must not make the other rank wait for it.
+    proc = torchrun(2, tmp_path, *COMMON, *CHECKPOINTED, "--training.steps", "4", "--checkpoint.keep_latest_k", "1",
+                    "--comm.train_timeout_seconds", "3", script=SLOW_DELETE, script_args=("6",))
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    assert "waiting for the deletion of 1 checkpoint folder(s)" in proc.stdout + proc.stderr
+    assert os.listdir(tmp_path / "checkpoint") == ["step-4"]  # the run waited for the delete before it exited

@@ -2,6 +2,7 @@
 half-written checkpoint is gone, and the previous one is intact and resumes; with checkpoint.continue_on_save_error
 the run trains on and saves again once there is room."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,13 @@ def test_with_continue_on_save_error_the_run_trains_on_and_saves_again(tmp_path)
     assert "saving checkpoint step-4 failed on rank 1" in run.stdout + run.stderr and "training goes on" in run.stderr
     assert list(complete_checkpoints(str(tmp_path / "checkpoint"))) == [2, 6]
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_failed_async_save_stops_every_rank_after_the_same_step(tmp_path):
+    # Rank 1 sees its save of step 4 end one check later than rank 0 does: they still agree on when to stop.
+    run = torchrun(2, tmp_path, *COMMON, "--training.steps", "8", *CHECKPOINTED, "--checkpoint.async_mode", "async",
+                   script=FULL_DISK, script_args=("1", "4", "late"), check=False)
+    assert_one_error_line(run, "saving checkpoint step-4 failed on rank 1 (")
+    learned = dict(re.findall(r"rank (\d) learned of the failure after step (\d+)", run.stdout + run.stderr))
+    assert learned.keys() == {"0", "1"} and len(set(learned.values())) == 1, (run.stdout + run.stderr)[-3000:]
+    assert sorted(p.name for p in Path(tmp_path / "checkpoint").iterdir()) == ["step-2"]
