@@ -30,7 +30,7 @@ from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.context_parallel import check_cp, sharder
 from torchtitan_lite.data import DataLoader, build_source, to_device
 from torchtitan_lite.distributed import Env, init_distributed, peer_timeout, set_determinism, set_timeout
-from torchtitan_lite.errors import checks_passed, report
+from torchtitan_lite.errors import checks_passed, group_formed, report
 from torchtitan_lite.metrics import MetricLogger, flops_per_token, held_bytes, memory_gib, peak_flops
 from torchtitan_lite.model import Transformer, count_params, flavor_args
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -72,6 +72,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> None:
     # ---- Processes, device, mesh.
     checks_passed(env)  # from here on, errors are decided on rank 0 and raised on every rank
     device = init_distributed(env, cfg.comm.init_timeout_seconds)
+    group_formed(env)  # a line can now be said for a hung rank 0
     set_determinism(t.seed, t.deterministic, device)
     mesh, dp_mesh, loss_mesh = dims.build_mesh(device.type)
     if env.rank == 0:

@@ -123,6 +123,11 @@ def set_timeout(seconds: int) -> None:
     _timeout, _train_timeout = f"comm.train_timeout_seconds = {seconds}", timedelta(seconds=seconds)
 
 
+def train_timeout() -> timedelta | None:
+    """The training timeout once set_timeout has put it in force, else None (the start-up one still bounds)."""
+    return _train_timeout
+
+
 def wait(works: list[dist.Work]) -> None:
     """Waits for point-to-point work (a pipeline's sends and receives) within the training timeout once it is set.
     A wait without one is bounded by the timeout gloo's connections had when the group was made (the start-up
