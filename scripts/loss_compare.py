@@ -1,10 +1,14 @@
-"""Compare two training runs' loss curves step by step.
+"""Compare two training runs' loss curves and gradient norms step by step.
 
     python scripts/loss_compare.py outputs/run_a outputs/run_b --tolerance 0
     python scripts/loss_compare.py --run_a "--training.steps 20" \
         --run_b "--training.steps 20 --parallelism.tensor_parallel_degree 2" --ngpu 4
 
-Exit status: 0 when the curves agree within --tolerance, 1 when they do not, 2 on bad input or a failed run.
+The loss alone is a blind spot: AdamW divides each update by the root of its own running mean square, so a gradient
+scaled by a constant (a reduction that forgot to divide by the data-parallel degree) leaves the curve almost where
+it was while the gradient norm moves by that factor. So the grad norm is compared too, relative to run A's.
+
+Exit status: 0 when both agree within tolerance, 1 when either does not, 2 on bad input or a failed run.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # repo root: where run_train.sh and train_configs/ live
+GRAD_NORM = "grad_norm"
 
 
 class InputError(Exception):
@@ -71,6 +76,11 @@ class Result:
     max_rel: float
     only_a: list[int] = field(default_factory=list)
     only_b: list[int] = field(default_factory=list)
+    max_rel_step: int | None = None
+
+    def over(self, tolerance: float, relative: bool) -> list[int]:
+        """The steps whose difference (relative to A's value, or absolute) exceeds `tolerance`."""
+        return [s for s, va, _, d in self.rows if (_rel(va, d) if relative else abs(d)) > tolerance]
 
 
 def _diff(a: float, b: float) -> float:
@@ -82,16 +92,24 @@ def _diff(a: float, b: float) -> float:
     return math.inf if math.isnan(d) else d
 
 
+def _rel(a: float, d: float) -> float:
+    """|d| relative to |a|; a difference from a zero or non-finite value is infinitely large."""
+    if d == 0:
+        return 0.0
+    return abs(d) / abs(a) if math.isfinite(a) and a != 0 else math.inf
+
+
 def compare(a: dict[int, float], b: dict[int, float]) -> Result:
     common = sorted(a.keys() & b.keys())
     rows = [(s, a[s], b[s], _diff(a[s], b[s])) for s in common]
-    max_abs, max_abs_step, max_rel = 0.0, None, 0.0
+    max_abs, max_abs_step, max_rel, max_rel_step = 0.0, None, 0.0, None
     for step, va, _, d in rows:
         if max_abs_step is None or abs(d) > max_abs:
             max_abs, max_abs_step = abs(d), step
-        if d != 0:
-            max_rel = max(max_rel, abs(d) / abs(va) if math.isfinite(va) and va != 0 else math.inf)
-    return Result(rows, max_abs, max_abs_step, max_rel, sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys()))
+        if max_rel_step is None or _rel(va, d) > max_rel:
+            max_rel, max_rel_step = _rel(va, d), step
+    return Result(rows, max_abs, max_abs_step, max_rel, sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys()),
+                  max_rel_step)
 
 
 def run_training(overrides: str, dump: Path, config: str | None, ngpu: int | None) -> Path:
@@ -148,8 +166,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("b", nargs="?", help="run B: same")
     p.add_argument("--key", default="loss", help="metric to compare, e.g. val_loss or grad_norm (default: loss)")
     p.add_argument("--tolerance", type=float, default=1e-5,
-                   help="largest |B - A| still accepted (default 1e-5: absorbs float reduction-order noise "
+                   help="largest |B - A| of --key still accepted (default 1e-5: absorbs float reduction-order noise "
                    "between parallelisms; use 0 to require bitwise-equal curves)")
+    p.add_argument("--grad_norm_tolerance", type=float, metavar="R",
+                   help="largest |B - A| / |A| of the grad norm still accepted (default: the --tolerance value, so "
+                   "1e-5 relative for a parity check and 0, bitwise, with --tolerance 0)")
+    p.add_argument("--no_grad_norm", action="store_true", help="compare --key alone, not the grad norm as well")
     p.add_argument("--steps", type=int, help="compare only steps <= N")
     p.add_argument("--plot", metavar="OUT.png", help="save both curves and their difference (needs matplotlib)")
     g = p.add_argument_group("train both runs first, through ./run_train.sh (instead of A and B)")
@@ -165,6 +187,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("give either A and B, or both --run_a and --run_b")
     if not training and not (args.a and args.b):
         p.error("give two runs to compare: A and B (metrics.jsonl files or dump folders)")
+    if args.grad_norm_tolerance is None:
+        args.grad_norm_tolerance = args.tolerance
+    for name in ("tolerance", "grad_norm_tolerance"):
+        if not getattr(args, name) >= 0:  # NaN too: it would accept every difference
+            p.error(f"--{name} must be a number >= 0, not {getattr(args, name)}")
     return args
 
 
@@ -182,31 +209,76 @@ def main(argv: list[str] | None = None) -> int:
             work = Path(args.workdir or tempfile.mkdtemp(prefix="loss_compare_")).resolve()
             args.a = run_training(args.run_a, work / "a", args.config, args.ngpu)
             args.b = run_training(args.run_b, work / "b", args.config, args.ngpu_b or args.ngpu)
-        a, b = read_curve(args.a, args.key), read_curve(args.b, args.key)
+        keys = (args.key,) if args.no_grad_norm or args.key == GRAD_NORM else (args.key, GRAD_NORM)
+        a, b = read_curves(args.a, keys), read_curves(args.b, keys)
         if args.steps is not None:
-            a = {s: v for s, v in a.items() if s <= args.steps}
-            b = {s: v for s, v in b.items() if s <= args.steps}
-        result = compare(a, b)
+            for curves in (a, b):
+                curves.update({k: {s: v for s, v in c.items() if s <= args.steps} for k, c in curves.items()})
+        result = compare(a[args.key], b[args.key])
         if not result.rows:
             raise InputError(f"no step has a {args.key!r} value in both {args.a} and {args.b}")
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    print(f"{'step':>6}  {args.key + ' A':>16}  {args.key + ' B':>16}  {'diff':>10}")
-    for step, va, vb, d in result.rows:
-        print(f"{step:>6}  {va:>16.8f}  {vb:>16.8f}  {d:>10.3e}")
+    # (name, result, tolerance, relative) of each metric compared.
+    checks = [(args.key, result, args.tolerance, False)]
+    if GRAD_NORM in keys:
+        norms = compare(a[GRAD_NORM], b[GRAD_NORM])
+        if norms.rows:
+            checks.append((GRAD_NORM, norms, args.grad_norm_tolerance, True))
+        else:
+            lacking = [name for name, run in (("A", a), ("B", b)) if not run[GRAD_NORM]]
+            why = f"run {' and '.join(lacking)} logged none" if lacking else "no step has one in both runs"
+            print(f"note: grad_norm not compared ({why}): {args.key} alone decides")
+    print_table(checks)
     for name, steps in (("A", result.only_a), ("B", result.only_b)):
         if steps:
             print(f"warning: steps only in {name}, not compared: {', '.join(map(str, steps))}")
     print(f"max abs diff: {result.max_abs:.3e} at step {result.max_abs_step}")
     print(f"max rel diff: {result.max_rel:.3e}")
+    if len(checks) > 1:
+        print(f"{GRAD_NORM} max rel diff: {norms.max_rel:.3e} at step {norms.max_rel_step}")
     if args.plot:
         plot(result, args.key, args.plot)
         print(f"plot written to {args.plot}")
-    ok = result.max_abs <= args.tolerance
-    print(f"{'OK' if ok else 'FAIL'}: max abs diff {'<=' if ok else '>'} tolerance {args.tolerance:g}")
-    return 0 if ok else 1
+    return verdict(checks)
+
+
+def print_table(checks: list[tuple[str, Result, float, bool]]) -> None:
+    """One row per step of the first metric, the grad norm's values and relative difference beside it."""
+    (key, result, _, _), norms = checks[0], (checks[1][1] if len(checks) > 1 else None)
+    header = f"{'step':>6}  {key + ' A':>16}  {key + ' B':>16}  {'diff':>10}"
+    print(header + (f"  {GRAD_NORM + ' A':>16}  {GRAD_NORM + ' B':>16}  {'rel diff':>10}" if norms else ""))
+    by_step = {s: (va, vb, _rel(va, d)) for s, va, vb, d in norms.rows} if norms else {}
+    for step, va, vb, d in result.rows:
+        row = f"{step:>6}  {va:>16.8f}  {vb:>16.8f}  {d:>10.3e}"
+        if step in by_step:
+            row += "  {:>16.8f}  {:>16.8f}  {:>10.3e}".format(*by_step[step])
+        print(row)
+
+
+def verdict(checks: list[tuple[str, Result, float, bool]]) -> int:
+    """Prints which metrics differ and from which step; the exit status: 0 when none does, else 1."""
+    differ = {}  # name -> first step above its tolerance
+    for name, result, tolerance, relative in checks:
+        over = result.over(tolerance, relative)
+        kind = "rel" if relative else "abs"
+        if over:
+            differ[name] = over[0]
+            print(f"{name}: FAIL, {kind} diff > {tolerance:g} at {len(over)} of {len(result.rows)} steps, first at "
+                  f"step {over[0]}")
+        else:
+            print(f"{name}: OK, max {kind} diff <= {tolerance:g}")
+    if not differ:
+        print(f"OK: {' and '.join(name for name, *_ in checks)} within tolerance")
+        return 0
+    if len(differ) == 1:
+        print("FAIL: {} differs from step {}".format(*differ.popitem()))
+    else:
+        where = ", ".join(f"{name} from step {step}" for name, step in differ.items())
+        print(f"FAIL: {' and '.join(differ)} differ ({where})")
+    return 1
 
 
 if __name__ == "__main__":

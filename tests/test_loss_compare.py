@@ -9,17 +9,20 @@ from pathlib import Path
 
 import pytest
 
+import train
+from tests.multiprocess.launch import train_in_process
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "loss_compare.py"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 LOSSES = [10.83710384368896, 10.5012345678, 9.87654321, 9.1234567891, 8.765432109]
 
 
-def write_metrics(path: Path, losses, steps=None, extra_lines=()) -> Path:
+def write_metrics(path: Path, losses, steps=None, extra_lines=(), grad_norm=1.5) -> Path:
     """A metrics.jsonl shaped like the trainer's: one object per step, all contract keys, full-precision floats."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
     for step, loss in zip(steps or range(1, len(losses) + 1), losses):
-        record = {"step": step, "loss": loss, "grad_norm": 1.5, "lr": 8e-4, "tps": 1234.5, "mfu": 0.1,
+        record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": 8e-4, "tps": 1234.5, "mfu": 0.1,
                   "memory_gib": 0.5, "elapsed_s": 0.1 * step}
         lines.append(json.dumps(record))
     lines.extend(extra_lines)
@@ -136,3 +139,74 @@ def test_plot_writes_png(tmp_path):
     r = run(a, a, "--plot", tmp_path / "out.png")
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- The grad norm: the loss curve's blind spot
+
+
+def test_grad_norm_difference_fails_and_is_named_while_the_loss_agrees(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    b = write_metrics(tmp_path / "b.jsonl", LOSSES, grad_norm=1.5 * (1 + 1e-4))
+    r = run(a, b)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "loss: OK" in r.stdout and "grad_norm: FAIL" in r.stdout
+    assert r.stdout.splitlines()[-1] == "FAIL: grad_norm differs from step 1"
+    assert run(a, b, "--grad_norm_tolerance", 1e-3).returncode == 0  # relative: 1e-4 of 1.5 is within 1e-3
+    assert run(a, b, "--no_grad_norm").returncode == 0
+
+
+def test_both_metrics_differing_are_both_named_with_their_first_step(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    b = write_metrics(tmp_path / "b.jsonl", [x + (1e-3 if i >= 3 else 0) for i, x in enumerate(LOSSES)], grad_norm=3.0)
+    r = run(a, b)
+    assert r.returncode == 1
+    assert r.stdout.splitlines()[-1] == "FAIL: loss and grad_norm differ (loss from step 4, grad_norm from step 1)"
+
+
+def test_tolerance_zero_is_bitwise_for_the_grad_norm_too(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    b = write_metrics(tmp_path / "b.jsonl", LOSSES, grad_norm=1.5 + 2e-16)  # the next float64 after 1.5
+    assert run(a, b).returncode == 0
+    r = run(a, b, "--tolerance", 0)
+    assert r.returncode == 1 and "grad_norm: FAIL" in r.stdout
+
+
+def test_metrics_without_grad_norm_are_compared_on_the_loss_and_say_so(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps({"step": s, "loss": x}) + "\n" for s, x in enumerate(LOSSES, 1)))
+    r = run(a, old, "--tolerance", 0)
+    assert r.returncode == 0, r.stdout + r.stderr
+    notes = [line for line in r.stdout.splitlines() if "grad_norm" in line]
+    assert notes == ["note: grad_norm not compared (run B logged none): loss alone decides"]
+
+
+def test_negative_grad_norm_tolerance_is_an_input_error(tmp_path):
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    r = run(a, a, "--grad_norm_tolerance", -1)
+    assert r.returncode == 2 and "--grad_norm_tolerance must be a number >= 0" in r.stderr
+
+
+@pytest.mark.parametrize("max_norm", ["0", "1.0"])
+def test_gradients_doubled_on_one_run_fail_on_the_grad_norm_alone(tmp_path, monkeypatch, max_norm):
+    """What a reduction that forgot its 1/dp looks like (every gradient x2 before clipping), in two real 3-step
+    trainings: AdamW cancels the constant factor but for its eps (unclipped, the curves drift apart slowly: a longer
+    run ends up above the parity tolerance), and with clipping on the clip rescales both runs to the same norm, so the
+    loss curves agree within the parity tolerance while the grad norm doubles."""
+    overrides = ("--training.steps", "3", "--training.max_norm", max_norm)
+    train_in_process(tmp_path / "a", *overrides)
+    clip = train.clip_grad_norm_
+
+    def doubled_then_clipped(params, *args, **kwargs):
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(2)
+        return clip(params, *args, **kwargs)
+
+    monkeypatch.setattr(train, "clip_grad_norm_", doubled_then_clipped)
+    train_in_process(tmp_path / "b", *overrides)
+    r = run(tmp_path / "a", tmp_path / "b", "--tolerance", 1e-5)  # the README's parity check
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "loss: OK" in r.stdout, r.stdout  # the blind spot: the loss alone would pass
+    assert r.stdout.splitlines()[-1] == "FAIL: grad_norm differs from step 1", r.stdout
+    assert "grad_norm max rel diff: 1.000e+00" in r.stdout  # B's norm is twice A's at every step

@@ -11,7 +11,8 @@ document boundaries; a tail shorter than a window is dropped. A finite source re
 (the first included) with a seeded permutation that needs no memory, so the order extends forever.
 
 Hugging Face streams cannot be read at random positions: each dp rank streams its own shard of the documents, and
-the state is per rank, so such a run resumes only on the same data-parallel degree.
+the state is per rank, so such a run resumes only on the same data-parallel degree. A resume seeks with the stream's
+own state where the dataset keeps one, else it reads (untokenized) every document consumed before.
 """
 
 from __future__ import annotations
@@ -151,26 +152,35 @@ class HFSource:
     def __init__(self, dataset, text_field: str, tokenizer, seq_len: int):
         self.dataset, self.text_field, self.tokenizer, self.length = dataset, text_field, tokenizer, seq_len + 1
 
-    def open(self, dp_rank: int, dp_size: int, docs: int, offset: int) -> "Packer":
-        texts = datasets.hf_documents(self.dataset, self.text_field, dp_rank, dp_size)
-        texts = itertools.islice(texts, docs, None)  # resuming skips the documents read before, untokenized
-        tokens = (self.tokenizer.encode(t, bos=True, eos=True) if t else [] for t in texts)
-        return Packer(tokens, self.length, docs, offset)
+    def open(self, dp_rank: int, dp_size: int, docs: int, offset: int, position: str = "") -> "Packer":
+        texts = datasets.HFDocuments(self.dataset, self.text_field, dp_rank, dp_size, position)
+        # Without the stream's own position, resuming skips the documents read before, untokenized.
+        skipped = texts if texts.position else itertools.islice(texts, docs, None)
+        tokens = (self.tokenizer.encode(t, bos=True, eos=True) if t else [] for t in skipped)
+        return Packer(tokens, self.length, docs, offset, lambda: texts.position)
 
 
 class Packer:
     """Cuts windows from a stream of documents' tokens; (docs, offset), the document and token where the next
-    window starts, is all it takes to resume exactly."""
+    window starts, is all it takes to resume exactly. `where`, if given, says where the stream's next document
+    starts in the stream's own terms: `position` is then that of document `docs`."""
 
-    def __init__(self, documents, length: int, docs: int = 0, offset: int = 0):
+    def __init__(self, documents, length: int, docs: int = 0, offset: int = 0, where: Callable[[], str] | None = None):
         self.documents, self.length, self.docs, self.offset = documents, length, docs, offset
+        self.where = where or (lambda: "")
+        self.position = self.where()
         self.read: deque[list[int]] = deque()  # documents docs, docs+1, ... already taken from the stream
+        self.starts: deque[str] = deque()  # where each of them started
 
     def next_window(self) -> torch.Tensor:
         window, i, at = [], 0, self.offset
         while len(window) < self.length:
             if i == len(self.read):
+                self.starts.append(self.where())
                 self.read.append(next(self.documents))
+            if at > len(self.read[i]):  # only a resumed offset can be: this is not the stream the checkpoint read
+                raise ConfigError(f"document {self.docs} of the stream has {len(self.read[i])} tokens, but the "
+                                  f"checkpoint resumes at token {at} of it: the dataset changed since it was saved")
             piece = self.read[i][at : at + self.length - len(window)]
             window += piece
             at += len(piece)
@@ -178,7 +188,9 @@ class Packer:
                 i, at = i + 1, 0
         for _ in range(i):
             self.read.popleft()
+            self.starts.popleft()
         self.docs, self.offset = self.docs + i, at
+        self.position = self.starts[0] if self.starts else self.where()
         return torch.tensor(window)
 
 
@@ -195,7 +207,7 @@ class DataLoader:
         self.position = 0  # windows of the global order consumed so far
         self.streaming = getattr(source, "streaming", False)
         self.stream: Packer | None = None  # opened at the first batch, after a possible load_state_dict
-        self.stream_state = (0, 0)
+        self.stream_state = (0, 0, "")  # docs, offset, position (Packer)
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         per_rank = self.global_batch // self.dp_size
@@ -203,7 +215,7 @@ class DataLoader:
             if self.stream is None:
                 self.stream = self.source.open(self.dp_rank, self.dp_size, *self.stream_state)
             windows = torch.stack([self.stream.next_window() for _ in range(per_rank)])
-            self.stream_state = (self.stream.docs, self.stream.offset)
+            self.stream_state = (self.stream.docs, self.stream.offset, self.stream.position)
         else:
             first = self.position + self.dp_rank * per_rank
             windows = self.source.windows(torch.arange(first, first + per_rank))
@@ -215,9 +227,9 @@ class DataLoader:
         if not self.streaming:
             return {"position": self.position}
         # One key per rank (DCP saves each), as torchtitan's loader does; dp_size is the same on every rank.
-        docs, offset = self.stream_state
+        docs, offset, position = self.stream_state
         return {"position": self.position, "dp_size": self.dp_size,
-                f"dp_rank_{self.dp_rank}": {"docs": docs, "offset": offset}}
+                f"dp_rank_{self.dp_rank}": {"docs": docs, "offset": offset, "stream": position}}
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
@@ -229,7 +241,8 @@ class DataLoader:
                               f"resuming on {self.dp_size} would replay or skip documents: resume with the same "
                               f"data-parallel degree, or use pre-tokenized data (dataset 'tokens'), which reshards")
         rank = state[f"dp_rank_{self.dp_rank}"]
-        self.stream_state, self.stream = (int(rank["docs"]), int(rank["offset"])), None
+        # A checkpoint written before streams saved their position has no "stream": the documents are counted.
+        self.stream_state, self.stream = (int(rank["docs"]), int(rank["offset"]), str(rank.get("stream", ""))), None
 
 
 DATASETS = ("synthetic", "python_stdlib", "text", "jsonl", "tokens", "hf")

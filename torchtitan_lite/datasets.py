@@ -258,19 +258,56 @@ def load_hf_stream(spec: str, split: str, text_field: str, key: str):
     return stream
 
 
-def hf_documents(dataset, text_field: str, dp_rank: int, dp_size: int) -> Iterator[str]:
-    """This rank's documents, endlessly: its shard of the stream, then again from the start."""
-    from datasets.distributed import split_dataset_by_node
+class HFDocuments:
+    """This rank's documents, endlessly: its shard of the stream, then again from the start.
 
-    shard = split_dataset_by_node(dataset, rank=dp_rank, world_size=dp_size)
-    while True:
-        empty = True
-        for n, row in enumerate(shard):
-            empty = False
-            text = row.get(text_field)
-            if not isinstance(text, str):
-                raise ConfigError(f"document {n} of the stream (dp rank {dp_rank}) has no string field "
-                                  f"{text_field!r}: set training.dataset_text_field (fields: {', '.join(row)})")
-            yield text
-        if empty:
-            raise ConfigError(f"the stream's shard for dp rank {dp_rank} of {dp_size} holds no documents")
+    `position` is where the next document starts, as the dataset's own state_dict (datasets >= 2.18) in JSON, so a
+    resume seeks there (skipping whole files) instead of reading every document consumed before; "" when the
+    dataset keeps no state, or keeps one that does not advance (datasets 5.0 stopped tracking after a resume), and
+    the caller then counts documents instead.
+    """
+
+    def __init__(self, dataset, text_field: str, dp_rank: int, dp_size: int, position: str = ""):
+        from datasets.distributed import split_dataset_by_node
+
+        self.split = lambda: split_dataset_by_node(dataset, rank=dp_rank, world_size=dp_size)
+        self.text_field, self.dp_rank, self.dp_size = text_field, dp_rank, dp_size
+        self.tracks = hasattr(dataset, "state_dict")
+        self.position, self.shard = position if self.tracks else "", None
+        self.texts = self._texts()
+
+    def __iter__(self) -> "HFDocuments":
+        return self
+
+    def __next__(self) -> str:
+        text = next(self.texts)
+        if self.tracks:
+            try:
+                self.position = json.dumps(self.shard.state_dict())
+            except TypeError:  # a state that is not plain data: count documents instead
+                self.tracks, self.position = False, ""
+        return text
+
+    def _texts(self) -> Iterator[str]:
+        resume = self.position
+        while True:
+            # A split of its own per pass: datasets applies a loaded state to every pass of its epoch, not the first.
+            self.shard = self.split()
+            fresh = json.dumps(self.shard.state_dict()) if self.tracks else ""
+            if resume:
+                self.shard.load_state_dict(json.loads(resume))
+            empty = True
+            for n, row in enumerate(self.shard):
+                text = row.get(self.text_field)
+                if not isinstance(text, str):
+                    raise ConfigError(f"document {n} of the stream (dp rank {self.dp_rank}) has no string field "
+                                      f"{self.text_field!r}: set training.dataset_text_field (fields: "
+                                      f"{', '.join(row)})")
+                if empty and self.tracks and json.dumps(self.shard.state_dict()) == fresh:
+                    self.tracks, self.position = False, ""  # a document read and the state still at the start
+                empty = False
+                yield text
+            if empty and not resume:
+                raise ConfigError(f"the stream's shard for dp rank {self.dp_rank} of {self.dp_size} holds no "
+                                  "documents")
+            resume = ""  # a resumed pass may be empty: its state was saved after its last document
