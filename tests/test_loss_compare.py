@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import train
-from tests.multiprocess.launch import train_in_process
+from tests.multiprocess.launch import assert_same_curve, train_in_process
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "loss_compare.py"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -210,3 +210,5 @@ def test_gradients_doubled_on_one_run_fail_on_the_grad_norm_alone(tmp_path, monk
     assert "loss: OK" in r.stdout, r.stdout  # the blind spot: the loss alone would pass
     assert r.stdout.splitlines()[-1] == "FAIL: grad_norm differs from step 1", r.stdout
     assert "grad_norm max rel diff: 1.000e+00" in r.stdout  # B's norm is twice A's at every step
+    with pytest.raises(AssertionError, match="grad_norm differs by 1.00e"):  # and so does the suite's parity check
+        assert_same_curve(tmp_path / "b", tmp_path / "a", 1e-5)
