@@ -37,7 +37,7 @@ from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, clip_grad
 from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.pipeline import Pipeline, check_pipeline, merge, split
-from torchtitan_lite.precision import DTYPES, NonFiniteError, UpdateGuard, warn_if_slow
+from torchtitan_lite.precision import DTYPES, NonFiniteError, UpdateGuard, check_precision, warn_if_slow
 from torchtitan_lite.signals import Preemption, restore_signals, stop_with_launcher
 from torchtitan_lite.tokenizer import load_tokenizer
 
@@ -53,6 +53,7 @@ def preflight(cfg: JobConfig, world_size: int):
     dims.validate_model(model_args)
     if dims.pp > 1:
         check_pipeline(cfg.parallelism, model_args.n_layers, cfg.training.local_batch_size)
+    check_precision(cfg.training.mixed_precision_param, dims.pp)
     if dims.cp > 1:
         check_cp(cfg.training.seq_len, dims.cp, dims.tp, cfg.parallelism.context_parallel_load_balancer)
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)

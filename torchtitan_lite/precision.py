@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan_lite.config import ConfigError
+
 logger = logging.getLogger("torchtitan_lite")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,6 +30,14 @@ def warn_if_slow(device: torch.device, dtype: torch.dtype) -> None:
         logger.warning("training.mixed_precision_param = %s on a CPU: most CPUs (those without AMX) run "
                        "half-precision matmuls many times slower than float32; use float32 unless testing precision",
                        str(dtype)[6:])
+
+
+def check_precision(dtype: str, pp: int) -> None:
+    """Refuses what the loss scaler cannot run yet: under a pipeline only the last stage computes the loss, so the
+    scaler never scales on the other stages and fails there at the first unscale."""
+    if dtype == "float16" and pp > 1:
+        raise ConfigError("training.mixed_precision_param float16 is not supported with pipeline_parallel_degree > 1 "
+                          "yet (the loss scaler runs on the last stage only): use bfloat16 or float32 under PP")
 
 
 class UpdateGuard(Stateful):

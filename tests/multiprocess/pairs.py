@@ -59,7 +59,12 @@ IMPOSSIBLE = (
     ({"cp": "on", "dp": "ddp"}, "replicas of a cp-sharded model are HSDP: FSDP's mesh is (replicate, dp_shard x cp)"),
 )
 # Pairs train.py --check refuses: (factor, level), (factor, level) -> (processes, overrides, what the line says).
-REFUSED: dict[tuple[tuple[str, str], tuple[str, str]], tuple[int, tuple[str, ...], str]] = {}
+REFUSED: dict[tuple[tuple[str, str], tuple[str, str]], tuple[int, tuple[str, ...], str]] = {
+    # The first stages never scale their loss, so GradScaler fails at its first unscale (precision.check_precision).
+    (("pp", "on"), ("precision", "float16")): (2, ("--parallelism.pipeline_parallel_degree", "2",
+                                                   "--training.mixed_precision_param", "float16"),
+                                               "float16 is not supported with pipeline_parallel_degree > 1"),
+}
 MAX_WORLD = 4  # processes of a row; 8 only for the pairs that need them (HSDP's 4 ranks beside PP or TP)
 
 
