@@ -166,7 +166,7 @@ def levels_of(nproc: int, overrides: tuple[str, ...]) -> dict[str, str]:
         "pp": on(dims.pp > 1), "cp": on(dims.cp > 1), "tp": on(dims.tp > 1),
         "dp": ("none", "fsdp", "ddp", "hsdp")[(dims.dp_replicate > 1) * 2 + (sharded > 1)],
         "precision": t.mixed_precision_param, "reduce": t.mixed_precision_reduce,
-        "ac": ac.mode if ac.mode != "selective" else "selective_op" if ac.selective_ac_option == "op" else "selective_n",
+        "ac": ac.mode if ac.mode != "selective" else f"selective_{'op' if ac.selective_ac_option == 'op' else 'n'}",
         "compile": on(cfg.compile.enable), "offload": on(p.fsdp_cpu_offload),
         "accumulation": on(dims.global_batch(t.local_batch_size, t.global_batch_size) > t.local_batch_size * dims.dp),
         "defer_reduce": on(p.fsdp_defer_grad_reduce), "hpz": on(p.fsdp_reshard_after_forward.isdecimal()),
@@ -235,10 +235,8 @@ def fill(row: dict[str, str], order: list[str], uncovered: set) -> dict[str, str
 
 
 def generate(runs: dict[str, tuple[int, tuple[str, ...]]]) -> dict[str, tuple[int, tuple[str, ...]]]:
-    """Rows that cover every applicable pair `runs` (name -> (processes, overrides)) miss: greedy, deterministic.
-    Each row starts from the first uncovered pair and fills the other factors one by one with the level that covers
-    the most uncovered pairs with those already set (the default on a tie), as long as the row can still be
-    completed."""
+    """Rows that cover every applicable pair `runs` (name -> (processes, overrides)) miss: greedy (AETG-like) and
+    deterministic, so every session makes the same rows."""
     uncovered = applicable_pairs()
     for nproc, overrides in runs.values():
         uncovered -= pairs_of(levels_of(nproc, overrides))
