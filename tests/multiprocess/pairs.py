@@ -43,6 +43,7 @@ FACTORS = {  # factor -> levels; the first is the default, what a run that does 
     "validation": ("off", "on"),  # validation.enable
     "skip_nonfinite": ("off", "on"),  # training.skip_nonfinite_steps > 0
 }
+LAYOUT = ("pp", "cp", "tp", "dp")
 FSDP_OPTIONS = ("reduce", "offload", "defer_reduce", "hpz", "prefetch")
 # (levels, the factors that layout ignores, why): a pair of such a factor's non-default level with these levels is
 # not applicable, and a run's ignored options count at their default (what the step computes).
@@ -99,6 +100,8 @@ def allowed(row: dict[str, str], max_world: int = 8) -> bool:
     pp, _, tp, _, _, world = layout(row)
     if world > (max_world if row.get("dp") == "hsdp" and pp * tp > 1 else MAX_WORLD):
         return False
+    if world > MAX_WORLD and any(row.get(f, levels[0]) != levels[0] for f, levels in FACTORS.items() if f not in LAYOUT):
+        return False  # 8 ranks start slowly on a few cores: such a row runs its layout and nothing else
     # A pipeline cuts each local batch into pp micro-batches.
     return local_batch(row) >= 1 and local_batch(row) % pp == 0
 
@@ -245,9 +248,9 @@ def generate(runs: dict[str, tuple[int, tuple[str, ...]]]) -> dict[str, tuple[in
     while uncovered:
         count = Counter(side for p in sorted(uncovered) for side in p)  # uncovered pairs each (factor, level) is in
         order = sorted(FACTORS, key=lambda f: -sum(n for side, n in count.items() if side[0] == f))  # stable
-        # A candidate row from each of the 8 (factor, level)s in most uncovered pairs; the one covering most wins
+        # A candidate row from each of the 4 (factor, level)s in most uncovered pairs; the one covering most wins
         # (fewest processes on a tie, then the first).
-        candidates = [fill({f: level}, order, uncovered) for f, level in sorted(count, key=lambda s: -count[s])[:8]]
+        candidates = [fill({f: level}, order, uncovered) for f, level in sorted(count, key=lambda s: -count[s])[:4]]
         candidates = [r for r in candidates if layout(r)[-1] <= MAX_WORLD or pairs_of(r) & wide & uncovered]
         row = max(candidates, key=lambda r: (len(pairs_of(r) & uncovered), -layout(r)[-1]))
         uncovered -= pairs_of(row)

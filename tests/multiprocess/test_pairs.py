@@ -20,7 +20,7 @@ from launch import read_metrics
 # Half precision: FSDP casts the parameters themselves to the compute dtype, so every op runs in it, while one process
 # autocasts the matmuls only; a bf16 reduce rounds each gradient to bf16 before the sum. The worst gaps measured over
 # the generated rows' 2 steps: bf16 loss 4.2e-4, grad norm 2.7e-4; fp16 loss 2.9e-4, grad norm 3.2e-4; fp32 with a
-# bf16 reduce, loss 2e-6, grad norm 4.3e-5. The bounds are about 5x and 3x those, within bf16's and fp16's unit
+# bf16 reduce, loss 4.3e-6, grad norm 4.3e-5. The bounds are about 5x and 3x those, within bf16's and fp16's unit
 # roundoff (2**-9 = 2e-3, 2**-11 = 4.9e-4): a gradient reduced twice or not at all moves the norm by far more.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-3, "float16": 1e-3}
 
