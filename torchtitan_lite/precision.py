@@ -22,6 +22,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+
 logger = logging.getLogger("torchtitan_lite")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from grad_dump import load_grads, recording  # noqa: E402
 from launch import (CHECKPOINTED, COMMON, CP2, HSDP, PP2, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,  # noqa: E402
                     stopped_after, torchrun_several, train_in_process, train_job)
+from pairs import REFERENCES, generate  # noqa: E402
 
 SHORT = ("--training.steps", "4")  # after STEPS on the command line, so it wins
 # name -> (processes, overrides), all with global batch 8. One process and DDP accumulate; the 4-process layouts take
@@ -83,6 +84,10 @@ SHARED_RUNS = {
                       "--activation_checkpoint.selective_ac_option", "op", *SHORT)),
     "pp2_cp2": (4, (*PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
 }
+# The rows that run every pair of options the runs above miss (pairs.py, test_pairs.py), and the single-process
+# runs of each half precision they are compared with; made in the same jobs as the shared runs of their size.
+PAIR_RUNS = generate(SHARED_RUNS)
+ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES}
 RECORDED = [name for name in SHARED_RUNS if name != "single"] + ["tp2_compiled_resumed"]
 PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
 CONTEXT_PARALLEL = [name for name in SHARED_RUNS if "cp" in name]
@@ -114,12 +119,12 @@ class SharedRuns:
                     run, step, _, _ = RESUMED_RUNS[n]
                     stopped_after(self[run], step, self.root / n)
                 self._make(nproc, batch, {n: RESUMED_RUNS[n][3] for n in batch})
-            elif (nproc := SHARED_RUNS[name][0]) == 1:
-                train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *SHARED_RUNS[name][1])
+            elif (nproc := ALL_RUNS[name][0]) == 1:
+                train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *ALL_RUNS[name][1])
                 self.done[name] = self.root / name
             else:  # every shared run of this many processes not yet made, in one job (several_runs.py)
-                batch = [n for n, (p, _) in SHARED_RUNS.items() if p == nproc and n not in self.done]
-                self._make(nproc, batch, {n: SHARED_RUNS[n][1] for n in batch})
+                batch = [n for n, (p, _) in ALL_RUNS.items() if p == nproc and n not in self.done]
+                self._make(nproc, batch, {n: ALL_RUNS[n][1] for n in batch})
         return self.done[name]
 
     def _make(self, nproc: int, batch: list[str], overrides: dict[str, tuple[str, ...]]) -> None:
