@@ -51,8 +51,6 @@ NOT_APPLICABLE = (
     ({"dp": "none"}, FSDP_OPTIONS, "no data or context parallelism, so no FSDP: its options are ignored (warned at "
                                    "start-up, except the reduce dtype, which only FSDP's gradient reduce uses)"),
     ({"pp": "on"}, ("defer_reduce",), "a pipeline schedule reduces once per local batch itself (train.py)"),
-    ({"precision": "float16"}, ("skip_nonfinite",), "fp16's GradScaler skips every overflowed step itself "
-                                                    "(precision.UpdateGuard): skip_nonfinite_steps is not read"),
 )
 # Levels that name no layout, and why.
 IMPOSSIBLE = (
