@@ -136,14 +136,21 @@ def _tables(cutoff: float, device: torch.device) -> dict[str, torch.Tensor]:
     return {name: c.contiguous().to(device) for name, c in columns.items()}
 
 
-def _mix32_(x: torch.Tensor, tmp: torch.Tensor) -> None:
-    """mix32 in place on int32 lanes: an int32 multiply wraps as the uint32 one does, and a mask makes >> logical."""
-    for shift, multiplier in ((16, 0x21F0AAAD), (15, 0x735A2D97), (15, None)):
-        torch.bitwise_right_shift(x, shift, out=tmp)
-        tmp &= (1 << (32 - shift)) - 1
-        x ^= tmp
-        if multiplier is not None:
-            x *= multiplier  # both multipliers are < 2**31, so they are int32 scalars
+def _xorshift_(x: torch.Tensor, tmp: torch.Tensor, shift: int) -> None:
+    torch.bitwise_right_shift(x, shift, out=tmp)
+    tmp &= (1 << (32 - shift)) - 1  # >> is arithmetic on int32: the mask makes it logical
+    x ^= tmp
+
+
+def _mix32_(x: torch.Tensor, tmp: torch.Tensor, xorshifted: bool = False) -> None:
+    """mix32 in place on int32 lanes, where a multiply wraps as the uint32 one does. `xorshifted`: x has had mix32's
+    first step, x ^= x >> 16, already."""
+    if not xorshifted:
+        _xorshift_(x, tmp, 16)
+    x *= 0x21F0AAAD  # both multipliers are < 2**31: int32 scalars
+    _xorshift_(x, tmp, 15)
+    x *= 0x735A2D97
+    _xorshift_(x, tmp, 15)
 
 
 def _bin(a: torch.Tensor, u: torch.Tensor, table: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -164,17 +171,22 @@ def _normal_at_(out: torch.Tensor, index: torch.Tensor, key: str, cutoff: float,
     `index` is int32 when every index is below 2**31, else int64 (then its high word joins the hash, as in uniform).
     """
     table = _tables(min(float(cutoff), _MAX_CUTOFF), out.device)
-    words = [w - (1 << 32) if w >= 1 << 31 else w for w in key_words(key)]  # the same bits, as int32 values
+    k = key_words(key)
+    # mix32's first step, x ^ (x >> 16), is linear: of index ^ key it is that of the index (once for both rows) ^ that
+    # of the key. Row 0 computes uniform()'s a (key words 0 and 1), row 1 its b (words 2 and 3).
+    inner_keys = [k[0] ^ (k[0] >> 16), k[2] ^ (k[2] >> 16)]
+    words = [w - (1 << 32) if w >= 1 << 31 else w for w in inner_keys + [k[1], k[3]]]  # the same bits, as int32
     words = torch.tensor(words, dtype=torch.int32, device=out.device).view(4, 1)
     hi = None
     if index.dtype == torch.int64:
-        hi, lo = (index >> 32).to(torch.int32), index & _MASK32
-        index = (lo - ((lo >> 31) << 32)).to(torch.int32)
-    # Both of uniform()'s hashes at once: row 0 computes a (key words 0 and 1), row 1 computes b (words 2 and 3).
-    x = torch.bitwise_xor(index, words[0::2])
+        hi, index = (index >> 32).to(torch.int32), index & _MASK32
+    index = index ^ (index >> 16)  # index >= 0: >> is logical
+    if hi is not None:
+        index = (index - ((index >> 31) << 32)).to(torch.int32)
+    x = torch.bitwise_xor(index, words[:2])
     tmp = torch.empty_like(x)
-    _mix32_(x, tmp)
-    x ^= words[1::2]
+    _mix32_(x, tmp, xorshifted=True)
+    x ^= words[2:]
     if hi is not None:
         x ^= hi
     _mix32_(x, tmp)
