@@ -192,9 +192,8 @@ def _normal_at_(out: torch.Tensor, index: torch.Tensor, key: str, cutoff: float,
     _mix32_(x, tmp)
     torch.bitwise_right_shift(x, table["shift"], out=tmp)
     tmp &= table["mask"]
-    halves = tmp.to(torch.float64)
     # u * 2**53, an integer below 2**53: exact. Scaling u and the knots by a power of two changes no rounding.
-    u = torch.add(halves[1], halves[0], alpha=2.0**27)
+    u = torch.add(tmp[1], tmp[0].to(torch.float64), alpha=2.0**27)
     j = _bin(x[0], u, table)
     # The interpolation in the bin, operation by operation as the definition rounds it: z0 + (u - p0) / dp * dz.
     u -= torch.index_select(table["p"], 0, j)
