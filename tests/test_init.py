@@ -1,13 +1,61 @@
 """The initializer gives every element a value that depends only on (key, global index): any split of a tensor
-into blocks, filled separately, reassembles into the same full tensor."""
+into blocks, filled separately, reassembles into the same full tensor; and the fast bulk path gives exactly the values
+of the plain definition kept below."""
 
 import math
 from statistics import NormalDist
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchtitan_lite.init import fill_block_, trunc_normal_, uniform
+import torchtitan_lite.init as init
+from torchtitan_lite.init import _quantile_table, _tables, fill_block_, trunc_normal_, uniform
+
+
+# The definition of the values, as the first implementation computed them (int64 hash, searchsorted, one call per
+# block): slow and plain, the reference every fast path must match bit for bit.
+def ref_mix32(x):
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+def ref_uniform(index, key):
+    k = init.key_words(key)
+    lo, hi = index & 0xFFFFFFFF, index >> 32
+    a = ref_mix32(ref_mix32(lo ^ k[0]) ^ hi ^ k[1])
+    b = ref_mix32(ref_mix32(lo ^ k[2]) ^ hi ^ k[3])
+    return ((a >> 6) * (1 << 27) + (b >> 5)).to(torch.float64) * 2.0**-53
+
+
+def ref_bin(u, cutoff):
+    p = torch.tensor(_quantile_table(min(float(cutoff), 8.0))[1], dtype=torch.float64)
+    return (torch.searchsorted(p, u, right=True) - 1).clamp_(0, 4095)
+
+
+def ref_normal(u, cutoff):
+    z_list, p_list = _quantile_table(min(float(cutoff), 8.0))
+    z, p = torch.tensor(z_list, dtype=torch.float64), torch.tensor(p_list, dtype=torch.float64)
+    j = ref_bin(u, cutoff)
+    p0, p1, z0 = p[j], p[j + 1], z[j]
+    frac = (u - p0) / (p1 - p0).clamp_min(1e-300)
+    return z0 + frac * (z[j + 1] - z0)
+
+
+def ref_block(shape, full_shape, offset, std, cutoff, key, dtype=torch.float32):
+    strides = [math.prod(full_shape[d + 1:]) for d in range(len(full_shape))]
+    index = torch.zeros((), dtype=torch.int64)
+    for d in range(len(shape)):
+        index = index.unsqueeze(-1) + (torch.arange(shape[d]) + offset[d]) * strides[d]
+    return (ref_normal(ref_uniform(index, key), cutoff) * std).to(dtype)
 
 
 def full(shape, key="0/w", std=0.02, cutoff=math.inf):
@@ -70,3 +118,63 @@ def test_uniform_is_uniform_and_uses_the_high_index_bits():
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 3e-3
     hi = uniform(torch.arange(1000) + (1 << 33), "k")
     assert not torch.equal(hi, u[:1000])
+
+
+@pytest.mark.parametrize("seed", [0, 90125])
+@pytest.mark.parametrize("cutoff", [math.inf, 3.0, 1 / 3])  # 1/3: uneven knots, a dz per bin
+def test_blocks_are_the_definition_bit_for_bit(seed, cutoff):
+    # Uneven blocks of 2-D and 3-D tensors, a scalar, and low-precision storage: each is the reference's values.
+    cases = [((37, 24), (37, 24), (0, 0)), ((19, 5), (37, 24), (18, 19)), ((1, 7), (37, 24), (36, 0)),
+             ((3, 4, 5), (7, 9, 11), (2, 3, 4)), ((), (), ()), ((1000,), (1000,), (0,))]
+    for shape, full_shape, offset in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            block = torch.full(shape, float("nan"), dtype=dtype)
+            fill_block_(block, full_shape, offset, 0.02, cutoff, f"{seed}/w")
+            assert torch.equal(block, ref_block(shape, full_shape, offset, 0.02, cutoff, f"{seed}/w", dtype)), shape
+    # Enough draws to land in every bin of the table, std 1 so none is lost to rounding.
+    block = torch.empty(512, 512)
+    fill_block_(block, (1024, 512), (512, 0), 1.0, cutoff, f"{seed}/many")
+    assert torch.equal(block, ref_block((512, 512), (1024, 512), (512, 0), 1.0, cutoff, f"{seed}/many"))
+
+
+def test_indices_beyond_int32_are_the_definition():
+    # Tensors of more than 2**31 elements hash the high word of the index too: blocks around 2**31 and 2**32.
+    for offset in (2**31 - 50, 2**32 - 50, 2**33 - 200):
+        block = torch.empty(100)
+        fill_block_(block, (2**34,), (offset,), 0.02, math.inf, "0/huge")
+        assert torch.equal(block, ref_block((100,), (2**34,), (offset,), 0.02, math.inf, "0/huge")), offset
+
+
+@pytest.mark.parametrize("cutoff", [math.inf, 3.0, 1 / 3])
+def test_bin_lookup_is_searchsorted_at_every_knot_and_bucket_edge(cutoff):
+    # The lookup's hard cases: u exactly at a knot, one step (2**-53) either side, and at the ends of every bucket,
+    # where the lookup changes row; the far-end buckets are searched. u * 2**53 is an integer U; a is U's top bits.
+    z_list, p_list = _quantile_table(min(float(cutoff), 8.0))
+    lower, _ = init._bucket_ranges()
+    points = torch.cat([torch.tensor(p_list, dtype=torch.float64), lower]) * 2.0**53
+    U = torch.cat([points.floor() + d for d in (-1, 0, 1)] + [points.ceil()])
+    U = U[(U >= 0) & (U < 2.0**53)].to(torch.int64).unique()
+    a = ((U >> 21) - ((U >> 52) << 32)).to(torch.int32)  # U's top 32 bits, as the int32 the hash leaves
+    j = init._bin(a, U.to(torch.float64), _tables(min(float(cutoff), 8.0), torch.device("cpu")))
+    assert torch.equal(j.long(), ref_bin(U.to(torch.float64) * 2.0**-53, cutoff))
+
+
+def test_sharded_parameters_are_the_definition():
+    # DTensors built in this process on a fake 4-process mesh: FSDP over TP (a _StridedShard over Shard) and a
+    # TP row-wise Shard(1), with uneven shards; each rank's local shard is the full reference tensor's block.
+    full = (37, 10)
+    ref = ref_block(full, full, (0, 0), 0.02, math.inf, "3/w")
+    layouts = [(_StridedShard(0, split_factor=2), Shard(0)), (Shard(0), Shard(1))]
+    for placements in layouts:
+        for rank in range(4):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+            try:
+                mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+                shape, offset = compute_local_shape_and_global_offset(full, mesh, placements)
+                param = DTensor.from_local(torch.empty(shape), mesh, placements, shape=torch.Size(full),
+                                           stride=(10, 1), run_check=False)
+                trunc_normal_(param, 0.02, math.inf, "3/w")
+                block = ref[offset[0]:offset[0] + shape[0], offset[1]:offset[1] + shape[1]]
+                assert torch.equal(param.to_local(), block), (placements, rank)
+            finally:
+                dist.destroy_process_group()
