@@ -92,7 +92,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> None:
         model = Transformer(model_args)
     n_params, n_embedding = count_params(model)
     parts = split(model_args, mesh["pp"].get_local_rank(), cfg.parallelism) if dims.pp > 1 else [model]
-    warn_ignored_options(cfg.parallelism, dims)
+    warn_ignored_options(cfg, dims)
     for part in parts:
         parallelize(part, mesh, dims, cfg)
         part.to_empty(device=init_device)

@@ -107,12 +107,25 @@ SET = {"fsdp_prefetch": 2, "pipeline_parallel_schedule": "GPipe", "pipeline_para
     (ParallelDims(1, 2, 1, 8, pp=2, cp=2), []),
 ])
 def test_options_the_layout_ignores_are_one_warning(caplog, dims, ignored):
-    warn_ignored_options(Parallelism(**SET), dims)
+    cfg = JobConfig()
+    cfg.parallelism = Parallelism(**SET)
+    warn_ignored_options(cfg, dims)
     named = [k for k in SET if f"parallelism.{k}" in caplog.text]
     assert named == ignored and len(caplog.records) == (1 if ignored else 0)
     if "fsdp_prefetch" in ignored:
         assert "no data parallelism in this layout, so FSDP is not applied: parallelism.fsdp_prefetch ignored" \
             in caplog.text
     caplog.clear()
-    warn_ignored_options(Parallelism(), dims)  # defaults are never reported
+    warn_ignored_options(JobConfig(), dims)  # defaults are never reported
     assert not caplog.records
+
+
+@pytest.mark.parametrize("dims, warned", [(ParallelDims(1, 1, 1, 1), "training.mixed_precision_reduce"),
+                                          (ParallelDims(1, 2, 1, 4, pp=2), "parallelism.fsdp_defer_grad_reduce"),
+                                          (ParallelDims(1, 4, 1, 4), None)])
+def test_the_reduce_dtype_without_fsdp_and_deferring_under_pp_are_warned(caplog, dims, warned):
+    cfg = JobConfig()
+    cfg.training.mixed_precision_reduce, cfg.parallelism.fsdp_defer_grad_reduce = "bfloat16", True
+    warn_ignored_options(cfg, dims)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == (warned is not None) and all(f"{warned} ignored" in m for m in messages), messages

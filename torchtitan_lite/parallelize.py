@@ -40,11 +40,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
         apply_fsdp(model, dims.fsdp_mesh(mesh), cfg)
 
 
-def warn_ignored_options(p: Parallelism, dims: ParallelDims) -> None:
+def warn_ignored_options(cfg: JobConfig, dims: ParallelDims) -> None:
     """One warning line for options set away from their defaults that this layout never reads, so a degree left at
     1 by mistake does not pass for a run with FSDP, a pipeline or context parallelism. Called once per run, not from
     parallelize(), which runs once per pipeline stage."""
-    default = Parallelism()
+    p, default = cfg.parallelism, Parallelism()
     reasons = []
     for prefix, ignored, why in (
             ("fsdp_", not dims.fsdp, "no data parallelism in this layout, so FSDP is not applied"),
@@ -54,6 +54,12 @@ def warn_ignored_options(p: Parallelism, dims: ParallelDims) -> None:
         keys = [f"parallelism.{k}" for k in vars(p) if k.startswith(prefix) and getattr(p, k) != getattr(default, k)]
         if ignored and keys:
             reasons.append(f"{why}: {', '.join(keys)} ignored")
+    if not dims.fsdp and cfg.training.mixed_precision_reduce != "float32":  # only FSDP's reduce-scatter reads it
+        reasons.append("no FSDP in this layout, so no gradient reduce in another dtype: "
+                       "training.mixed_precision_reduce ignored")
+    if dims.pp > 1 and dims.fsdp and p.fsdp_defer_grad_reduce:
+        reasons.append("a pipeline schedule reduces gradients once per local batch itself: "
+                       "parallelism.fsdp_defer_grad_reduce ignored")
     if reasons:
         logger.warning("%s", "; ".join(reasons))
 

@@ -48,9 +48,9 @@ FSDP_OPTIONS = ("reduce", "offload", "defer_reduce", "hpz", "prefetch")
 # (levels, the factors that layout ignores, why): a pair of such a factor's non-default level with these levels is
 # not applicable, and a run's ignored options count at their default (what the step computes).
 NOT_APPLICABLE = (
-    ({"dp": "none"}, FSDP_OPTIONS, "no data or context parallelism, so no FSDP: its options are ignored (warned at "
-                                   "start-up, except the reduce dtype, which only FSDP's gradient reduce uses)"),
-    ({"pp": "on"}, ("defer_reduce",), "a pipeline schedule reduces once per local batch itself (train.py)"),
+    ({"dp": "none"}, FSDP_OPTIONS, "no data or context parallelism, so no FSDP: its options and the reduce dtype "
+                                   "are ignored (warned at start-up)"),
+    ({"pp": "on"}, ("defer_reduce",), "a pipeline schedule reduces once per local batch itself (warned at start-up)"),
 )
 # Levels that name no layout, and why.
 IMPOSSIBLE = (
