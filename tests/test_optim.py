@@ -1,3 +1,4 @@
+import logging
 import math
 
 import pytest
@@ -79,6 +80,53 @@ def test_schedule_is_torchtitans_step_for_step(warmup, decay_ratio, steps, kind,
     if decays:
         assert ours[-1] == min_factor  # the decay ends at min_lr_factor, right after the last step
         assert ours[-2] > min_factor or min_factor == 1  # which itself trains one decay step above it
+
+
+TINY = dict(warmup_steps=2, decay_ratio=0.5)  # tests/assets/tiny.toml's schedule
+
+
+def resumed(at, steps, new_steps, new_lr=1.0, old_checkpoint=False, **kw):
+    """The lr of each step after step `at` of a `steps`-step run (lr 1), resumed from its state there with
+    `new_steps` and `new_lr`, the optimizer loaded first as checkpoint.py does; `old_checkpoint`: saved before the
+    settings were."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = build_lr_scheduler(opt, LRScheduler(**kw), steps)
+    for _ in range(at):
+        opt.step()
+        sched.step()
+    saved = sched.state_dict()
+    if old_checkpoint:
+        saved.pop("settings", None)
+    opt2 = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=new_lr)
+    sched2 = build_lr_scheduler(opt2, LRScheduler(**kw), new_steps)
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(saved)
+    out = []
+    for _ in range(new_steps - at):
+        out.append(sched2.get_last_lr()[0])
+        opt2.step()
+        sched2.step()
+    return out
+
+
+@pytest.mark.parametrize("old_checkpoint", [False, True])
+def test_an_extended_run_follows_the_new_schedule_from_its_first_step(old_checkpoint, caplog):
+    caplog.set_level(logging.INFO, logger="torchtitan_lite")
+    assert resumed(4, 4, 6, old_checkpoint=old_checkpoint, **TINY) == factors(6, **TINY)[4:]
+    doubled = [2 * f for f in factors(6, **TINY)[4:]]
+    assert resumed(4, 4, 6, new_lr=2.0, old_checkpoint=old_checkpoint, **TINY) == doubled
+    said = [r.getMessage() for r in caplog.records if "lr schedule changed" in r.getMessage()]
+    assert said[-1] == ("the lr schedule changed since the checkpoint (lr 0 -> 1.33333): the lr of step 5 follows the "
+                        "new schedule" if old_checkpoint else "the lr schedule changed since the checkpoint "
+                        "(training.steps 4 -> 6, optimizer.lr 1.0 -> 2.0): the lr of step 5 follows the new schedule")
+
+
+def test_an_unchanged_schedule_resumes_as_it_was(caplog):
+    caplog.set_level(logging.INFO, logger="torchtitan_lite")
+    assert resumed(4, 8, 8, **TINY) == factors(8, **TINY)[4:]
+    cosine = dict(warmup_steps=3, decay_type="cosine", min_lr_factor=0.1)
+    assert resumed(5, 9, 9, **cosine) == factors(9, **cosine)[5:]
+    assert not [r for r in caplog.records if "lr schedule changed" in r.getMessage()]
 
 
 def test_clip_matches_torch_on_plain_tensors():

@@ -189,7 +189,7 @@ class CheckpointManager:
             # pipeline stages hold different parameters (a group's list of names would differ by stage).
             "optimizer": _Stateful(lambda: get_optimizer_state_dict(model, optimizer, options=_FLAT),
                                    lambda state: set_optimizer_state_dict(model, optimizer, state, options=_FLAT)),
-            "lr_scheduler": lr_scheduler,
+            "lr_scheduler": lr_scheduler,  # after the optimizer: a changed schedule resets the lr it loads
             "dataloader": dataloader,  # a position in the global sample order: the same on every rank, any dp degree
             "train_state": train_state,
             "update_guard": update_guard,  # fp16's loss scale, skipped steps; empty unless fp16 or skipping

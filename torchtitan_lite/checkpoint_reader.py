@@ -118,8 +118,9 @@ def check_fits(state: dict[str, Any], path: str, metadata: Metadata) -> None:
     saved = metadata.state_dict_metadata
     ours = flatten_state(state)
     for key, value in ours.items():
-        if key.startswith(("rng.", "update_guard.")):
-            continue  # a CPU checkpoint has no rng.cuda, nor an fp32 one a loss scale: what is there is loaded
+        if key.startswith(("rng.", "update_guard.", "lr_scheduler.settings.")):
+            continue  # a CPU checkpoint has no rng.cuda, nor an fp32 one a loss scale, nor an older one the lr
+            # schedule's settings (optim.LRSchedule): what is there is loaded
         if key not in saved:
             raise ConfigError(f"checkpoint {path} has no {key}: it was saved from another model or setup")
         if isinstance(value, torch.Tensor) and tuple(saved[key].size) != tuple(value.shape):

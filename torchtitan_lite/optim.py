@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,6 +16,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan_lite.config import LRScheduler, Optimizer
+
+logger = logging.getLogger("torchtitan_lite")
 
 
 def build_optimizer(model: nn.Module, cfg: Optimizer, device_type: str) -> torch.optim.Optimizer:
@@ -53,13 +58,52 @@ def lr_factor(step: int, warmup: int, decay: int, total: int, decay_type: str, m
     return min_factor + (1 - min_factor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, steps: int) -> LambdaLR:
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, steps: int) -> LRSchedule:
     warmup = min(cfg.warmup_steps, steps)
     decay = steps - warmup if cfg.decay_ratio is None else round(cfg.decay_ratio * steps)
     decay = min(decay, steps - warmup)  # warmup and decay cannot overlap; a too-large ratio shortens decay
     fn = functools.partial(lr_factor, warmup=warmup, decay=decay, total=steps, decay_type=cfg.decay_type,
                            min_factor=cfg.min_lr_factor)
-    return LambdaLR(optimizer, fn)
+    settings = {"training.steps": steps, "optimizer.lr": optimizer.param_groups[0]["lr"],
+                **{f"lr_scheduler.{k}": v for k, v in dataclasses.asdict(cfg).items()}}
+    return LRSchedule(optimizer, fn, settings)
+
+
+class LRSchedule(LambdaLR):
+    """torch's LambdaLR, saving the settings it was built from as well, so that a resume under other ones (a finished
+    run extended with more training.steps, another decay or lr) follows the new schedule from its first step.
+
+    LambdaLR alone would not: the first resumed step trains at the lr the checkpoint's optimizer holds, the old
+    schedule's (0 after a finished run's decay), and only the steps after it follow the new one. When nothing
+    changed, the lr loaded is the one this schedule gives, bit for bit, and is left alone.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor, settings: dict[str, Any]):
+        self.settings = settings
+        super().__init__(optimizer, factor)
+
+    def state_dict(self) -> dict[str, Any]:
+        # A copy: DCP loads into the dict it is handed, which must not overwrite the settings this run was built from.
+        return {**super().state_dict(), "settings": dict(self.settings)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads after the optimizer (checkpoint.py), whose param groups then hold the checkpoint's lr."""
+        state = dict(state)
+        saved, ours, base = state.pop("settings", {}), self.settings, list(self.base_lrs)
+        super().load_state_dict(state)
+        step, groups = self.last_epoch, self.optimizer.param_groups
+        lrs = [b * fn(step) for fn, b in zip(self.lr_lambdas, base)]  # LambdaLR's own expression: the same bits
+        # A checkpoint from before schedules saved their settings leaves ours in place (check_fits): its lr tells.
+        changed = [f"{k} {saved[k]} -> {v}" for k, v in ours.items() if saved.get(k, v) != v]
+        if not changed and lrs == [g["lr"] for g in groups]:
+            return
+        loaded = groups[0]["lr"]
+        self.base_lrs, self._last_lr = base, lrs
+        for group, lr, b in zip(groups, lrs, base):
+            group["lr"], group["initial_lr"] = lr, b
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info("the lr schedule changed since the checkpoint (%s): the lr of step %d follows the new "
+                        "schedule", ", ".join(changed) or f"lr {loaded:g} -> {lrs[0]:g}", step + 1)
 
 
 @torch.no_grad()

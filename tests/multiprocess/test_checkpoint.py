@@ -18,7 +18,7 @@ import torch
 import train as train_module
 
 from launch import (CHECKPOINTED, COMMON, ROOT, STEPS, TINY, TP2, TRAIN, assert_one_error_line, assert_same_curve, ckpt,
-                    curve, kill_tree, losses, read_metrics, snapshot, stopped_after, torchrun, torchrun_cmd,
+                    curve, kill_tree, losses, metric, read_metrics, snapshot, stopped_after, torchrun, torchrun_cmd,
                     train_in_process, train_job)
 from torchtitan_lite.checkpoint import complete_checkpoints
 from torchtitan_lite.checkpoint_reader import read_tensors
@@ -116,6 +116,18 @@ def test_finished_run_has_nothing_to_do(fsdp_straight, tmp_path):
     proc = train(1, tmp_path / "run")
     assert "nothing to do" in proc.stdout + proc.stderr
     assert len(read_metrics(tmp_path / "run")) == len(read_metrics(fsdp_straight))
+
+
+def test_extended_run_follows_the_new_schedule_from_its_first_step(tmp_path):
+    # tiny.toml decays over the last half: a finished 4-step run's optimizer holds lr 0, the old schedule's end.
+    extended, fresh = tmp_path / "extended", tmp_path / "fresh"
+    train_in_process(extended, "--checkpoint.enable", "--training.steps", "4")
+    proc = train_in_process(extended, "--checkpoint.enable", "--training.steps", "6")
+    train_in_process(fresh, "--training.steps", "6")
+    lr, expected = metric(extended, "lr"), metric(fresh, "lr")
+    assert [lr[s] for s in (5, 6)] == [expected[s] for s in (5, 6)] and expected[5] > 0
+    assert proc.stdout.count("the lr schedule changed since the checkpoint (training.steps 4 -> 6): the lr of step 5 "
+                             "follows the new schedule") == 1
 
 
 # ---- Resharding: the data position is global and DCP reshards every DTensor, so the curve goes on.
