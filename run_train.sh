@@ -24,8 +24,12 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 # A config every rank would reject alike (a typo, degrees that do not fit NGPU, a missing file) is reported in one
 # line by one process before torchrun starts, rather than by rank 0 and then torchrun's failure summary.
 WORLD_SIZE=$NGPU "$PYTHON" train.py --check --job.config_file "$CONFIG_FILE" "$@" || exit $?
+# Ctrl-C reaches this script and torchrun (the terminal's foreground group), not the workers (torchrun gives each a
+# session of its own). torchrun would raise a SignalException, pass the signal on, SIGKILL workers still saving 30 s
+# later and exit 1 with a traceback: it is told to leave SIGINT alone (started in the background, it then ignores
+# it), and the trap below forwards it to the workers as it does SIGTERM.
 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
-  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --signals-to-handle SIGTERM,SIGHUP,SIGQUIT \
   train.py --job.config_file "$CONFIG_FILE" "$@" &
 launcher=$!
 # Preemption (SIGTERM from Slurm or Kubernetes, SIGUSR1 as Slurm's early warning) goes to the workers, torchrun's
@@ -33,8 +37,24 @@ launcher=$!
 # would also reach them, but torchrun would report it as a failure (exit 1).
 trap 'pkill -TERM -P "$launcher"' TERM
 trap 'pkill -USR1 -P "$launcher"' USR1
+# Ctrl-C is the same preemption, and the job exits 130 (the shell's convention for it; the workers exit 0, as
+# torchrun takes anything else for a failure to report and restart). A second Ctrl-C kills the job at once: the
+# checkpoint being written is never published (checkpoint.py writes step-N.tmp and renames it when complete).
+interrupts=0
+interrupt() {
+  interrupts=$((interrupts + 1))
+  if [ "$interrupts" = 1 ]; then
+    pkill -INT -P "$launcher" || true
+  else  # torchrun with them, in one call: alone it would report dead workers and restart them
+    kill -KILL "$launcher" $(pgrep -P "$launcher") 2>/dev/null || true
+    echo "second Ctrl-C: stopped at once; the newest complete checkpoint is kept" >&2
+  fi
+}
+trap interrupt INT
 while true; do
   status=0
   wait "$launcher" || status=$?  # returns early when a trap ran: wait again until torchrun is gone
-  kill -0 "$launcher" 2>/dev/null || exit "$status"
+  kill -0 "$launcher" 2>/dev/null && continue
+  if [ "$interrupts" -gt 1 ] || { [ "$interrupts" = 1 ] && [ "$status" = 0 ]; }; then status=130; fi
+  exit "$status"
 done

@@ -16,6 +16,7 @@ import faulthandler
 import gc
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -38,7 +39,7 @@ from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.pipeline import Pipeline, check_pipeline, merge, split
 from torchtitan_lite.precision import DTYPES, NonFiniteError, UpdateGuard, warn_if_slow
-from torchtitan_lite.signals import Preemption, restore_signals, stop_with_launcher
+from torchtitan_lite.signals import Preemption, exit_code, restore_signals, stop_with_launcher
 from torchtitan_lite.tokenizer import load_tokenizer
 
 logger = logging.getLogger("torchtitan_lite")
@@ -64,8 +65,8 @@ def preflight(cfg: JobConfig, world_size: int):
     return dims, model_args, global_batch, source, val_source
 
 
-def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> None:
-    """Trains; `exits` closes what main opens on every way out (run())."""
+def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
+    """Trains; `exits` closes what main opens on every way out (run()). Returns the signal that stopped it early."""
     dims, model_args, global_batch, source, val_source = preflight(cfg, env.world_size)
     t, v = cfg.training, cfg.validation
 
@@ -185,7 +186,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> None:
     # Agreeing on a signal takes a collective: on the CPU, so it overlaps GPU work (gloo is the CPU's default group).
     preemption = Preemption(dist.new_group(backend="gloo") if device.type == "cuda" else None)
     first_step, held = step + 1, {}  # the bytes held for state, measured at the first step, go in the next record
-    last_log_time, last_log_step = start, step
+    last_log_time, last_log_step, stopped = start, step, None
 
     # ---- The loop.
     while step < t.steps:
@@ -238,16 +239,18 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> None:
                 checkpoint.save(step)  # the full state, whatever the last save would be: the run goes on elsewhere
             logger.warning("%s: stopped after step %d%s", received, step, ", checkpoint saved: rerun the same command "
                            "to resume" if cfg.checkpoint.enable else " (checkpoint.enable is off: nothing saved)")
+            stopped = received
             break
     guard.check()  # a preempted run may stop between logging steps
     checkpoint.close()  # waits for an async save still being written
     metrics.close()
     logger.info("training done: %d steps in %.1fs", step, time.perf_counter() - start)
+    return stopped
 
 
 def run(argv: list[str] | None = None, check: bool = False) -> int:
     """Trains; with `check`, only validates the config for WORLD_SIZE processes (exit 2 and one line if it is bad)."""
-    env = Env.from_environ()
+    env, stopped = Env.from_environ(), None
     stop_with_launcher()
     # A check says nothing unless something is wrong: the job it precedes logs what it reads.
     logging.basicConfig(level=logging.WARNING if check else logging.INFO, format="%(asctime)s %(message)s",
@@ -258,7 +261,7 @@ def run(argv: list[str] | None = None, check: bool = False) -> int:
             preflight(cfg, env.world_size)
         else:
             with contextlib.ExitStack() as exits:
-                main(cfg, env, exits)
+                stopped = main(cfg, env, exits)
     except ConfigError as e:
         report(e, env)  # one line for the whole job, printed before any rank exits
         return 2
@@ -275,11 +278,14 @@ def run(argv: list[str] | None = None, check: bool = False) -> int:
         restore_signals()
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    return exit_code(stopped)
 
 
 if __name__ == "__main__":
     faulthandler.enable()  # a crash in native code (gloo, a kernel) still names the Python line it came from
+    # run_train.sh starts torchrun, hence us, with Ctrl-C ignored (it forwards it itself): before the loop handles it,
+    # Ctrl-C stops the start-up as usual.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     check = sys.argv[1:2] == ["--check"]
     code = run(sys.argv[2:] if check else None, check=check)
     gc.freeze()  # no final garbage collection over torch's objects at exit: about a second less per rank

@@ -1,15 +1,16 @@
 """Signals and a vanished launcher.
 
-Preemption: SIGTERM (what Slurm and Kubernetes send before they kill a job) and SIGUSR1 (Slurm's early warning,
-`sbatch --signal=USR1@120`) end the run at a step boundary, with a checkpoint of that step, and exit 0.
+Preemption: SIGTERM (what Slurm and Kubernetes send before they kill a job), SIGUSR1 (Slurm's early warning,
+`sbatch --signal=USR1@120`) and SIGINT (Ctrl-C) end the run at a step boundary, with a checkpoint of that step.
 
 A handler runs between two bytecodes of whatever the rank was doing, a collective included, so it only records the
 signal. Ranks receive it at different moments (torchrun forwards it to each worker in turn), so they must agree on
 the step after which they stop: each step starts a one-element MAX all-reduce of "signalled yet?" in the background,
 on the CPU (gloo), and reads it when the step is done. The all-reduce overlaps the step's compute instead of adding
 to it, and every rank reads the same value, so all stop after the same step and none waits in a collective for a
-rank that left. A second signal only records itself again: the save in progress is not interrupted (and were the
-job killed outright, the save is atomic: checkpoint.py).
+rank that left. A second SIGTERM or SIGUSR1 only records itself again: the save in progress is not interrupted (and
+were the job killed outright, the save is atomic: checkpoint.py). A second Ctrl-C is someone who will not wait: it
+kills the process at once (run_train.sh kills the whole job instead), which the atomic save makes safe.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 logger = logging.getLogger("torchtitan_lite")
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _installed: list[Preemption] = []
 
 
@@ -38,6 +39,8 @@ class Preemption:
 
     def _record(self, signum: int, frame) -> None:
         self.received = signum
+        if signum == signal.SIGINT:  # the default action, not KeyboardInterrupt: it ends even a rank stuck in C++
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def begin_step(self) -> None:
         self._flag.fill_(self.received is not None)
@@ -61,6 +64,13 @@ def restore_signals() -> None:
     """Undoes every Preemption still installed: a caller of train.run in this process keeps its own handlers."""
     while _installed:
         _installed.pop().close()
+
+
+def exit_code(stopped: str | None) -> int:
+    """A run's exit status once it ended cleanly, `stopped` early by the named signal or not: 130 after Ctrl-C, the
+    shell's convention, so that `python train.py && next` stops there. Under torchrun 0 all the same: torchrun takes
+    any other status for a failed worker, reports it and restarts it; run_train.sh exits 130 for the whole job."""
+    return 130 if stopped == "SIGINT" and "TORCHELASTIC_RUN_ID" not in os.environ else 0
 
 
 def stop_with_launcher(poll_s: float = 1.0) -> None:

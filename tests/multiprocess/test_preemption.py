@@ -1,7 +1,8 @@
 """Preemption through ./run_train.sh, as Slurm or Kubernetes deliver it: SIGTERM (or Slurm's SIGUSR1 warning) to
 the launch script makes every rank finish the step it is in, save a checkpoint of that step and exit 0; a second
 signal while that checkpoint is being written does not spoil it. The second case runs a 2-stage pipeline: both
-stages stop after the same step and save it."""
+stages stop after the same step and save it. Ctrl-C, as a terminal sends it (SIGINT to the whole process group), does
+the same and exits 130; a second Ctrl-C during that save ends the job at once, leaving the checkpoint before."""
 
 import os
 import signal
@@ -10,32 +11,53 @@ import sys
 
 import pytest
 
-from launch import PP2, ROOT, TINY, TIMEOUT_S, kill_tree, logged, read_metrics, wait_until
+from launch import PP2, ROOT, TINY, TIMEOUT_S, descendants, kill_tree, logged, read_metrics, running, wait_until
 from torchtitan_lite.checkpoint import complete_checkpoints
 
 
-@pytest.mark.parametrize("signals, layout", [(("SIGTERM",), ()), (("SIGUSR1", "SIGTERM"), PP2)],
-                         ids=["SIGTERM", "SIGUSR1_SIGTERM_pp2"])
-def test_signal_saves_the_current_step_and_exits_0(tmp_path, signals, layout):
+@pytest.mark.parametrize("signals, layout", [(("SIGTERM",), ()), (("SIGUSR1", "SIGTERM"), PP2), (("SIGINT",), ()),
+                                             (("SIGINT", "SIGINT"), ())],
+                         ids=["SIGTERM", "SIGUSR1_SIGTERM_pp2", "SIGINT", "SIGINT_SIGINT"])
+def test_signal_saves_the_current_step(tmp_path, signals, layout):
+    ctrl_c_twice = signals == ("SIGINT", "SIGINT")
     env = {**os.environ, "NGPU": "2", "CONFIG_FILE": str(TINY), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
            # The second signal lands while the checkpoint is written: its last moment is held open 3 s.
            "TORCHTITAN_LITE_TEST_PAUSE_BEFORE_METADATA_S": "3" if len(signals) > 1 else "0"}
+    # Twice Ctrl-C: step 2's checkpoint is the one to keep.
     cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--training.steps", "1000", "--checkpoint.enable",
-           "--checkpoint.interval", "500", *layout]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--checkpoint.interval", "2" if ctrl_c_twice else "500", *layout]
+    # A process group of its own, as a terminal gives a command: Ctrl-C goes to all of it, torchrun included.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+    def send(name: str) -> None:
+        if name == "SIGINT":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(getattr(signal, name))
+
+    folder = tmp_path / "checkpoint"
     try:
         wait_until(lambda: logged(tmp_path) >= 3, "step 3", proc)
-        proc.send_signal(getattr(signal, signals[0]))
+        send(signals[0])
         if len(signals) > 1:
-            folder = tmp_path / "checkpoint"
             wait_until(lambda: folder.exists() and any(p.suffix == ".tmp" for p in folder.iterdir()), "save", proc)
-            proc.send_signal(getattr(signal, signals[1]))
+            saving, workers = next(p for p in folder.iterdir() if p.suffix == ".tmp"), descendants(proc.pid)
+            send(signals[1])
         out = proc.communicate(timeout=TIMEOUT_S)[0]
     finally:
         if proc.poll() is None:
             kill_tree(proc)
-    assert proc.returncode == 0, out[-3000:]
+    if ctrl_c_twice:
+        assert proc.returncode == 130 and "second Ctrl-C: stopped at once" in out, out[-3000:]
+        # SIGKILLed, they end in a moment: then none can still publish the save it was writing.
+        wait_until(lambda: not any(running(p) for p in workers), "the workers' end")
+        kept, stopped_at = list(complete_checkpoints(str(folder))), int(saving.stem.removeprefix("step-"))
+        assert kept and max(kept) < stopped_at and saving.is_dir(), (kept, saving)
+        return
+    assert proc.returncode == (130 if signals[0] == "SIGINT" else 0), out[-3000:]
     last = read_metrics(tmp_path)[-1]["step"]
     assert 3 <= last < 1000 and f"{signals[0]}: stopped after step {last}, checkpoint saved" in out
-    assert list(complete_checkpoints(str(tmp_path / "checkpoint"))) == [last]
-    assert not any(p.name.endswith(".tmp") for p in (tmp_path / "checkpoint").iterdir())
+    assert out.count("rerun the same command to resume") == 1 and "Traceback" not in out, out[-3000:]
+    assert list(complete_checkpoints(str(folder))) == [last]
+    assert not any(p.name.endswith(".tmp") for p in folder.iterdir())
