@@ -1,8 +1,15 @@
 """Trains a byte-level BPE and writes it as a tiktoken file (`base64(token) rank` per line).
 
+    python scripts/train_tokenizer.py --dataset jsonl --dataset_path 'data/*.jsonl.gz' --text_field text \
+        --vocab_size 8192 --output my_bpe.tiktoken
+    python scripts/train_tokenizer.py --input 'data/**/*.txt' notes.md --output my_bpe.tiktoken
     python scripts/train_tokenizer.py --input stdlib --vocab_size 2048 \
         --output torchtitan_lite/assets/stdlib_bpe_2k.tiktoken
-    python scripts/train_tokenizer.py --input 'data/**/*.txt' notes.md --output my_bpe.tiktoken
+
+`--dataset`, `--dataset_path`, `--split` and `--text_field` read a corpus exactly as scripts/pretokenize.py and the
+trainer read it: a JSON lines file trains on its text field, never on its JSON syntax. `--input` takes plain-text
+files and globs, or `stdlib`: the whole standard library, validation split included, which is how the project's
+asset was made (python_stdlib's train split leaves every 50th file out).
 
 Ranks 0..255 are the single bytes, then one token per merge in the order learned, which is the order tiktoken
 applies them. Text is pre-tokenized with Llama 3's regex (the one `Tokenizer` uses), so a merge never crosses a
@@ -20,11 +27,13 @@ import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import regex  # a dependency of tiktoken, so always installed with it; Python's `re` has no \p{L}
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from torchtitan_lite.datasets import stdlib_files  # noqa: E402
+from torchtitan_lite import datasets  # noqa: E402
+from torchtitan_lite.config import ConfigError  # noqa: E402
 from torchtitan_lite.tokenizer import LLAMA3_PAT, Tokenizer  # noqa: E402
 
 
@@ -32,24 +41,39 @@ def input_files(specs: list[str]) -> list[Path]:
     files: list[Path] = []
     for spec in specs:
         if spec == "stdlib":
-            found = stdlib_files()
+            found = datasets.stdlib_files()
         else:
             found = [Path(p) for p in sorted(glob.glob(spec, recursive=True)) if Path(p).is_file()]
         if not found:
-            raise SystemExit(f"--input {spec!r} matches no file")
+            raise ConfigError(f"--input {spec!r} matches no file")
+        jsonl = next((f for f in found if f.name.endswith((".jsonl", ".jsonl.gz"))), None)
+        if jsonl:  # read as text, its keys and quotes would become merges
+            raise ConfigError(f"--input reads plain text and {jsonl} is JSON lines: use --dataset jsonl "
+                              f"--dataset_path {spec!r} [--text_field FIELD]")
         files += [f for f in found if f not in files]
     return files
 
 
-def read_texts(files: list[Path], max_bytes: int) -> list[str]:
-    """The files' text in order, the last one cut so that the total is at most max_bytes."""
-    texts, left = [], max_bytes
+def documents(args: argparse.Namespace) -> Iterator[str]:
+    """The corpus's documents in order, read as pretokenize.py and the trainer read them."""
+    if args.input:
+        files, kind = input_files(args.input), "text"
+    else:
+        files = datasets.corpus_files(args.dataset, args.dataset_path, args.split, "--dataset_path")
+        kind = "jsonl" if args.dataset == "jsonl" else "text"
     for f in files:
+        yield from datasets.read_documents(f, kind, args.text_field)
+
+
+def read_texts(docs: Iterable[str], max_bytes: int) -> list[str]:
+    """The documents in order, the last one cut so that the total is at most max_bytes of UTF-8."""
+    texts, left = [], max_bytes
+    for doc in docs:
         if left <= 0:
             break
-        data = f.read_bytes()[:left]
+        data = doc.encode("utf-8")[:left]
         left -= len(data)
-        texts.append(data.decode("utf-8", errors="replace"))
+        texts.append(data.decode("utf-8", errors="replace"))  # a cut may split a character
     return texts
 
 
@@ -131,19 +155,28 @@ def write_tiktoken(tokens: list[bytes], path: Path) -> None:
     path.write_text("".join(lines))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, help="files, globs ('**' recurses), or 'stdlib'")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--dataset", choices=("python_stdlib", "text", "jsonl"), help="a corpus, as pretokenize.py "
+                        "reads it")
+    source.add_argument("--input", nargs="+", help="plain-text files, globs ('**' recurses), or 'stdlib' (all of it)")
+    p.add_argument("--dataset_path", default="", help="files, globs or folders, comma-separated")
+    p.add_argument("--split", default="train", choices=("train", "validation"), help="python_stdlib's split")
+    p.add_argument("--text_field", default="text", help="jsonl: the field that holds a document's text")
     p.add_argument("--vocab_size", type=int, default=2048, help="ranks, the 256 bytes included (BOS/EOS come on top)")
     p.add_argument("--max_bytes", type=int, default=20_000_000, help="read at most this much input")
     p.add_argument("--output", type=Path, required=True)
     args = p.parse_args(argv)
     if args.vocab_size < 256:
-        raise SystemExit("--vocab_size must be at least 256 (the single bytes)")
+        p.error("--vocab_size must be at least 256 (the single bytes)")
 
     start = time.perf_counter()
-    files = input_files(args.input)
-    texts = read_texts(files, args.max_bytes)
+    try:
+        texts = read_texts(documents(args), args.max_bytes)
+    except (ConfigError, OSError) as e:  # no such file, a JSON line without the text field, ...
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     words = count_words(texts)
     counted = time.perf_counter()
     tokens = train_bpe(words, args.vocab_size)
@@ -155,10 +188,12 @@ def main(argv: list[str] | None = None) -> None:
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
     tok = Tokenizer.from_file(args.output)
     n_tokens = sum(len(tok.encode(t, bos=False, eos=False)) for t in texts)
-    print(f"read {len(texts)} files, {n_bytes / 1e6:.2f} MB: {len(words)} distinct pre-tokens ({counted - start:.1f}s)")
+    print(f"read {len(texts)} documents, {n_bytes / 1e6:.2f} MB: {len(words)} distinct pre-tokens "
+          f"({counted - start:.1f}s)")
     print(f"learned {len(tokens) - 256} merges in {done - counted:.1f}s; wrote {args.output} (identity {tok.identity})")
     print(f"on the input: {n_bytes / n_tokens:.2f} bytes/token (byte-level: 1.00), {n_tokens} tokens")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,5 +1,6 @@
 import base64
 import importlib.util
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -141,6 +142,28 @@ def test_trainer_writes_a_deterministic_tiktoken_file(tmp_path, capsys):
 
     texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))]
     assert list(ranks) == naive_bpe(train_tokenizer.count_words(texts), 280)
+
+
+def test_a_jsonl_corpus_trains_on_its_text_field_only(tmp_path, capsys):
+    """As pretokenize.py and the trainer read it: the field named by --text_field, not the JSON around it (read as raw
+    text, `{"`, `":` and the keys became merges)."""
+    rng = random.Random(2)
+    words = ["the", "cat", "sat", "on", "mat", "déjà", "vu", "日本語", "🙂", "12345"]
+    docs = [" ".join(rng.choices(words, k=6)) + "\n" for _ in range(300)]  # short lines: the JSON is a third of it
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": i, "meta": "lorem ipsum dolor", "body": d}) + "\n"
+                              for i, d in enumerate(docs)))
+    out = tmp_path / "bpe.tiktoken"
+    args = ["--dataset_path", str(corpus), "--text_field", "body", "--vocab_size", "300", "--output", str(out)]
+    assert train_tokenizer.main(["--dataset", "jsonl", *args]) == 0
+    assert list(read_independently(out)) == naive_bpe(train_tokenizer.count_words(docs), 300)
+    assert "read 300 documents" in capsys.readouterr().out
+    # Through --input, a JSON lines file would be read as text: refused, with the options that read it.
+    assert train_tokenizer.main(["--input", str(corpus), "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "--dataset jsonl" in err[0], err
+    assert train_tokenizer.main(["--dataset", "jsonl", *args[:2], "--output", str(out)]) == 2  # no "text" field
+    assert capsys.readouterr().err.startswith(f"error: {corpus}:1: no string field 'text'")
 
 
 @pytest.mark.parametrize(
