@@ -3,9 +3,11 @@
     python scripts/convert_to_hf.py outputs/checkpoint/step-1000 hf_out [--config FILE] [--dtype bfloat16]
         [--max_shard_size 5GB]
 
-The model's shape comes from the run's resolved config.toml, two levels above the checkpoint (a checkpoint is
-`<job.dump_folder>/<checkpoint.folder>/step-N`), or from --config; the checkpoint's tensors must have exactly the
-shapes it gives. Any mesh the run used is fine: DCP reassembles each tensor. --dtype defaults to the checkpoint's own.
+CKPT is what scripts/generate.py's --checkpoint takes too: a `step-N` folder, the checkpoint folder holding them or
+the run's dump folder (both: the newest complete step). The model's shape comes from the resolved config.toml in the
+run's dump folder (a checkpoint is `<job.dump_folder>/<checkpoint.folder>/step-N`), or from --config; the
+checkpoint's tensors must have exactly the shapes it gives. Any mesh the run used is fine: DCP reassembles each
+tensor. --dtype defaults to the checkpoint's own.
 Above --max_shard_size (default 5GB, like transformers) the weights are split into several files and an index.
 Tensors are converted one at a time, into a temporary folder renamed to OUT at the end: a failure leaves no OUT.
 Exit status: 0 on success, 2 when the input cannot be converted (one line says why).
@@ -20,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan_lite.config import ConfigError, load_config
+from torchtitan_lite.checkpoint_finder import checkpoint_and_config
+from torchtitan_lite.config import ConfigError
 from torchtitan_lite.hf import DEFAULT_MAX_SHARD_SIZE, ConversionError, export_to_hf
 from torchtitan_lite.model import flavor_args
 from torchtitan_lite.precision import DTYPES
@@ -40,18 +43,15 @@ def parse_size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("ckpt", help="DCP checkpoint folder, e.g. outputs/checkpoint/step-1000")
+    parser.add_argument("ckpt", help="a step-N folder, their checkpoint folder or the run's dump folder (the newest "
+                        "complete step), e.g. outputs/checkpoint/step-1000")
     parser.add_argument("out", help="Hugging Face folder to create (must not exist, or be empty)")
-    parser.add_argument("--config", help="the run's config.toml (default: two levels above CKPT)")
+    parser.add_argument("--config", help="the run's config.toml (default: config.toml of the run's dump folder)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
     parser.add_argument("--max_shard_size", type=parse_size, default=DEFAULT_MAX_SHARD_SIZE, help="default 5GB")
     args = parser.parse_args(argv)
     try:
-        config = Path(args.config or Path(args.ckpt).resolve().parents[1] / "config.toml")
-        if not config.is_file():
-            raise ConversionError(f"no config {config}: a run's config.toml is two levels above its checkpoints "
-                                  "(<dump_folder>/<checkpoint.folder>/step-N); pass --config FILE")
-        cfg = load_config(["--job.config_file", str(config)])
+        ckpt, cfg = checkpoint_and_config(args.ckpt, args.config)
         tokenizer = load_tokenizer(cfg.model.tokenizer_path)
         shape = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)  # the trainer's model
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
             save_hf_tokenizer(tokenizer, folder, model_max_length=shape.max_seq_len)
 
-        export_to_hf(args.ckpt, args.out, shape, tokenizer.bos_id, tokenizer.eos_id,
+        export_to_hf(ckpt, args.out, shape, tokenizer.bos_id, tokenizer.eos_id,
                      DTYPES.get(args.dtype), args.max_shard_size, add_files=add_tokenizer)
     except (ConversionError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

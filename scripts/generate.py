@@ -1,15 +1,16 @@
 """Sample text from a checkpoint: prints the prompt followed by the model's continuation.
 
-    python scripts/generate.py --config outputs/config.toml --checkpoint outputs/checkpoint/step-20 \
-        --prompt "def main(" [--max_new_tokens 32] [--temperature 0] [--top_k 50] [--seed 0] [--dtype bfloat16]
+    python scripts/generate.py --checkpoint outputs/checkpoint/step-20 --prompt "def main(" [--config FILE]
+        [--max_new_tokens 32] [--temperature 0] [--top_k 50] [--seed 0] [--dtype bfloat16]
 
-`--config` is best the `config.toml` a run wrote into its dump folder: it holds the command line's overrides too,
-and the model is built from it exactly as train.py built it (flavor, tokenizer, training.seq_len as the context).
-Other `--section.key value` arguments override it, as on train.py's command line. `--checkpoint` is a `step-N`
-folder, or a folder of them (the newest complete one is used), saved on any mesh, full state or weights only; it
-loads on this one process. `--temperature 0` decodes greedily; otherwise tokens are drawn from the top_k most likely
-with a generator seeded by --seed, so the same seed gives the same text (on the same machine). Decoding uses a KV
-cache (torchtitan_lite/generation.py). Exit status 2, with one `error:` line, on a bad config, checkpoint or length.
+`--checkpoint` is what scripts/convert_to_hf.py takes too: a `step-N` folder, the checkpoint folder holding them or
+the run's dump folder (both: the newest complete step), saved on any mesh, full state or weights only; it loads on
+this one process. The model is built exactly as train.py built it (flavor, tokenizer, training.seq_len as the
+context) from the `config.toml` the run wrote into its dump folder, which holds the command line's overrides too, or
+from `--config`. Other `--section.key value` arguments override it, as on train.py's command line.
+`--temperature 0` decodes greedily; otherwise tokens are drawn from the top_k most likely with a generator seeded by
+--seed, so the same seed gives the same text (on the same machine). Decoding uses a KV cache
+(torchtitan_lite/generation.py). Exit status 2, with one `error:` line, on a bad config, checkpoint or length.
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from torchtitan_lite.config import ConfigError, load_config
+from torchtitan_lite.checkpoint_finder import checkpoint_and_config
+from torchtitan_lite.config import ConfigError
 from torchtitan_lite.generation import ContextError, generate, load_model
 from torchtitan_lite.precision import DTYPES
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="the run's TOML config (its dump folder's config.toml)")
-    p.add_argument("--checkpoint", required=True, help="a step-N checkpoint folder, or a folder of them")
+    p.add_argument("--checkpoint", required=True, help="a step-N folder, their checkpoint folder or the run's dump "
+                   "folder (the newest complete step)")
+    p.add_argument("--config", help="the run's TOML config (default: config.toml of the run's dump folder)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max_new_tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (argmax)")
@@ -49,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        cfg = load_config(["--job.config_file", args.config, *overrides])
-        model, tokenizer = load_model(cfg, args.checkpoint, device, DTYPES[args.dtype])
+        checkpoint, cfg = checkpoint_and_config(args.checkpoint, args.config, overrides)
+        model, tokenizer = load_model(cfg, checkpoint, device, DTYPES[args.dtype])
         generator = torch.Generator(device)
         if args.seed is None:
             generator.seed()

@@ -14,6 +14,7 @@ from torch import nn
 
 from tests.multiprocess.launch import ROOT, TIMEOUT_S, ckpt, train_in_process
 from torchtitan_lite import checkpoint_reader
+from torchtitan_lite.checkpoint_finder import checkpoint_and_config
 from torchtitan_lite.checkpoint_reader import read_tensors
 from torchtitan_lite.config import load_config
 from torchtitan_lite.generation import (
@@ -162,8 +163,35 @@ def test_errors_are_one_line_with_exit_status_2(run, capsys):
     assert generate_script.main([*full, "--model.tokenizer_path", str(bpe)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.tok_embeddings.weight has shape" in err[0]
-    assert generate_script.main(args(run, "--checkpoint", str(run))) == 2  # the dump folder holds no step-N
-    assert "neither a DCP checkpoint" in capsys.readouterr().err
+
+
+def test_the_checkpoint_is_a_step_its_folder_or_the_dump_folder_and_the_config_is_found_beside_it(run, capsysbinary):
+    """What convert_to_hf.py takes too (checkpoint_finder): a folder means its newest complete step, and without
+    --config the run's own config.toml is used."""
+    greedy = ["--prompt", "Hello", "--max_new_tokens", "8", "--temperature", "0"]
+    assert generate_script.main(["--config", str(run / "config.toml"), "--checkpoint", str(ckpt(run, 2)), *greedy]) == 0
+    expected = capsysbinary.readouterr().out
+    (run / "checkpoint" / "step-3.tmp").mkdir()  # a save in progress is not a checkpoint
+    for checkpoint in (ckpt(run, 2), run / "checkpoint", run):
+        path, cfg = checkpoint_and_config(str(checkpoint))
+        assert (path, cfg.job.config_file) == (str(ckpt(run, 2)), str(run / "config.toml")), checkpoint
+        assert generate_script.main(["--checkpoint", str(checkpoint), *greedy]) == 0, checkpoint
+        assert capsysbinary.readouterr().out == expected, checkpoint
+    (run / "checkpoint" / "step-3.tmp").rmdir()
+
+
+def test_no_checkpoint_tells_to_train_with_checkpoint_enable(run, tmp_path, capsys):
+    """The README's commands after a run of the default config, which saves none: one line saying so, exit 2."""
+    (tmp_path / "outputs").mkdir()
+    shutil.copy(run / "config.toml", tmp_path / "outputs")  # a run without --checkpoint.enable
+    for missing in (tmp_path / "outputs", tmp_path / "outputs" / "checkpoint", ckpt(tmp_path / "outputs", 20)):
+        assert generate_script.main(["--checkpoint", str(missing), "--prompt", "Hello"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: no checkpoint in {missing}: train with "
+                                                   "--checkpoint.enable"), err
+    shutil.copytree(ckpt(run, 1), tmp_path / "step-1")  # a checkpoint outside its run: no config.toml beside it
+    assert generate_script.main(["--checkpoint", str(tmp_path / "step-1"), "--prompt", "Hello"]) == 2
+    assert capsys.readouterr().err.strip().endswith("pass --config FILE")
 
 
 def test_a_corrupt_checkpoint_is_one_error_line(run, tmp_path, capsys):

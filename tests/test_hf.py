@@ -220,6 +220,25 @@ def test_export_refuses_a_checkpoint_of_another_shape(tmp_path, capsys):
     one_error_line(capsys, "already exists")
 
 
+def test_export_takes_the_checkpoint_argument_of_generate_py(tmp_path, capsys):
+    """A step-N folder, the checkpoint folder (its newest complete step) or the run's dump folder, the config found
+    beside it; and when the run saved none, one line that says to train with --checkpoint.enable."""
+    args = FLAVORS["debugmodel"].with_(vocab_size=BYTES, max_seq_len=64)  # what tests/assets/tiny.toml trains
+    newest = run_folder(tmp_path, ours(args))  # step-3
+    save_run_checkpoint(ours(args, seed=1), ckpt(tmp_path / "run", 2))  # older: other weights, never picked
+    (tmp_path / "run" / "checkpoint" / "step-4.tmp").mkdir()  # a save in progress is not a checkpoint
+    assert to_hf.main([str(newest), str(tmp_path / "hf")]) == 0
+    for i, checkpoint in enumerate([newest.parent, tmp_path / "run"]):
+        assert to_hf.main([str(checkpoint), str(tmp_path / f"hf{i}")]) == 0
+        for name in ("config.json", "model.safetensors"):
+            assert (tmp_path / f"hf{i}" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), checkpoint
+    capsys.readouterr()
+    # The README's command after a run of the default config, which saves no checkpoint.
+    missing = tmp_path / "outputs" / "checkpoint" / "step-20"
+    assert to_hf.main([str(missing), str(tmp_path / "hf_missing")]) == 2
+    one_error_line(capsys, f"no checkpoint in {missing}: train with --checkpoint.enable")
+
+
 def test_scripts_round_trip_a_run_and_the_trainer_starts_from_it(tmp_path):
     """convert_to_hf then convert_from_hf, run as users run them, then a training run from the result."""
     args = FLAVORS["debugmodel"].with_(vocab_size=BYTES, max_seq_len=64)  # what tests/assets/tiny.toml trains

@@ -22,14 +22,12 @@ saved on any mesh (FSDP, TP, HSDP) loads here; only the `model.*` tensors are re
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from torchtitan_lite.checkpoint import complete_checkpoints
+from torchtitan_lite.checkpoint_finder import find_checkpoint
 from torchtitan_lite.checkpoint_reader import check_fits, load_local, read_metadata
-from torchtitan_lite.config import ConfigError, JobConfig
+from torchtitan_lite.config import JobConfig
 from torchtitan_lite.model import Transformer, apply_rope, flavor_args
 from torchtitan_lite.tokenizer import Tokenizer, load_tokenizer
 
@@ -131,17 +129,6 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
 
 # ---- Loading a trained model on one process.
 
-def resolve_checkpoint(path: str) -> str:
-    """`path` itself when it is a checkpoint (holds DCP's `.metadata`), else the newest complete `step-N` in it."""
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return path
-    found = complete_checkpoints(path)
-    if not found:
-        raise ConfigError(f"--checkpoint {path} is neither a DCP checkpoint (no .metadata) nor a folder holding "
-                          "complete step-N checkpoints")
-    return found[max(found)]
-
-
 def load_weights(model: Transformer, path: str) -> None:
     """Copies the checkpoint's `model.*` tensors into the model's parameters, in place and cast to their dtype;
     raises ConfigError, naming the tensor, when the checkpoint was saved from another model."""
@@ -154,10 +141,11 @@ def load_weights(model: Transformer, path: str) -> None:
 def load_model(cfg: JobConfig, checkpoint: str, device: torch.device,
                dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer]:
     """The model of `cfg` built as train.py builds it (flavor, the tokenizer's vocabulary, training.seq_len), on
-    meta then materialized, with the weights of `checkpoint` (a step-N folder or a folder of them)."""
+    meta then materialized, with the weights of `checkpoint`: a step-N folder, or a checkpoint or dump folder (its
+    newest complete step; checkpoint_finder.find_checkpoint)."""
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     args = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
-    path = resolve_checkpoint(checkpoint)
+    path, _ = find_checkpoint(checkpoint, cfg.checkpoint.folder)
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
