@@ -15,7 +15,6 @@ import contextlib
 import faulthandler
 import gc
 import logging
-import os
 import signal
 import sys
 import time
@@ -39,6 +38,7 @@ from torchtitan_lite.parallel_dims import ParallelDims
 from torchtitan_lite.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.pipeline import Pipeline, check_pipeline, merge, split
 from torchtitan_lite.precision import DTYPES, NonFiniteError, UpdateGuard, warn_if_slow
+from torchtitan_lite.run_history import start_history
 from torchtitan_lite.signals import Preemption, exit_code, restore_signals, stop_with_launcher
 from torchtitan_lite.tokenizer import load_tokenizer
 
@@ -77,9 +77,6 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     set_determinism(t.seed, t.deterministic, device)
     mesh, dp_mesh, loss_mesh = dims.build_mesh(device.type)
     if env.rank == 0:
-        os.makedirs(cfg.job.dump_folder, exist_ok=True)
-        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
         logger.info("resolved config:\n%s", to_toml(cfg))
     seq_share = sharder(mesh["cp"], t.seq_len, cfg.parallelism.context_parallel_load_balancer)
     pin = device.type == "cuda"
@@ -168,14 +165,18 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     # Closed on every way out: an in-flight async save is published or, failed, cleared; old ones finish deleting.
     checkpoint = exits.enter_context(CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, optimizer,
                                                        scheduler, data, train_state, guard, t.steps))
+    resumed = 0 if cfg.checkpoint.create_seed_checkpoint else checkpoint.load()
+    if train_state.step >= t.steps:
+        logger.info("the checkpoint is at step %d, training.steps is %d: nothing to do", train_state.step, t.steps)
+        return
+    # The folder's metrics.jsonl, config.toml and tb/ become this run's, decided once the step it starts from is
+    # known and before anything is written: a resume continues them, a fresh start moves an earlier run's aside.
+    if env.rank == 0:
+        start_history(cfg.job.dump_folder, resumed, to_toml(cfg), cfg.metrics.save_tb_folder, env.world_size)
     if cfg.checkpoint.create_seed_checkpoint:
         checkpoint.save(0, model_only=True)
         checkpoint.close()  # an async save is written only now
         logger.info("seed checkpoint written: runs on any mesh with this checkpoint folder start from it")
-        return
-    checkpoint.load()
-    if train_state.step >= t.steps:
-        logger.info("the checkpoint is at step %d, training.steps is %d: nothing to do", train_state.step, t.steps)
         return
 
     metrics = MetricLogger(cfg.job.dump_folder, env.rank, cfg.metrics.log_freq, cfg.metrics.enable_tensorboard,

@@ -15,7 +15,6 @@ over all rounds' steps: R > 1 when compiled is faster).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -24,6 +23,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from torchtitan_lite.run_history import read_metrics  # noqa: E402
 
 
 def step_times(nproc: int, steps: int, warmup: int, extra: list[str]) -> tuple[list[float], list[float]]:
@@ -35,8 +36,7 @@ def step_times(nproc: int, steps: int, warmup: int, extra: list[str]) -> tuple[l
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-        with open(Path(dump) / "metrics.jsonl") as f:
-            records = [json.loads(line) for line in f]
+        records = read_metrics(dump)
     times, previous = [], None
     for r in records:
         if previous is not None and r["step"] > warmup:

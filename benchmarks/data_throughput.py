@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torchtitan_lite import datasets  # noqa: E402
 from torchtitan_lite.data import DataLoader, build_source  # noqa: E402
 from torchtitan_lite.model import FLAVORS, Transformer  # noqa: E402
+from torchtitan_lite.run_history import read_metrics  # noqa: E402
 from torchtitan_lite.tokenizer import STDLIB_BPE, Tokenizer  # noqa: E402
 
 
@@ -62,7 +63,7 @@ def step_seconds(tok: Tokenizer, seq_len: int, local_batch: int, steps: int = 5)
 
 def run_step_seconds(run_dir: Path) -> float:
     """The median step time of a finished run (from metrics.jsonl, logged every step)."""
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    rows = read_metrics(run_dir)
     times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1]
     return statistics.median(times)
 

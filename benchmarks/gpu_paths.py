@@ -34,6 +34,7 @@ from torchtitan_lite.data import DataLoader  # noqa: E402
 from torchtitan_lite.metrics import flops_per_token, peak_flops  # noqa: E402
 from torchtitan_lite.model import Transformer, count_params, flavor_args  # noqa: E402
 from torchtitan_lite.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan_lite.run_history import read_metrics  # noqa: E402
 
 TINY = str(ROOT / "tests/assets/tiny.toml")
 REFERENCE = ROOT / "tests/assets/losses/debugmodel_cpu.txt"
@@ -43,7 +44,7 @@ def run(*args: str, steps: int = 50) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         code = train.run(["--job.config_file", TINY, "--job.dump_folder", tmp, "--training.steps", str(steps), *args])
         assert code == 0, f"train.run exited {code}"
-        return [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        return read_metrics(tmp)
 
 
 def gap(a: list[dict], b: list[dict], key: str = "loss") -> float:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from torchtitan_lite.config import load_config  # noqa: E402
 from torchtitan_lite.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan_lite.run_history import read_metrics  # noqa: E402
 
 # torchtitan's published Llama 3 figures (H100, bf16, FSDP, selective AC): (flavor, world, tp, seq_len, local batch)
 PUBLISHED = {
@@ -58,7 +59,7 @@ def torchrun(nproc: int, config: str, dump: str, args: list[str], script: str = 
     if proc.returncode != 0:
         raise SystemExit(f"{script} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     metrics = Path(dump) / "metrics.jsonl"  # comm_count.py writes its runs' into folders of their own
-    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return read_metrics(metrics) if metrics.exists() else []
 
 
 def speed(records: list[dict], warmup: int) -> dict[str, float]:

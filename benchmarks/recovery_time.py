@@ -21,10 +21,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "multiprocess"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "multiprocess")]
 
 from launch import (CHECKPOINTED, COMMON, GATE, STEPS, agent, descendants, free_port, kill_tree,  # noqa: E402
-                    logged, read_metrics, train_argv, wait_until)
+                    logged, read_metrics, resumes, train_argv, wait_until)
+
+
+def stepped_since_resume(folder: Path) -> bool:
+    """Whether a resumed run has logged a step: the resume cut the steps past its checkpoint from metrics.jsonl."""
+    return bool(resumes(folder)) and read_metrics(folder)[-1]["step"] > resumes(folder)[-1]["step"]
 
 
 def dead_worker(folder: Path) -> float:
@@ -37,7 +42,7 @@ def dead_worker(folder: Path) -> float:
         worker = sorted(descendants(job.pid))[-3]  # torchrun's workers, spawned in local-rank order: rank 1
         start = time.perf_counter()
         os.kill(worker, signal.SIGKILL)
-        wait_until(lambda: logged(folder) > 12, "a step after the restart", job)
+        wait_until(lambda: stepped_since_resume(folder), "a step after the restart", job)
         return time.perf_counter() - start
     finally:
         kill_tree(job)
@@ -57,11 +62,11 @@ def elastic(folder: Path) -> tuple[float, float]:
         wait_until(lambda: any(r["world_size"] == 4 for r in read_metrics(folder)), "4 processes", a, b)
         grow = time.perf_counter() - start
         wait_until(lambda: read_metrics(folder)[-1]["step"] == 5, "step 5", a, b)
-        start, n = time.perf_counter(), logged(folder)
+        start, n = time.perf_counter(), len(resumes(folder))
         os.kill(b.pid, signal.SIGKILL)
         b.communicate()
         (folder / "hold-6").unlink()
-        wait_until(lambda: logged(folder) > n, "a step on 2 processes", a)
+        wait_until(lambda: len(resumes(folder)) > n and stepped_since_resume(folder), "a step on 2 processes", a)
         return grow, time.perf_counter() - start
     finally:
         for proc in (a, b):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import statistics
@@ -43,6 +42,7 @@ import train
 from torchtitan_lite.config import load_config
 from torchtitan_lite.data import DataLoader, build_source
 from torchtitan_lite.model import FLAVORS, Transformer
+from torchtitan_lite.run_history import read_metrics
 from torchtitan_lite.tokenizer import build_tokenizer
 
 
@@ -100,8 +100,7 @@ def interleaved_run(argv: list[str]) -> tuple[list[float], BareLoop, list[float]
                 raise SystemExit(f"train.run failed with exit code {code}:\n{log.read()[-3000:]}")
         if len(bare) != 1:
             raise SystemExit(f"expected train.py to build one train.DataLoader, it built {len(bare)}: update the hook")
-        with open(os.path.join(dump, "metrics.jsonl")) as f:
-            rows = [json.loads(line) for line in f]
+        rows = read_metrics(dump)
     if gc_was_enabled:
         gc.enable()  # the trainer turns automatic GC off (it collects every gc_freq steps) and leaves it off
     cfg = load_config(argv)

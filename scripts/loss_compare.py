@@ -14,7 +14,6 @@ Exit status: 0 when both agree within tolerance, 1 when either does not, 2 on ba
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
@@ -25,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # repo root: where run_train.sh and train_configs/ live
+sys.path.insert(0, str(ROOT))
+from torchtitan_lite.run_history import HistoryError, read_metrics  # noqa: E402 - needs no torch: starts at once
+
 GRAD_NORM = "grad_norm"
 
 
@@ -35,8 +37,8 @@ class InputError(Exception):
 def read_curve(path: str | os.PathLike, key: str = "loss") -> dict[int, float]:
     """{step: value} from a metrics.jsonl file or a dump folder holding one.
 
-    A resumed run appends to the same file and may re-log steps it had already logged before its checkpoint
-    was taken, so the last occurrence of a step wins: it is what the run that carried on computed.
+    Read as the trainer's one run's history (torchtitan_lite/run_history.py): a resume record at step S drops the
+    records past S before it, and a step going back without one (two runs spliced in one file) is an input error.
     """
     return read_curves(path, (key,))[key]
 
@@ -48,23 +50,18 @@ def read_curves(path: str | os.PathLike, keys: tuple[str, ...]) -> dict[str, dic
         path = path / "metrics.jsonl"
     if not path.is_file():
         raise InputError(f"{path}: no such file")
+    try:
+        records = read_metrics(path)
+    except HistoryError as e:
+        raise InputError(str(e)) from None
     curves: dict[str, dict[int, float]] = {key: {} for key in keys}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    for record in records:
+        # A record may lack a key (val_loss is logged every validation.freq steps): that step is not on its curve.
+        for key in (k for k in keys if record.get(k) is not None):
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
-            if not isinstance(record, dict) or "step" not in record:
-                continue
-            # Validation lines may carry val_loss but no loss: they simply are not part of the loss curve.
-            for key in (k for k in keys if record.get(k) is not None):
-                try:
-                    curves[key][int(record["step"])] = float(record[key])
-                except (TypeError, ValueError):
-                    raise InputError(f"{path}:{lineno}: step or {key} is not a number") from None
+                curves[key][record["step"]] = float(record[key])
+            except (TypeError, ValueError):
+                raise InputError(f"{path}: step {record['step']}: {key} is not a number") from None
     return curves
 
 
@@ -158,9 +155,9 @@ def plot(result: Result, key: str, out: str) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="A step logged twice (a run resumed from an earlier checkpoint re-logs steps) counts with its "
-        "last occurrence. Steps only one run logged are listed and not compared. Exit status: 0 within "
-        "tolerance, 1 above it, 2 on bad input or a failed run.",
+        epilog="A resumed run's steps after its resume record replace those it logged past its checkpoint before; "
+        "a step going back without one (two runs in one file) is bad input. Steps only one run logged are listed "
+        "and not compared. Exit status: 0 within tolerance, 1 above it, 2 on bad input or a failed run.",
     )
     p.add_argument("a", nargs="?", help="run A: a metrics.jsonl file or a dump folder holding one")
     p.add_argument("b", nargs="?", help="run B: same")

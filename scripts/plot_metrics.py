@@ -7,9 +7,10 @@ did warmup and decay happen, did a gradient spike, did throughput drop. Runs are
 by their dump folder, so two settings compare by eye; loss_compare.py compares them step by step, in numbers.
 
 Each RUN is a metrics.jsonl file or a dump folder holding one, read by loss_compare.py's read_curve so both scripts
-agree on a run's curve: a resumed run logs again the steps between its checkpoint and the crash, and a step's later
-record wins, which makes the resumed curve one continuous line. Non-finite values (the grad norm of a skipped fp16
-step) are drawn as gaps rather than pulling the axis to infinity.
+agree on a run's curve: one run's history (torchtitan_lite/run_history.py), each step once, a resumed run's record of
+a step replacing any logged past its checkpoint before the resume; a file holding two runs' records (a step going
+back without a resume record) is refused rather than drawn as one spliced line. Non-finite values (the grad norm of
+a skipped fp16 step) are drawn as gaps rather than pulling the axis to infinity.
 
 matplotlib is needed by this script only, not by the trainer. Exit status: 0 when the picture is written, 1 without
 matplotlib, 2 on bad input.
@@ -41,7 +42,7 @@ class Run:
 
 
 def load_run(path: str | os.PathLike, name: str) -> Run:
-    """The series to draw for one run: per key, each step once with its later record, non-finite values as NaN."""
+    """The series to draw for one run: per key, each step once, non-finite values as NaN."""
     series = {}
     for key, curve in read_curves(path, KEYS).items():  # one reading of the file for every panel
         if curve:
@@ -124,8 +125,8 @@ def draw(runs: list[Run], out: str, log_loss: bool = False) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="A step logged twice (a run resumed from a checkpoint before its last logged step) is drawn with "
-        "its later record. Exit status: 0 written, 1 without matplotlib, 2 on bad input.",
+        epilog="A step logged again after a resume record is drawn with its later record; a step going back without "
+        "one (two runs in one file) is bad input. Exit status: 0 written, 1 without matplotlib, 2 on bad input.",
     )
     p.add_argument("runs", nargs="+", metavar="RUN", help="a metrics.jsonl file or a dump folder holding one")
     p.add_argument("--out", required=True, metavar="FILE.png", help="where to write the picture")

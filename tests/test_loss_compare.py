@@ -60,8 +60,8 @@ def test_difference_within_tolerance_passes(tmp_path):
 
 
 def test_dump_folder_input_and_validation_lines_are_ignored(tmp_path):
-    # A validation line carries val_loss and no loss: it must not break or join the loss curve.
-    val = json.dumps({"step": 5, "val_loss": 9.0})
+    # A record with val_loss and no loss (a validation step between logged steps): not on the loss curve.
+    val = json.dumps({"step": 6, "val_loss": 9.0})
     write_metrics(tmp_path / "run_a" / "metrics.jsonl", LOSSES, extra_lines=[val])
     write_metrics(tmp_path / "run_b" / "metrics.jsonl", LOSSES)
     r = run(tmp_path / "run_a", tmp_path / "run_b", "--tolerance", 0)
@@ -69,16 +69,28 @@ def test_dump_folder_input_and_validation_lines_are_ignored(tmp_path):
     assert "only in" not in r.stdout
 
 
-def test_resumed_run_uses_last_occurrence_of_a_step(tmp_path):
-    # The run logged steps 1-4 with a bad loss at 3 and 4, then resumed from step 2 and re-logged 3-5.
+def test_after_a_resume_record_the_resumed_run_s_records_win(tmp_path):
+    # The run logged steps 1-4 with a bad loss at 3 and 4, then resumed from step 2 and re-logged 3-5: a file joined
+    # by hand (the trainer itself cuts the records past the checkpoint).
     first = write_metrics(tmp_path / "first.jsonl", [LOSSES[0], LOSSES[1], 99.0, 99.0])
     resumed = [line for line in write_metrics(tmp_path / "r.jsonl", LOSSES).read_text().splitlines()[2:]]
     a = tmp_path / "a" / "metrics.jsonl"
     a.parent.mkdir()
-    a.write_text(first.read_text() + "\n".join(resumed) + "\n")
+    resume = json.dumps({"event": "resume", "step": 2, "world_size": 4})
+    a.write_text(first.read_text() + "\n".join([resume, *resumed]) + "\n")
     b = write_metrics(tmp_path / "b.jsonl", LOSSES)
     r = run(a, b, "--tolerance", 0)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_two_runs_spliced_in_one_file_are_an_input_error(tmp_path):
+    # A rerun that appended to an earlier run's file (as run_train.sh did before the earlier run was moved aside).
+    a = write_metrics(tmp_path / "a.jsonl", LOSSES)
+    spliced = write_metrics(tmp_path / "b.jsonl", LOSSES[:3], extra_lines=write_metrics(
+        tmp_path / "rerun.jsonl", LOSSES[:2]).read_text().splitlines())
+    r = run(a, spliced)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert r.stderr.startswith(f"error: {spliced}:4: step 1 after step 3 with no resume record between")
 
 
 def test_steps_in_one_run_only_are_warned_about_not_compared(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import (FlopCounterMode, bmm_flop, register_flop_formula, sdpa_backward_flop_count,
                                       sdpa_flop_count)
 
-from tests.multiprocess.launch import ckpt, losses, read_metrics, train_in_process
+from tests.multiprocess.launch import ckpt, losses, read_metrics, resumes, train_in_process
 from torchtitan_lite import metrics
 from torchtitan_lite.metrics import MetricLogger, _cpu_peak, flops_per_token, memory_gib, peak_flops
 from torchtitan_lite.model import FLAVORS, Transformer, TransformerBlock, count_params, rope_table
@@ -116,10 +116,12 @@ def test_tensorboard_resumed_run_shows_each_step_once_with_its_later_value_and_t
     shutil.rmtree(ckpt(tmp_path, 6))  # as if it had crashed before saving step 6: steps 5 and 6 are logged again
     # Tighter clipping after the resume changes step 6's loss, so the stale record and the new one can be told apart.
     train_in_process(tmp_path, "--training.steps", "8", "--training.max_norm", "0.01", *flags)
-    records = read_metrics(tmp_path)
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    # metrics.jsonl: the crashed run's steps 5 and 6 cut, each step once, the resume marked, both configs kept.
     later = losses(tmp_path)
-    assert records[5]["loss"] != later[6]
+    assert list(later) == list(range(1, 9))
+    assert resumes(tmp_path) == [{"event": "resume", "step": 4, "world_size": 1,
+                                  "earlier_config": "config.step-4.toml"}]
+    assert tomllib.loads((tmp_path / "config.step-4.toml").read_text())["training"]["steps"] == 6
 
     acc = _tensorboard_events(tmp_path / "tb")
     loss = acc.Scalars("loss")

@@ -33,12 +33,17 @@ def falling(n: int, start: float = 10.0, rate: float = 0.9) -> list[dict]:
     return [{"step": s, "loss": start * rate**s} for s in range(1, n + 1)]
 
 
-def test_a_repeated_step_is_drawn_once_with_its_later_record(tmp_path):
-    # Logged 1-4, crashed, resumed from the checkpoint of step 2: steps 3 and 4 logged again, with other values.
+def test_a_step_logged_again_after_a_resume_record_is_drawn_once_with_its_later_record(tmp_path):
+    # Logged 1-4, crashed, resumed from the checkpoint of step 2: steps 3 and 4 logged again, with other values (a
+    # file joined by hand: the trainer cuts the records past the checkpoint itself).
     first = [{"step": s, "loss": 10.0 - s, "lr": s / 1000} for s in range(1, 5)]
     resumed = [{"step": s, "loss": 20.0 - s, "lr": s / 500} for s in range(3, 6)]
     first[3]["val_loss"], resumed[1]["val_loss"] = 7.5, 6.5  # both at step 4
-    run = plot_metrics.load_run(write_metrics(tmp_path / "metrics.jsonl", first + resumed), "r")
+    path = write_metrics(tmp_path / "metrics.jsonl", first)
+    with open(path, "a") as f:
+        f.write(json.dumps({"event": "resume", "step": 2, "world_size": 1}) + "\n")
+    path.write_text(path.read_text() + write_metrics(tmp_path / "resumed.jsonl", resumed).read_text())
+    run = plot_metrics.load_run(path, "r")
     assert run.series["loss"] == ([1, 2, 3, 4, 5], [9.0, 8.0, 17.0, 16.0, 15.0])
     assert run.series["lr"] == ([1, 2, 3, 4, 5], [1 / 1000, 2 / 1000, 3 / 500, 4 / 500, 5 / 500])
     assert run.series["val_loss"] == ([4], [6.5])
@@ -78,7 +83,9 @@ def test_png_of_fabricated_and_real_runs_shows_every_run(tmp_path):
     from matplotlib import colors, image
 
     a = write_metrics(tmp_path / "a" / "metrics.jsonl", falling(30))
-    b = write_metrics(tmp_path / "b" / "metrics.jsonl", [*falling(20, 12.0, 0.8), {"step": 20, "val_loss": 1.0}])
+    b_steps = falling(20, 12.0, 0.8)
+    b_steps[-1]["val_loss"] = 1.0  # validated at the last step: in that step's record, as the trainer logs it
+    b = write_metrics(tmp_path / "b" / "metrics.jsonl", b_steps)
     real = tmp_path / "real"
     train_in_process(real, "--training.steps", "3", "--validation.enable", "--validation.freq", "2",
                      "--validation.steps", "1")
@@ -112,7 +119,9 @@ def test_bad_input_is_one_error_line_and_exit_2(tmp_path):
     pytest.importorskip("matplotlib")
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"step": 1, "mfu": 0.1}) + "\n")
-    for run, expected in ((tmp_path / "nope", "no such file"), (empty, "no record has any of")):
+    spliced = write_metrics(tmp_path / "spliced.jsonl", falling(3) + falling(2))  # a rerun appended to a run
+    for run, expected in ((tmp_path / "nope", "no such file"), (empty, "no record has any of"),
+                          (spliced, "spliced.jsonl:4: step 1 after step 3 with no resume record between")):
         r = subprocess.run([sys.executable, str(SCRIPT), str(run), "--out", str(tmp_path / "out.png")],
                            capture_output=True, text=True, check=False)
         assert r.returncode == 2, r.stdout + r.stderr

@@ -1,13 +1,12 @@
 """train.py in-process on one process: gradient accumulation gives one big batch's curve."""
 
-import json
 import subprocess
 import sys
 
 import pytest
 
 import train
-from tests.multiprocess.launch import ROOT, TINY
+from tests.multiprocess.launch import ROOT, TINY, read_metrics
 
 
 def curve(tmp_path, name, *overrides):
@@ -15,7 +14,7 @@ def curve(tmp_path, name, *overrides):
     code = train.run(["--job.config_file", str(TINY), "--job.dump_folder", str(folder), "--training.steps", "4",
                       *overrides])
     assert code == 0
-    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [m["loss"] for m in read_metrics(folder)]
 
 
 def test_accumulation_matches_one_big_batch(tmp_path):
@@ -48,7 +47,7 @@ def test_dumped_config_alone_reproduces_the_run(tmp_path):
     # The dumped config names its own dump folder; only the output location is overridden.
     assert train.run(["--job.config_file", str(tmp_path / "first" / "config.toml"),
                       "--job.dump_folder", str(again)]) == 0
-    assert [json.loads(line)["loss"] for line in (again / "metrics.jsonl").read_text().splitlines()] == first
+    assert [m["loss"] for m in read_metrics(again)] == first
 
 
 def test_start_up_imports_no_dynamo():

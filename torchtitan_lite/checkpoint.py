@@ -212,16 +212,18 @@ class CheckpointManager:
 
     # ---- Load
 
-    def load(self) -> None:
+    def load(self) -> int:
         """Resumes from the newest complete checkpoint in the folder (or checkpoint.load_step); when the folder holds
-        none, starts from checkpoint.initial_load_path if set, never writing there. Sets train_state.step."""
+        none, starts from checkpoint.initial_load_path if set, never writing there. Sets train_state.step. Returns
+        the step resumed from this folder's own checkpoint, 0 for a fresh start (run_history.py)."""
         plan = _on_rank0(self._plan)
         if plan is None:
-            return
+            return 0
         path, what, step, metadata = plan
+        resumed = step if os.path.dirname(path) == self.folder else 0  # not checkpoint.initial_load_path's
         if what == "skip":
             self.train_state.step = step
-            return
+            return resumed
         keys = ["model"] if what == "model" else list(self.states)
         t0 = time.perf_counter()
         state = {k: self.states[k].state_dict() for k in keys}  # templates: this rank's shards, any layout
@@ -235,6 +237,7 @@ class CheckpointManager:
             self.states[k].load_state_dict(state[k])
         logger.info("loaded %s from %s in %.2fs: training continues after step %d", "weights" if what == "model"
                     else "full state", path, time.perf_counter() - t0, self.train_state.step)
+        return resumed
 
     def _plan(self) -> tuple[str, str, int, Metadata | None] | None:
         """(path, "all" | "model" | "skip", step, its metadata) of what to load, or None for a fresh start; rank 0

@@ -168,7 +168,8 @@ class MetricLogger:
         if rank != 0:  # every rank holds the same numbers after the all-reduce; one writer avoids duplicates
             return
         os.makedirs(dump_folder, exist_ok=True)
-        # Append: a resumed run continues the same file and its steps carry on from the checkpoint.
+        # Append: a resumed run continues the same file, which run_history.start_history has cut back to the
+        # checkpoint's step; a fresh run finds it moved aside.
         self._file = open(os.path.join(dump_folder, "metrics.jsonl"), "a")  # noqa: SIM115 - open for the run
         if enable_tensorboard:
             try:
@@ -180,8 +181,8 @@ class MetricLogger:
                 ) from e
             # A crash leaves events for the steps between the last checkpoint and the crash, which the resumed run
             # logs again. purge_step writes a restart marker at the first step this run logs, and TensorBoard drops
-            # every earlier event at or past it: each curve stays one line, as metrics.jsonl's readers keep a
-            # step's later record. Not start_step itself: the earlier run's record of that step is still valid.
+            # every earlier event at or past it: each curve stays one line, as metrics.jsonl keeps one record per
+            # step. Not start_step itself: the earlier run's record of that step is still valid.
             self._tb = SummaryWriter(os.path.join(dump_folder, tb_folder), purge_step=start_step + 1)
             if config:
                 # At this run's first step, not at 0: a resume with other settings (more steps) shows both configs

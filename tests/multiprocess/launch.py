@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from torchtitan_lite.run_history import read_history, read_metrics  # noqa: F401 - read_metrics: the tests' reader
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "assets" / "tiny.toml"
 TRAIN = ROOT / "train.py"
@@ -155,9 +157,8 @@ def wait_until(condition, what: str, *procs: subprocess.Popen) -> None:
 
 
 def logged(dump_folder: Path) -> int:
-    """How many records the job's metrics.jsonl holds so far (0 before it exists)."""
-    path = Path(dump_folder) / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    """How many steps the job's metrics.jsonl holds so far (0 before it exists)."""
+    return len(read_metrics(dump_folder)) if (Path(dump_folder) / "metrics.jsonl").exists() else 0
 
 
 def train_in_process(dump_folder: Path, *overrides: str, config: Path = TINY,
@@ -226,9 +227,9 @@ def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
     return out
 
 
-def read_metrics(dump_folder: Path) -> list[dict]:
-    with open(Path(dump_folder) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+def resumes(dump_folder: Path) -> list[dict]:
+    """The resume records of the job's metrics.jsonl: each step a run resumed from, in order."""
+    return read_history(dump_folder)[1]
 
 
 def metric(dump_folder: Path, key: str) -> dict[int, float]:

@@ -18,8 +18,8 @@ import torch
 import train as train_module
 
 from launch import (CHECKPOINTED, COMMON, ROOT, STEPS, TINY, TP2, TRAIN, assert_one_error_line, assert_same_curve, ckpt,
-                    curve, kill_tree, losses, metric, read_metrics, snapshot, stopped_after, torchrun, torchrun_cmd,
-                    train_in_process, train_job)
+                    curve, kill_tree, losses, metric, read_metrics, resumes, snapshot, stopped_after, torchrun,
+                    torchrun_cmd, train_in_process, train_job)
 from torchtitan_lite.checkpoint import complete_checkpoints
 from torchtitan_lite.checkpoint_reader import read_tensors
 
@@ -84,6 +84,7 @@ def test_resume_is_bitwise_on_fsdp(fsdp_straight, fsdp_split):
     folder, _ = fsdp_split
     assert curve(folder) == curve(fsdp_straight)
     assert [m["step"] for m in read_metrics(folder)] == list(range(1, 9))  # appended, steps continue
+    assert resumes(folder) == [{"event": "resume", "step": 4, "world_size": 4}]
     assert [m["tokens_seen"] for m in read_metrics(folder)] == [m["tokens_seen"] for m in read_metrics(fsdp_straight)]
 
 

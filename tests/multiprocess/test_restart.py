@@ -4,7 +4,7 @@ complete checkpoint and finishes on the uninterrupted curve. The job is PP 2 x F
 stage."""
 
 from conftest import SHARED_RUNS
-from launch import COMMON, GATE, STEPS, assert_same_curve, losses, read_metrics, torchrun
+from launch import COMMON, GATE, STEPS, assert_same_curve, losses, read_metrics, resumes, torchrun
 
 
 def test_killed_worker_is_restarted_and_finishes_on_the_uninterrupted_curve(runs, tmp_path):
@@ -14,7 +14,8 @@ def test_killed_worker_is_restarted_and_finishes_on_the_uninterrupted_curve(runs
                    "--no-validation.enable", script=GATE,
                    script_args=(str(tmp_path), "3", "6"), launcher=("--standalone", "--max-restarts", "1"))
     assert f"loaded full state from {tmp_path / 'checkpoint' / 'step-4'}" in out.stdout + out.stderr
-    logged = [m["step"] for m in read_metrics(tmp_path)]
-    assert logged == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5 once before the death, once after the restart
+    # Step 5, logged before the death, is dropped at the restart: each step once, the resume marked.
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, STEPS + 1))
+    assert resumes(tmp_path) == [{"event": "resume", "step": 4, "world_size": 4}]
     assert sorted(losses(tmp_path)) == sorted(losses(runs["pp2_fsdp2"]))
     assert_same_curve(tmp_path, runs["pp2_fsdp2"], 1e-6)
