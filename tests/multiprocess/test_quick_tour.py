@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from launch import ROOT, TIMEOUT_S
+from launch import ROOT, TIMEOUT_S, resumes
 
 LINKED = ("train.py", "run_train.sh", "torchtitan_lite", "train_configs", "scripts")
 
@@ -39,6 +39,7 @@ def test_the_readme_quick_tour_runs_as_written(tmp_path):
     assert steps == list(range(1, 26)), steps
     assert {"step-20", "step-25"} <= {p.name for p in (outputs / "checkpoint").iterdir()}
     assert "training continues after step 20" in out, out[-4000:]
+    assert [r["step"] for r in resumes(outputs)] == [20] and (outputs / "config.step-20.toml").is_file()
     # generate.py prints the prompt and its continuation; the export and the plot are files.
     assert re.search(r"^def main\(.+", proc.stdout, re.M), proc.stdout[-2000:]
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
