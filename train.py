@@ -57,9 +57,9 @@ def preflight(cfg: JobConfig, world_size: int):
     if dims.cp > 1:
         check_cp(cfg.training.seq_len, dims.cp, dims.tp, cfg.parallelism.context_parallel_load_balancer)
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
-    t = cfg.training
+    t, v = cfg.training, cfg.validation
     global_batch = dims.global_batch(t.local_batch_size, t.global_batch_size)
-    source, val_source = build_sources(t, cfg.validation, tokenizer)
+    source, val_source = build_sources(t, v, tokenizer)
     return dims, model_args, global_batch, source, val_source
 
 

@@ -170,7 +170,7 @@ def windows_of(source, n: int) -> set[int]:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_validation_following_the_files_holds_out_every_50th_window(seed):
     seq_len, total = 9, 10 * 230 + 3  # 230 windows: 4 held out (49, 99, 149, 199), 226 to train on
-    train, val = arange_source(total, seq_len, cuts=(500,), seed=seed).split()
+    train, val = arange_source(total, seq_len, cuts=(500,), seed=seed).hold_out()
     assert (train.n, val.n) == (226, 4)
     held_out = {49, 99, 149, 199}
     assert windows_of(val, 4) == held_out and windows_of(train, 226) == set(range(230)) - held_out
@@ -183,7 +183,7 @@ def test_validation_following_the_files_holds_out_every_50th_window(seed):
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_held_out_split_is_the_same_on_every_data_parallel_degree(dp):
-    train, val = arange_source(10 * 230, 9).split()
+    train, val = arange_source(10 * 230, 9).hold_out()
     for source in (train, val):
         ref, _ = global_batches(source, 1, 60)
         got, _ = global_batches(source, dp, 60)

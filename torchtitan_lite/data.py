@@ -23,6 +23,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -119,7 +120,7 @@ class TokenSource:
             raise ConfigError(f"{what} holds {self.n_tokens} tokens, fewer than one window of seq_len + 1 = "
                               f"{self.length}: add data or lower training.seq_len")
 
-    def split(self) -> tuple[TokenSource, TokenSource]:
+    def hold_out(self) -> tuple[TokenSource, TokenSource]:
         """(training part, validation part) of the same tokens: nothing is read or tokenized again."""
         seq_len = self.length - 1
         return (TokenSource(self.chunks, seq_len, self.seed, self.what, "train"),
@@ -269,7 +270,7 @@ DATASETS = ("synthetic", "python_stdlib", "text", "jsonl", "tokens", "hf")
 FILES = ("text", "jsonl", "tokens")  # the user's files: no validation split of their own
 
 
-def build_sources(t: Training, v: Validation, tokenizer) -> tuple:
+def build_sources(t: Training, v: Validation, tokenizer) -> tuple[Any, Any]:
     """The training source and the validation one (None with validation off).
 
     An empty validation.dataset follows the training data: to its own validation split where it has one
@@ -283,7 +284,7 @@ def build_sources(t: Training, v: Validation, tokenizer) -> tuple:
     if not v.enable:
         return source, None
     if not v.dataset and t.dataset in FILES:
-        train, val = source.split()
+        train, val = source.hold_out()
         logger.info("validation: every %dth window of the training data, %d windows, never trained on", HOLDOUT,
                     val.n)
         return train, val
