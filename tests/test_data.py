@@ -150,6 +150,8 @@ def test_synthetic_validation_is_another_part_of_the_same_process():
     assert not torch.equal(v, train.windows(idx))
     follows = train.perm_pow2[0][v[:, :-1]] == v[:, 1:]  # the same permutation walk the model learns in training
     assert follows.float().mean() > 0.7
+    _, followed = build_sources(Training(seq_len=32, seed=3), Validation(enable=True), BYTES)  # the default
+    assert torch.equal(followed.windows(idx), v)
 
 
 def test_python_stdlib_holds_out_every_50th_file_for_validation():
