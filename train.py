@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan_lite.checkpoint import CheckpointManager, CheckpointSaveError, TrainState, check_config
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.context_parallel import check_cp, sharder
-from torchtitan_lite.data import DataLoader, build_source, to_device
+from torchtitan_lite.data import DataLoader, build_sources, to_device, warn_if_validating_on_training_data
 from torchtitan_lite.distributed import Env, init_distributed, peer_timeout, set_determinism, set_timeout
 from torchtitan_lite.errors import checks_passed, group_formed, report
 from torchtitan_lite.metrics import MetricLogger, flops_per_token, held_bytes, memory_gib, peak_flops
@@ -59,9 +59,7 @@ def preflight(cfg: JobConfig, world_size: int):
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
     t, v = cfg.training, cfg.validation
     global_batch = dims.global_batch(t.local_batch_size, t.global_batch_size)
-    source = build_source(t.dataset, t.dataset_path, t.seq_len, tokenizer, t.seed, text_field=t.dataset_text_field)
-    val_source = build_source(v.dataset, v.dataset_path, t.seq_len, tokenizer, t.seed, split="validation",
-                              text_field=t.dataset_text_field) if v.enable else None
+    source, val_source = build_sources(t, v, tokenizer)
     return dims, model_args, global_batch, source, val_source
 
 
@@ -69,6 +67,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     """Trains; `exits` closes what main opens on every way out (run()). Returns the signal that stopped it early."""
     dims, model_args, global_batch, source, val_source = preflight(cfg, env.world_size)
     t, v = cfg.training, cfg.validation
+    warn_if_validating_on_training_data(t, v)  # here, not in preflight: a --check says nothing of a legal config
 
     # ---- Processes, device, mesh.
     checks_passed(env)  # from here on, errors are decided on rank 0 and raised on every rank

@@ -3,12 +3,16 @@ The multi-process behaviour (resume, reshard, atomic saves) is in tests/multipro
 
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # DCP wraps errors in this BaseException
 
+import train
+from tests.multiprocess.launch import ROOT, TINY
 from torchtitan_lite.checkpoint import (
     TrainState,
     check_config,
@@ -127,3 +131,47 @@ def test_check_config():
         check_config(Checkpoint(create_seed_checkpoint=True), world_size=4)
     with pytest.raises(ConfigError, match="checkpoint.load_step needs checkpoint.enable"):
         check_config(Checkpoint(load_step=3), world_size=1)
+
+
+def passes_check(monkeypatch, dump_folder, *overrides: str) -> bool:
+    """Whether `WORLD_SIZE=1 train.py --check` of the tests' config with `overrides` accepts it."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    return train.run(["--job.config_file", str(TINY), "--job.dump_folder", str(dump_folder), *overrides],
+                     check=True) == 0
+
+
+def test_check_refuses_a_load_step_without_its_checkpoint(tmp_path, error_line, monkeypatch):
+    """`train.py --check` knows from the folder what the run's load would refuse after torchrun started every rank."""
+    folder = tmp_path / "checkpoint"
+    make(folder, "step-2")
+    make(folder, "step-4")
+    make(folder, "step-6", metadata=False)  # a save that never finished
+    line = error_line(4, ["--checkpoint.enable", "--checkpoint.load_step", "6"])
+    assert line == (f"error: checkpoint.load_step 6: {folder}/step-6 is not a complete checkpoint (complete ones: "
+                    "step-2, step-4)")
+    assert passes_check(monkeypatch, tmp_path, "--checkpoint.enable", "--checkpoint.load_step", "4")
+    assert passes_check(monkeypatch, tmp_path, "--checkpoint.enable", "--checkpoint.load_step", "6",
+                        "--checkpoint.create_seed_checkpoint")  # a seed run loads nothing
+
+
+def test_check_refuses_an_initial_load_path_only_when_the_run_would_use_it(tmp_path, error_line, monkeypatch):
+    missing, partial = tmp_path / "elsewhere" / "step-5", tmp_path / "elsewhere" / "step-3"
+    make(tmp_path / "elsewhere", "step-3", metadata=False)
+    for path, why in ((missing, "does not exist"), (partial, "has no .metadata (not a complete DCP checkpoint)")):
+        # Used with or without checkpoint.enable while the run's own folder holds no checkpoint.
+        for enable in ("--checkpoint.enable", "--no-checkpoint.enable"):
+            line = error_line(1, [enable, "--checkpoint.initial_load_path", str(path)])
+            assert line == f"error: checkpoint.initial_load_path {path} {why}"
+    make(tmp_path / "checkpoint", "step-2")  # the run resumes from its own checkpoint and never reads the path
+    assert passes_check(monkeypatch, tmp_path, "--checkpoint.enable", "--checkpoint.initial_load_path", str(missing))
+
+
+def test_check_command_exits_2_with_one_line(tmp_path):
+    """What run_train.sh runs before torchrun, as a process of its own."""
+    make(tmp_path / "checkpoint", "step-2")
+    proc = subprocess.run([sys.executable, "train.py", "--check", "--job.config_file", str(TINY), "--job.dump_folder",
+                           str(tmp_path), "--checkpoint.enable", "--checkpoint.load_step", "3"],
+                          cwd=ROOT, env={**os.environ, "WORLD_SIZE": "4"}, capture_output=True, text=True)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.splitlines() == [f"error: checkpoint.load_step 3: {tmp_path}/checkpoint/step-3 is not a "
+                                        "complete checkpoint (complete ones: step-2)"]

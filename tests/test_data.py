@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import train
+from tests.multiprocess.launch import TINY
 from torchtitan_lite import datasets
-from torchtitan_lite.config import ConfigError
-from torchtitan_lite.data import DataLoader, Permutation, SyntheticSource, TokenSource, build_source, to_device
+from torchtitan_lite.config import ConfigError, Training, Validation, load_config
+from torchtitan_lite.data import (HOLDOUT, DataLoader, Permutation, SyntheticSource, TokenSource, build_source,
+                                  build_sources, to_device, warn_if_validating_on_training_data)
 from torchtitan_lite.tokenizer import BOS, EOS, STDLIB_BPE, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,6 +150,8 @@ def test_synthetic_validation_is_another_part_of_the_same_process():
     assert not torch.equal(v, train.windows(idx))
     follows = train.perm_pow2[0][v[:, :-1]] == v[:, 1:]  # the same permutation walk the model learns in training
     assert follows.float().mean() > 0.7
+    _, followed = build_sources(Training(seq_len=32, seed=3), Validation(enable=True), BYTES)  # the default
+    assert torch.equal(followed.windows(idx), v)
 
 
 def test_python_stdlib_holds_out_every_50th_file_for_validation():
@@ -157,6 +162,109 @@ def test_python_stdlib_holds_out_every_50th_file_for_validation():
     source = build_source("python_stdlib", "", 64, BYTES, seed=0, split="validation")
     text = BYTES.decode(source.windows(torch.arange(source.n)).flatten().tolist())
     assert "def " in text or "import " in text
+
+
+def windows_of(source, n: int) -> set[int]:
+    """The stream windows of an arange_source that global positions [0, n) read, by their first token."""
+    return set((source.windows(torch.arange(n))[:, 0] // source.length).tolist())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_validation_following_the_files_holds_out_every_50th_window(seed):
+    seq_len, total = 9, 10 * 230 + 3  # 230 windows: 4 held out (49, 99, 149, 199), 226 to train on
+    train, val = arange_source(total, seq_len, cuts=(500,), seed=seed).hold_out()
+    assert (train.n, val.n) == (226, 4)
+    held_out = {49, 99, 149, 199}
+    assert windows_of(val, 4) == held_out and windows_of(train, 226) == set(range(230)) - held_out
+    # Every epoch of training, reshuffled, reads each window it may read once and never a held-out one.
+    for epoch in range(3):
+        w = train.windows(torch.arange(epoch * 226, (epoch + 1) * 226))
+        assert len(set(w[:, 0].tolist())) == 226 and not held_out & set((w[:, 0] // 10).tolist())
+        assert torch.equal(w[:, 1:] - w[:, :-1], torch.ones(226, seq_len, dtype=torch.long))  # whole windows
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_held_out_split_is_the_same_on_every_data_parallel_degree(dp):
+    train, val = arange_source(10 * 230, 9).hold_out()
+    for source in (train, val):
+        ref, _ = global_batches(source, 1, 60)
+        got, _ = global_batches(source, dp, 60)
+        assert all(torch.equal(ri, gi) for (ri, _), (gi, _) in zip(ref, got))
+    seen = {w // 10 for inputs, _ in global_batches(train, dp, 60)[0] for w in inputs[:, 0].tolist()}
+    assert seen == set(range(230)) - {49, 99, 149, 199}  # 480 windows: two epochs' worth, none held out
+
+
+def sections(**validation) -> tuple[Training, Validation]:
+    return Training(dataset="jsonl", seq_len=15), Validation(**validation)
+
+
+def test_validation_follows_the_users_files_and_training_skips_only_then(tmp_path, corpus):
+    t, _ = sections()
+    t.dataset_path = corpus
+    whole = build_source("jsonl", corpus, 15, BYTES, 0)
+    assert whole.n >= 2 * HOLDOUT
+    train, val = build_sources(t, Validation(enable=True), BYTES)
+    assert (train.part, val.part, train.n + val.n) == ("train", "validation", whole.n)
+    assert not set(train.order(torch.arange(train.n))) & set(val.order(torch.arange(val.n)))
+    # Validation off, or on a source of its own: training reads every window in today's order.
+    (tmp_path / "val").mkdir()
+    other = write_jsonl(tmp_path / "val" / "other.jsonl", DOCS[::-1])
+    for v in (Validation(), Validation(dataset="jsonl", dataset_path=str(other)),
+              Validation(enable=True, dataset="jsonl", dataset_path=str(other))):
+        source, val = build_sources(t, v, BYTES)
+        idx = torch.arange(3 * whole.n)
+        assert source.part == "all" and torch.equal(source.windows(idx), whole.windows(idx))
+        assert (val is None) == (not v.enable)
+
+
+def test_the_trainer_validates_a_run_on_the_users_files_on_their_held_out_part(tmp_path, corpus):
+    cfg = load_config(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path / "run"), "--training.seq_len",
+                       "15", "--training.dataset", "jsonl", "--training.dataset_path", corpus, "--validation.enable"])
+    *_, source, val_source = train.preflight(cfg, 1)
+    assert (source.part, val_source.part) == ("train", "validation")
+    assert val_source.chunks[0] is source.chunks[0]  # the same tokens: the files are read once
+
+
+def test_python_stdlib_validation_is_unchanged_every_50th_file(monkeypatch):
+    """The debug config validates on the training data's held-out part, which for python_stdlib is its validation
+    split, as when it named it; training reads all its training files, unsplit. (Files, not tokens: tokenizing the
+    whole standard library would cost the suite seconds.)"""
+    read = []
+    monkeypatch.setattr(datasets, "cached_tokens", lambda files, tok: read.append(files) or torch.arange(10_000))
+    cfg = load_config(["--job.config_file", str(ROOT / "train_configs/debug_model.toml")])
+    assert cfg.validation.enable and cfg.validation.dataset == "" and cfg.training.dataset == "python_stdlib"
+    train, val = build_sources(cfg.training, cfg.validation, BPE)
+    assert read == [datasets.corpus_files("python_stdlib", "", split, "k") for split in ("train", "validation")]
+    assert read[1] == datasets.stdlib_files()[HOLDOUT - 1 :: HOLDOUT]
+    assert train.part == val.part == "all"
+
+
+def test_validating_on_the_training_files_is_a_loud_warning(tmp_path, corpus, caplog):
+    t, _ = sections()
+    t.dataset_path = corpus
+    (tmp_path / "val").mkdir()
+    same = str(tmp_path / "val" / ".." / "a.jsonl")  # one of the training files, by another name
+    warn_if_validating_on_training_data(t, Validation(enable=True, dataset="jsonl", dataset_path=same))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"WARNING: val_loss is measured on training data: validation reads 1 file(s) that training reads too "
+        f"({same}); leave validation.dataset empty to validate on a held-out part of the training data"]
+    caplog.clear()
+    other = write_jsonl(tmp_path / "val" / "other.jsonl", DOCS[::-1])
+    for v in (Validation(enable=True), Validation(enable=True, dataset="jsonl", dataset_path=str(other)),
+              Validation(dataset="jsonl", dataset_path=same)):
+        warn_if_validating_on_training_data(t, v)
+    assert not caplog.records
+
+
+def test_bad_validation_sources_are_one_line(tmp_path, corpus, error_line):
+    assert error_line(1, ["--validation.enable", "--validation.dataset_path", corpus]) == (
+        "error: validation.dataset_path is set but validation.dataset is empty: name the dataset too, or clear the "
+        "path to validate on a held-out part of the training data")
+    (tmp_path / "short.txt").write_text("x" * 600)  # 601 tokens: 9 windows of 65, none to hold out
+    assert error_line(1, ["--training.dataset", "text", "--training.dataset_path", str(tmp_path / "short.txt"),
+                          "--validation.enable"]) == (
+        f"error: training.dataset text ({tmp_path / 'short.txt'}) holds 9 windows of seq_len + 1 = 65 tokens, too "
+        "few to hold out every 50th for validation: add data, set validation.dataset, or turn validation off")
 
 
 def test_builtin_corpus_is_tokenized_once_and_shared(tmp_path, monkeypatch):

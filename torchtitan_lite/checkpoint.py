@@ -56,6 +56,20 @@ def complete_checkpoints(folder: str) -> dict[int, str]:
     return dict(sorted(found.items()))
 
 
+def checkpoint_to_load(cfg: Checkpoint, folder: str) -> tuple[int | None, dict[int, str], str]:
+    """(the step a run resumes from, None for none; the complete checkpoints in `folder`, read only with
+    checkpoint.enable; checkpoint.initial_load_path if it resumes from none), each checked to exist."""
+    found = complete_checkpoints(folder) if cfg.enable else {}
+    if cfg.load_step >= 0 and cfg.load_step not in found:
+        raise ConfigError(f"checkpoint.load_step {cfg.load_step}: {folder}/step-{cfg.load_step} is not a complete "
+                          f"checkpoint (complete ones: {', '.join(f'step-{s}' for s in found) or 'none'})")
+    path = "" if found else cfg.initial_load_path
+    if path and not os.path.isfile(os.path.join(path, ".metadata")):
+        why = "does not exist" if not os.path.exists(path) else "has no .metadata (not a complete DCP checkpoint)"
+        raise ConfigError(f"checkpoint.initial_load_path {path} {why}")
+    return (cfg.load_step if cfg.load_step >= 0 else max(found, default=None)), found, path
+
+
 def steps_to_delete(steps: list[int], keep_latest_k: int, just_saved: int) -> list[int]:
     """What keep_latest_k removes: all but the newest k, and never the checkpoint just saved, which is not the newest
     when a run resumed from an older one (checkpoint.load_step). 0 keeps everything."""
@@ -119,8 +133,8 @@ def _set_rng(state: dict[str, torch.Tensor]) -> None:
 
 
 def check_config(cfg: Checkpoint, world_size: int, dump_folder: str = "") -> None:
-    """Checks run before any process talks to another: the options, and that the folders a run writes can be
-    written (a read-only or missing mount should stop the run now, not at its first save hours later)."""
+    """Checks run before any process talks to another: the options, that the folders a run writes can be written (a
+    read-only or missing mount should stop the run now, not at its first save hours later), and what it would load."""
     for path, key in ((dump_folder, "job.dump_folder"), (os.path.join(dump_folder, cfg.folder), "checkpoint.folder")):
         if not dump_folder or (key == "checkpoint.folder" and not cfg.enable):
             continue
@@ -135,6 +149,8 @@ def check_config(cfg: Checkpoint, world_size: int, dump_folder: str = "") -> Non
                           "runs on any mesh then start from its step-0")
     if cfg.load_step >= 0 and not cfg.enable:
         raise ConfigError("checkpoint.load_step needs checkpoint.enable = true")
+    if dump_folder and not cfg.create_seed_checkpoint:  # a seed run loads nothing
+        checkpoint_to_load(cfg, os.path.join(dump_folder, cfg.folder))
 
 
 def _on_rank0(fn: Callable[[], Any]) -> Any:
@@ -243,12 +259,8 @@ class CheckpointManager:
         """(path, "all" | "model" | "skip", step, its metadata) of what to load, or None for a fresh start; rank 0
         only."""
         cfg = self.cfg
-        found = complete_checkpoints(self.folder) if cfg.enable else {}
-        if cfg.load_step >= 0 and cfg.load_step not in found:
-            raise ConfigError(f"checkpoint.load_step {cfg.load_step}: {self.folder}/step-{cfg.load_step} is not a "
-                              f"complete checkpoint (complete ones: {[f'step-{s}' for s in found]})")
-        if found:
-            step = cfg.load_step if cfg.load_step >= 0 else max(found)
+        step, found, path = checkpoint_to_load(cfg, self.folder)
+        if step is not None:
             if max(found) > step:
                 logger.warning("resuming from step-%d although step-%d exists: a restart without checkpoint.load_step "
                                "will pick step-%d", step, max(found), max(found))
@@ -260,10 +272,6 @@ class CheckpointManager:
                 return found[step], "model", 0, metadata
             raise ConfigError(f"{found[step]} holds weights only (checkpoint.last_save_model_only) and cannot be "
                               f"resumed: start a new run from it with checkpoint.initial_load_path")
-        path = cfg.initial_load_path
-        if path and not os.path.isfile(os.path.join(path, ".metadata")):
-            why = "does not exist" if not os.path.exists(path) else "has no .metadata (not a complete DCP checkpoint)"
-            raise ConfigError(f"checkpoint.initial_load_path {path} {why}")
         if not path:
             return None
         if not _is_full(metadata := read_metadata(path)) and not cfg.initial_load_model_only:

@@ -179,8 +179,8 @@ class Metrics:
 class Validation:
     """periodic evaluation on held-out data"""
     enable: bool = opt(False, "run validation during training")
-    dataset: str = opt("synthetic", "validation dataset name")
-    dataset_path: str = opt("", "local path of the dataset, if it needs one")
+    dataset: str = opt("", '"" = the training data\'s held-out part (README: Data and tokenizers); else a dataset')
+    dataset_path: str = opt("", "local path of that dataset, if it needs one")
     freq: int = opt(100, "validate every N steps", rule=at_least(1))
     steps: int = opt(10, "batches per validation", rule=at_least(1))
 

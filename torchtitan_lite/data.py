@@ -23,14 +23,17 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from torchtitan_lite import datasets
-from torchtitan_lite.config import ConfigError
+from torchtitan_lite.config import ConfigError, Training, Validation
 from torchtitan_lite.init import key_words, mix32, uniform
 
 logger = logging.getLogger("torchtitan_lite")
+# Validation that follows text, jsonl or tokens data reads every 50th window of its stream, which training then skips.
+HOLDOUT = 50
 
 
 class SyntheticSource:
@@ -97,18 +100,31 @@ class Permutation:
 class TokenSource:
     """Windows cut from a token stream held in chunks (an in-memory array, or memory-mapped shards in order).
 
-    Window p of the global order is window perm_e(p mod n) of the stream, epoch e = p // n.
+    Window p of the global order is window perm_e(p mod n) of `part` of the stream, epoch e = p // n. The part is all
+    its windows, or where validation follows the training data every HOLDOUT-th ("validation") or the others
+    ("train"): windows of the stream, not of the order, so the split is the same for every layout and seed.
     """
 
-    def __init__(self, chunks: list[torch.Tensor], seq_len: int, seed: int, what: str):
+    def __init__(self, chunks: list[torch.Tensor], seq_len: int, seed: int, what: str, part: str = "all"):
         self.chunks = [c for c in chunks if len(c)]
         self.offsets = [0, *itertools.accumulate(len(c) for c in self.chunks)]  # stream position of each chunk
-        self.length, self.seed = seq_len + 1, seed
+        self.length, self.seed, self.what, self.part = seq_len + 1, seed, what, part
         self.n_tokens = self.offsets[-1]
-        self.n = self.n_tokens // self.length  # windows per epoch
+        windows = self.n_tokens // self.length
+        self.n = {"all": windows, "train": windows - windows // HOLDOUT, "validation": windows // HOLDOUT}[part]
+        if self.n == 0 and part == "validation":
+            raise ConfigError(f"{what} holds {windows} windows of seq_len + 1 = {self.length} tokens, too few to hold "
+                              f"out every {HOLDOUT}th for validation: add data, set validation.dataset, or turn "
+                              "validation off")
         if self.n == 0:
             raise ConfigError(f"{what} holds {self.n_tokens} tokens, fewer than one window of seq_len + 1 = "
                               f"{self.length}: add data or lower training.seq_len")
+
+    def hold_out(self) -> tuple[TokenSource, TokenSource]:
+        """(training part, validation part) of the same tokens: nothing is read or tokenized again."""
+        seq_len = self.length - 1
+        return (TokenSource(self.chunks, seq_len, self.seed, self.what, "train"),
+                TokenSource(self.chunks, seq_len, self.seed, self.what, "validation"))
 
     def order(self, index: torch.Tensor) -> list[int]:
         """The stream windows that global positions `index` read."""
@@ -118,7 +134,12 @@ class TokenSource:
             epoch = p // self.n
             if epoch not in perms:
                 perms[epoch] = Permutation(self.n, f"{self.seed}/order/{epoch}")
-            out.append(perms[epoch](p % self.n))
+            i = perms[epoch](p % self.n)  # the part's i-th window
+            if self.part == "train":  # every HOLDOUT-th window of the stream skipped
+                i += i // (HOLDOUT - 1)
+            elif self.part == "validation":
+                i = i * HOLDOUT + HOLDOUT - 1
+            out.append(i)
         return out
 
     def windows(self, index: torch.Tensor) -> torch.Tensor:
@@ -246,6 +267,43 @@ class DataLoader:
 
 
 DATASETS = ("synthetic", "python_stdlib", "text", "jsonl", "tokens", "hf")
+FILES = ("text", "jsonl", "tokens")  # the user's files: no validation split of their own
+
+
+def build_sources(t: Training, v: Validation, tokenizer) -> tuple[Any, Any]:
+    """The training source and the validation one (None with validation off).
+
+    An empty validation.dataset follows the training data: to its own validation split where it has one
+    (python_stdlib, synthetic, hf), else to every HOLDOUT-th window of the training files, which training then skips.
+    Only then: with validation off or reading a source of its own, training reads every window, as it always has.
+    """
+    if v.enable and v.dataset_path and not v.dataset:
+        raise ConfigError("validation.dataset_path is set but validation.dataset is empty: name the dataset too, or "
+                          "clear the path to validate on a held-out part of the training data")
+    source = build_source(t.dataset, t.dataset_path, t.seq_len, tokenizer, t.seed, text_field=t.dataset_text_field)
+    if not v.enable:
+        return source, None
+    if not v.dataset and t.dataset in FILES:
+        train, val = source.hold_out()
+        logger.info("validation: every %dth window of the training data, %d windows, never trained on", HOLDOUT,
+                    val.n)
+        return train, val
+    name, path = (v.dataset, v.dataset_path) if v.dataset else (t.dataset, t.dataset_path)
+    return source, build_source(name, path, t.seq_len, tokenizer, t.seed, split="validation",
+                                text_field=t.dataset_text_field)
+
+
+def warn_if_validating_on_training_data(t: Training, v: Validation) -> None:
+    """A validation source that reads files training reads too measures recall, not generalization: say so, loudly."""
+    if not (v.enable and v.dataset in FILES and t.dataset in FILES):
+        return
+    trained = {f.resolve() for f in datasets.corpus_files(t.dataset, t.dataset_path, "train", "training.dataset_path")}
+    both = [f for f in datasets.corpus_files(v.dataset, v.dataset_path, "validation", "validation.dataset_path")
+            if f.resolve() in trained]
+    if both:
+        logger.warning("WARNING: val_loss is measured on training data: validation reads %d file(s) that training "
+                       "reads too (%s%s); leave validation.dataset empty to validate on a held-out part of the "
+                       "training data", len(both), both[0], ", ..." if len(both) > 1 else "")
 
 
 def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int, split: str = "train",
@@ -253,7 +311,8 @@ def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int, split
     """The source `name` reads from `path`, for split "train" (training.*) or "validation" (validation.*).
 
     Only python_stdlib (every 50th file is held out), synthetic (a far-away part of its stream) and hf (the split of
-    that name) derive a validation split themselves; the others read whatever files `path` names.
+    that name) derive a validation split themselves; the others read whatever files `path` names (build_sources
+    holds out a part of them).
     """
     section = "training" if split == "train" else "validation"
     key = f"{section}.dataset_path"
@@ -264,7 +323,7 @@ def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int, split
     if name == "hf":
         return HFSource(datasets.load_hf_stream(path, split, text_field, key), text_field, tokenizer, seq_len)
     if name == "tokens":
-        files = datasets.expand_paths(path, key, dir_pattern="*.bin")
+        files = datasets.corpus_files(name, path, split, key)
         chunks = [datasets.open_shard(f, tokenizer) for f in files]
     elif name in ("python_stdlib", "text", "jsonl"):
         files = datasets.corpus_files(name, path, split, key)

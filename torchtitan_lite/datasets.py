@@ -77,9 +77,9 @@ def expand_paths(spec: str, key: str, dir_pattern: str = "*") -> list[Path]:
 
 
 def corpus_files(name: str, path: str, split: str, key: str) -> list[Path]:
-    """The files of a `python_stdlib`, `text` or `jsonl` corpus, in stream order."""
+    """The files of a `python_stdlib`, `text`, `jsonl` or `tokens` corpus, in stream order."""
     if name != "python_stdlib":
-        return expand_paths(path, key)
+        return expand_paths(path, key, dir_pattern="*.bin" if name == "tokens" else "*")
     if path:
         raise ConfigError(f"{key} must be empty for python_stdlib (it reads this interpreter's standard library)")
     files = stdlib_files()
