@@ -42,6 +42,12 @@ def _tokenize_file(job: tuple[int, Path, str, str, Path]) -> tuple[int, int]:
     return path.stat().st_size, n_tokens
 
 
+def fail(message: str):
+    """Bad input: one line and exit 2, as the trainer and the other scripts answer it."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", required=True, choices=("python_stdlib", "text", "jsonl"))
@@ -57,11 +63,11 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = build_tokenizer(args.tokenizer_path)
         files = datasets.corpus_files(args.dataset, args.dataset_path, args.split, "--dataset_path")
     except (ConfigError, OSError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+        fail(str(e))
     args.output.mkdir(parents=True, exist_ok=True)
     if any(args.output.glob("*.bin")):
         # Old shards would silently join the new corpus: the trainer reads every shard in the folder.
-        raise SystemExit(f"error: {args.output} already holds .bin shards: pick an empty folder")
+        fail(f"{args.output} already holds .bin shards: pick an empty folder")
 
     kind = "jsonl" if args.dataset == "jsonl" else "text"
     jobs = [(i, f, kind, args.text_field, args.output) for i, f in enumerate(files)]
@@ -82,10 +88,11 @@ def main(argv: list[str] | None = None) -> None:
         for i, _, _, _, _ in jobs:  # no partial corpus left behind to be trained on by mistake
             for leftover in (args.output / f"{i:08d}.bin", args.output / f"{i:08d}.bin.tmp"):
                 leftover.unlink(missing_ok=True)
-        raise SystemExit(f"\nerror: {e}") from None
+        print(file=sys.stderr)  # ends the progress line
+        fail(str(e))
     print(file=sys.stderr)
     if n_tokens == 0:
-        raise SystemExit(f"error: {args.dataset_path or args.dataset} holds no text")
+        fail(f"{args.dataset_path or args.dataset} holds no text")
     print(f"wrote {len(files)} shards, {n_tokens:,} tokens (tokenizer {tokenizer.identity}) to {args.output} "
           f"in {time.perf_counter() - start:.1f}s")
 

@@ -108,8 +108,8 @@ def read_documents(path: Path, kind: str, text_field: str) -> Iterator[str]:
                 raise ConfigError(f"{path}:{n}: not a JSON object ({line[:60]!r})") from None
             text = row.get(text_field) if isinstance(row, dict) else None
             if not isinstance(text, str):
-                raise ConfigError(f"{path}:{n}: no string field {text_field!r} (set training.dataset_text_field "
-                                  f"to the field that holds the text)")
+                raise ConfigError(f"{path}:{n}: no string field {text_field!r} (set training.dataset_text_field, "
+                                  f"or the scripts' --text_field, to the field that holds the text)")
             yield text
 
 
