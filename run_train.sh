@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Train on this machine's devices through torchrun. Extra arguments are config overrides (--section.key value).
 #   NGPU         local processes (default: the number of CUDA devices, or 4 CPU processes without one)
-#   CONFIG_FILE  TOML config (default ./train_configs/debug_model.toml)
+#   CONFIG_FILE  TOML config (default: this repository's train_configs/debug_model.toml)
 #   LOG_RANK     comma-separated local ranks whose output is shown (default 0)
 #   MAX_RESTARTS torchrun --max-restarts (default 0)
 set -euo pipefail
+# Paths typed on the command line (CONFIG_FILE too) are files seen from here, where the user stands; the trainer
+# resolves them against this directory (torchtitan_lite/paths.py), the configs' own against the repository.
+export TORCHTITAN_LITE_CALLER_DIR=$PWD
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python}
 if [ -z "${NGPU:-}" ]; then
@@ -14,7 +17,7 @@ if [ -z "${NGPU:-}" ]; then
     NGPU=4
   fi
 fi
-CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
+CONFIG_FILE=${CONFIG_FILE:-$PWD/train_configs/debug_model.toml}
 LOG_RANK=${LOG_RANK:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 export PYTHONUNBUFFERED=1
