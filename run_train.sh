@@ -4,12 +4,14 @@
 #   CONFIG_FILE  TOML config (default: this repository's train_configs/debug_model.toml)
 #   LOG_RANK     comma-separated local ranks whose output is shown (default 0)
 #   MAX_RESTARTS torchrun --max-restarts (default 0)
+#   PYTHON       the interpreter (default: python, else python3)
 set -euo pipefail
 # Paths typed on the command line (CONFIG_FILE too) are files seen from here, where the user stands; the trainer
 # resolves them against this directory (torchtitan_lite/paths.py), the configs' own against the repository.
 export TORCHTITAN_LITE_CALLER_DIR=$PWD
 cd "$(dirname "$0")"
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-$(command -v python || command -v python3)} || {
+  echo "error: neither python nor python3 is on PATH: set PYTHON to the interpreter that has torch" >&2; exit 127; }
 if [ -z "${NGPU:-}" ]; then
   if ls /dev/nvidia[0-9]* /dev/kfd >/dev/null 2>&1; then  # a GPU driver: let torch count (honours CUDA_VISIBLE_DEVICES)
     NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 4)")
