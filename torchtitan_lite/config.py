@@ -38,6 +38,7 @@ class Job:
     config_file: str = opt("", "TOML file the run was read from", path=ONE)
     dump_folder: str = opt("./outputs", "where config.toml, metrics.jsonl, checkpoints and tb/ go", path=ONE)
     description: str = opt("", "free text describing the run")
+    print_args: bool = opt(False, "also print the resolved config at start-up (config.toml always holds it)")
 
 
 @dataclass
