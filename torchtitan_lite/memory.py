@@ -6,8 +6,8 @@ world size (rank 0, which holds the largest shards), the real ParallelDims mesh,
 parallelized by the real `parallelize()`, materialized as FakeTensors, and two training steps (forward, loss,
 backward, AdamW step, zero_grad) traced by torch's FSDPMemTracker, which follows every storage's life, FSDP2's
 all-gather and reduce-scatter buffers and the storage resizes that free gathered parameters. Fake tensors allocate
-nothing and compute nothing, so the cost is Python time per op (on one CPU core: 8B ~30 s, 70B ~3-5 min, 405B
-~5-8 min), and every layout rule (TP shards, FSDP padding, hpZ, which block stays gathered after forward, what
+nothing and compute nothing, so the cost is Python time per op (docs/performance.md has the times), and every
+layout rule (TP shards, FSDP padding, hpZ, which block stays gathered after forward, what
 activation checkpointing saves) is the trainer's by construction: a formula would have to be kept in step with
 parallelize.py by hand. Two steps, because the optimizer
 state only exists from the first step on, so the second step is the steady state.
