@@ -32,7 +32,8 @@ class Row(NamedTuple):
 
 
 def _row(config: str, mesh: str, micro_batch: str, world_size: int, toml: str, *overrides: str) -> Row:
-    return Row(config, mesh, micro_batch, world_size, ("--job.config_file", f"train_configs/{toml}", *overrides))
+    return Row(config, mesh, micro_batch, world_size, ("--job.config_file", str(ROOT / "train_configs" / toml),
+                                                       *overrides))
 
 
 CP = ("--training.seq_len", "131072", "--parallelism.context_parallel_degree")
@@ -77,6 +78,9 @@ def readme_rows(text: str) -> dict[tuple[str, str, str], str]:
 
 
 def main(argv: list[str]) -> int:
+    if argv not in ([], ["--check"]):
+        print("usage: python scripts/memory_table.py [--check]", file=sys.stderr)
+        return 2
     check = argv == ["--check"]
     readme = readme_rows(README.read_text()) if check else {}
     stale = []
