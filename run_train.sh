@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Train on this machine's devices through torchrun. Extra arguments are config overrides (--section.key value).
 #   NGPU         local processes (default: the number of CUDA devices, or 4 CPU processes without one)
-#   CONFIG_FILE  TOML config (default ./train_configs/debug_model.toml)
+#   CONFIG_FILE  TOML config (default: this repository's train_configs/debug_model.toml)
 #   LOG_RANK     comma-separated local ranks whose output is shown (default 0)
 #   MAX_RESTARTS torchrun --max-restarts (default 0)
+#   PYTHON       the interpreter (default: python, else python3)
 set -euo pipefail
+# Paths typed on the command line (CONFIG_FILE too) are files seen from here, where the user stands; the trainer
+# resolves them against this directory (torchtitan_lite/paths.py), the configs' own against the repository.
+export TORCHTITAN_LITE_CALLER_DIR=$PWD
 cd "$(dirname "$0")"
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-$(command -v python || command -v python3)} || {
+  echo "error: neither python nor python3 is on PATH: set PYTHON to the interpreter that has torch" >&2; exit 127; }
 if [ -z "${NGPU:-}" ]; then
   if ls /dev/nvidia[0-9]* /dev/kfd >/dev/null 2>&1; then  # a GPU driver: let torch count (honours CUDA_VISIBLE_DEVICES)
     NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 4)")
@@ -14,7 +19,7 @@ if [ -z "${NGPU:-}" ]; then
     NGPU=4
   fi
 fi
-CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
+CONFIG_FILE=${CONFIG_FILE:-$PWD/train_configs/debug_model.toml}
 LOG_RANK=${LOG_RANK:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 export PYTHONUNBUFFERED=1

@@ -63,6 +63,16 @@ def preflight(cfg: JobConfig, world_size: int):
     return dims, model_args, global_batch, source, val_source
 
 
+def summary(cfg: JobConfig, n_params: int, mesh, global_batch: int) -> str:
+    """The run in the one line the console shows at start-up; config.toml holds the rest (job.print_args shows it)."""
+    t = cfg.training
+    layout = " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape) if size > 1)
+    data = " ".join(filter(None, (t.dataset, t.dataset_path)))
+    return (f"{cfg.model.name} {cfg.model.flavor}: {n_params / 1e6:.2f}M parameters, mesh {layout or '1 process'}, "
+            f"data {data}, {t.steps} step{'s' * (t.steps != 1)} of {global_batch} x {t.seq_len} tokens, "
+            f"outputs in {os.path.abspath(cfg.job.dump_folder)}")
+
+
 def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     """Trains; `exits` closes what main opens on every way out (run()). Returns the signal that stopped it early."""
     dims, model_args, global_batch, source, val_source = preflight(cfg, env.world_size)
@@ -75,7 +85,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     group_formed(env)  # a line can now be said for a hung rank 0
     set_determinism(t.seed, t.deterministic, device)
     mesh, dp_mesh, loss_mesh = dims.build_mesh(device.type)
-    if env.rank == 0:
+    if env.rank == 0 and cfg.job.print_args:
         logger.info("resolved config:\n%s", to_toml(cfg))
     seq_share = sharder(mesh["cp"], t.seq_len, cfg.parallelism.context_parallel_load_balancer)
     pin = device.type == "cuda"
@@ -97,8 +107,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
         part.train()
     model = merge(parts)  # this rank's parameters under their full-model names: optimizer, norm, checkpoint
     params = list(model.parameters())
-    logger.info("%s %s: %.2fM parameters, mesh %s", cfg.model.name, cfg.model.flavor, n_params / 1e6,
-                dict(zip(mesh.mesh_dim_names, mesh.shape)))
+    logger.info(summary(cfg, n_params, mesh, global_batch))
 
     optimizer = build_optimizer(model, cfg.optimizer, params[0].device.type)  # on the host under CPU offload
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)

@@ -1,4 +1,8 @@
-"""metrics.held_bytes counts real storages; memory.py's fake-tensor estimate reproduces them on any world size."""
+"""metrics.held_bytes counts real storages; memory.py's fake-tensor estimate reproduces them on any world size; the
+README's memory table quotes the estimate (scripts/memory_table.py)."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +14,19 @@ from torchtitan_lite.metrics import held_bytes, storage_bytes
 from torchtitan_lite.model import Transformer
 from torchtitan_lite.optim import build_optimizer
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))  # scripts/ is not a package
+import memory_table  # noqa: E402
+
 TINY = ["--job.config_file", "tests/assets/tiny.toml"]
 STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+@pytest.fixture(scope="module")
+def first_readme_row():
+    """The README table's first row, 8B on FSDP 8, and its estimate: the one row the suite can afford (seconds; the
+    others take minutes each, and scripts/memory_table.py --check compares them all)."""
+    row = memory_table.ROWS[0]
+    return row, memory_table.estimate(row)
 
 
 def test_storage_bytes_counts_a_shared_storage_once():
@@ -51,11 +66,9 @@ def test_sharded_state_is_one_nth_up_to_padding(one_process_held, world_size):
     assert 0 < estimate.activation_bytes < estimate.peak_bytes
 
 
-def test_8b_state_follows_from_its_parameter_count():
-    # Short sequences: the parameter, gradient and optimizer bytes do not depend on them, and the trace is faster.
-    cfg = load_config(["--job.config_file", "train_configs/llama3_8b.toml", "--training.seq_len", "64",
-                       "--activation_checkpoint.mode", "none"])
-    estimate = estimate_memory(cfg, 8)
+def test_8b_state_follows_from_its_parameter_count(first_readme_row):
+    row, estimate = first_readme_row
+    assert row.world_size == 8 and row.argv[1].endswith("llama3_8b.toml")
     assert estimate.vocab_size == LLAMA3_VOCAB == 128256
     n_params, n_tensors = 8_030_261_248, 32 * 9 + 3  # Llama 3 8B; per block 2 norms + 7 linears; embedding, norm, out
     # Every dim of 8B splits evenly over 8 ranks: no padding. fp32 everything; AdamW's step is one fp32 scalar.
@@ -70,3 +83,10 @@ def test_cpu_offload_moves_the_state_to_the_host():
     state = offload.param_bytes + offload.grad_bytes + offload.optimizer_bytes
     assert offload.host_bytes == state > 0 and device.host_bytes == 0
     assert offload.peak_bytes < device.peak_bytes
+
+
+def test_readme_memory_table_lists_the_scripts_rows_and_quotes_the_first_exactly(first_readme_row):
+    rows = memory_table.readme_rows(memory_table.README.read_text())
+    assert list(rows) == [row[:3] for row in memory_table.ROWS]
+    row, estimate = first_readme_row
+    assert rows[row[:3]] == memory_table.line(row, estimate), "stale: run python scripts/memory_table.py --check"

@@ -1,12 +1,22 @@
 """train.py in-process on one process: gradient accumulation gives one big batch's curve."""
 
+import logging
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import train
+from torchtitan_lite.config import load_config
+from torchtitan_lite.memory import model_args
+from torchtitan_lite.model import Transformer, count_params
 from tests.multiprocess.launch import ROOT, TINY, read_metrics
+
+
+def n_params(config) -> int:
+    with torch.device("meta"):
+        return count_params(Transformer(model_args(load_config(["--job.config_file", str(config)]))[0]))[0]
 
 
 def curve(tmp_path, name, *overrides):
@@ -33,21 +43,30 @@ def test_config_error_returns_2_and_prints_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and "training.seq_len" in err[0]
 
 
-def test_a_run_warns_once_of_options_its_layout_ignores(tmp_path, caplog):
+def test_start_up_is_one_line_of_the_run_and_one_warning_of_options_its_layout_ignores(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="torchtitan_lite")
     assert train.run(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), "--training.steps", "1",
                       "--parallelism.context_parallel_load_balancer", "none"]) == 0
-    assert [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()] == [
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if "ignored" in m] == [
         "no context parallelism in this layout (context_parallel_degree = 1): "
         "parallelism.context_parallel_load_balancer ignored"]
+    # The config is in config.toml, not on the console (job.print_args puts it there: the test below).
+    assert [m for m in messages if "parameters" in m or "[training]" in m] == [
+        f"llama3 debugmodel: {n_params(TINY) / 1e6:.2f}M parameters, mesh 1 process, data synthetic, 1 step of 2 x 64 "
+        f"tokens, outputs in {tmp_path}"]
 
 
-def test_dumped_config_alone_reproduces_the_run(tmp_path):
+def test_dumped_config_alone_reproduces_the_run_and_print_args_shows_it(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="torchtitan_lite")
     first = curve(tmp_path, "first", "--training.local_batch_size", "3", "--optimizer.lr", "3e-4")
     again = tmp_path / "again"
-    # The dumped config names its own dump folder; only the output location is overridden.
+    # The dumped config names its own dump folder; only the output location is overridden, and the console shown it.
     assert train.run(["--job.config_file", str(tmp_path / "first" / "config.toml"),
-                      "--job.dump_folder", str(again)]) == 0
+                      "--job.dump_folder", str(again), "--job.print_args"]) == 0
     assert [m["loss"] for m in read_metrics(again)] == first
+    assert [r.getMessage() for r in caplog.records if "[training]" in r.getMessage()] == [
+        f"resolved config:\n{(again / 'config.toml').read_text()}"]
 
 
 def test_start_up_imports_no_dynamo():

@@ -21,22 +21,24 @@ try:
 except ImportError:
     import tomli
 
+from torchtitan_lite.paths import LIST, ONE, absolute, resolve_typed_paths
 from torchtitan_lite.rules import Rule, at_least, finite_above, finite_at_least, or_auto, within, words_or_count
 
 
 class ConfigError(ValueError):
     """A problem with the user's configuration; the message is one line naming the key and the fix."""
 
-def opt(default: Any, help: str, choices: tuple[str, ...] = (), rule: Rule | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "rule": rule})
+def opt(default: Any, help: str, choices: tuple[str, ...] = (), rule: Rule | None = None, path: str = "") -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "rule": rule, "path": path})
 
 
 @dataclass
 class Job:
     """where the config came from and where outputs go"""
-    config_file: str = opt("", "TOML file the run was read from")
-    dump_folder: str = opt("./outputs", "where config.toml, metrics.jsonl, checkpoints and tb/ go")
+    config_file: str = opt("", "TOML file the run was read from", path=ONE)
+    dump_folder: str = opt("./outputs", "where config.toml, metrics.jsonl, checkpoints and tb/ go", path=ONE)
     description: str = opt("", "free text describing the run")
+    print_args: bool = opt(False, "also print the resolved config at start-up (config.toml always holds it)")
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Model:
     """architecture and tokenizer"""
     name: str = opt("llama3", "model family", choices=("llama3",))
     flavor: str = opt("debugmodel", "size preset: a key of the model's flavor table (checked by the trainer)")
-    tokenizer_path: str = opt("", '"" = byte-level tokenizer needing no file; else a tiktoken BPE file')
+    tokenizer_path: str = opt("", '"" = byte-level tokenizer needing no file; else a tiktoken BPE file', path=ONE)
 
 
 @dataclass
@@ -79,7 +81,7 @@ class Training:
     steps: int = opt(10000, "optimizer steps to train for", rule=at_least(1))
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables", rule=finite_at_least(0, "0 disables clipping"))
     dataset: str = opt("synthetic", "training dataset name")
-    dataset_path: str = opt("", "local path of the dataset, if it needs one")
+    dataset_path: str = opt("", "local path of the dataset, if it needs one", path=LIST)
     dataset_text_field: str = opt("text", "jsonl and hf datasets: the field that holds a document's text")
     mixed_precision_param: str = opt("bfloat16", "compute dtype; float16 adds loss scaling",
                                      choices=("bfloat16", "float32", "float16"))
@@ -147,7 +149,7 @@ class Checkpoint:
     create_seed_checkpoint: bool = opt(False, "write the initial weights at step 0 and exit")
     load_step: int = opt(-1, "step to resume from; -1 = newest complete checkpoint",
                          rule=or_auto(at_least(0), "the newest complete checkpoint"))
-    initial_load_path: str = opt("", "checkpoint to start from when the folder holds none")
+    initial_load_path: str = opt("", "checkpoint to start from when the folder holds none", path=ONE)
     initial_load_model_only: bool = opt(True, "load only weights from initial_load_path")
 
 
@@ -180,7 +182,7 @@ class Validation:
     """periodic evaluation on held-out data"""
     enable: bool = opt(False, "run validation during training")
     dataset: str = opt("", '"" = the training data\'s held-out part (README: Data and tokenizers); else a dataset')
-    dataset_path: str = opt("", "local path of that dataset, if it needs one")
+    dataset_path: str = opt("", "local path of that dataset, if it needs one", path=LIST)
     freq: int = opt(100, "validate every N steps", rule=at_least(1))
     steps: int = opt(10, "batches per validation", rule=at_least(1))
 
@@ -211,6 +213,7 @@ class _Opt(NamedTuple):
     help: str
     choices: tuple[str, ...]
     rule: Rule | None  # None only for strings and bools: tests/test_config.py holds every number to a rule
+    path: str  # paths.ONE or LIST: names files; relative on the command line, it is the caller's (paths.py)
 
 
 _KIND = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}  # the supported types
@@ -228,7 +231,7 @@ def _collect() -> tuple[dict[str, type], dict[str, _Opt]]:
             base = next((a for a in args if a is not type(None)), tp)
             assert base in _KIND, f"{sec}.{f.name}: parsing {tp} is not implemented"
             options[f"{sec}.{f.name}"] = _Opt(f"{sec}.{f.name}", sec, f.name, base, type(None) in args,
-                                              f.default, f.metadata["help"], f.metadata["choices"], f.metadata["rule"])
+                                              f.default, *(f.metadata[k] for k in ("help", "choices", "rule", "path")))
     return sections, options
 
 
@@ -342,9 +345,10 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     cfg = JobConfig()
     path = next((v for o, v in reversed(overrides) if o.key == "job.config_file"), "")
     if path:
-        _apply_toml(cfg, _read_toml(path), path)
+        _apply_toml(cfg, _read_toml(absolute(path)), path)
     for o, value in overrides:
         _set(cfg, o, value)
+    resolve_typed_paths(cfg, {o for o, _ in overrides if o.path})  # the TOML's own keep resolving as they did
     validate(cfg)
     return cfg
 

@@ -65,10 +65,10 @@ def expand_paths(spec: str, key: str, dir_pattern: str = "*") -> list[Path]:
         elif path.exists():
             found = [path]
         else:
-            raise ConfigError(f"{key}: {part} does not exist")
+            raise ConfigError(f"{key}: {path.absolute()} does not exist")
         found = [f for f in found if f.is_file() and not f.name.startswith(".")]
         if not found:
-            raise ConfigError(f"{key}: {part!r} matches no file")
+            raise ConfigError(f"{key}: {str(path.absolute())!r} matches no file")
         for f in found:
             if f not in seen:
                 seen.add(f)

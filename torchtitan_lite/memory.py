@@ -6,8 +6,8 @@ world size (rank 0, which holds the largest shards), the real ParallelDims mesh,
 parallelized by the real `parallelize()`, materialized as FakeTensors, and two training steps (forward, loss,
 backward, AdamW step, zero_grad) traced by torch's FSDPMemTracker, which follows every storage's life, FSDP2's
 all-gather and reduce-scatter buffers and the storage resizes that free gathered parameters. Fake tensors allocate
-nothing and compute nothing, so the cost is Python time per op (on one CPU core: 8B ~30 s, 70B ~3-5 min, 405B
-~5-8 min), and every layout rule (TP shards, FSDP padding, hpZ, which block stays gathered after forward, what
+nothing and compute nothing, so the cost is Python time per op (docs/performance.md has the times), and every
+layout rule (TP shards, FSDP padding, hpZ, which block stays gathered after forward, what
 activation checkpointing saves) is the trainer's by construction: a formula would have to be kept in step with
 parallelize.py by hand. Two steps, because the optimizer
 state only exists from the first step on, so the second step is the steady state.
@@ -146,9 +146,12 @@ class _DevicePeak:
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state) -> None:
-        super()._update_peak_stats(peak_state)
+        # Not torch's: after every op it walks every module's statistics (per-module peaks, which nothing here
+        # reads), which was 40% of an estimate's time.
         if self._in_opt:
             return  # under fake tensors an in-place optimizer kernel allocates its outputs anew: not real memory
+        if sum(dev["Total"] for dev in self._curr_mem_snap.values()) <= self.device_peak:
+            return  # what the device holds is at most the total: no new peak (most ops; now() costs more)
         snap = self.now()
         on_device = snap["Total"] - sum(snap[k] for k in self.host)
         if on_device > self.device_peak:

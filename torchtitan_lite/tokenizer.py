@@ -57,9 +57,8 @@ def read_tiktoken_file(path: str | Path) -> dict[bytes, int]:
     """Reads `base64(token) rank` lines; tiktoken.load.load_tiktoken_bpe would also fetch URLs and cache them."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"tokenizer file {path} not found (set model.tokenizer_path to a tiktoken BPE file, or '' for bytes)"
-        )
+        raise FileNotFoundError(f"tokenizer file {path.absolute()} not found (set model.tokenizer_path to a tiktoken "
+                                "BPE file, or '' for bytes)")
 
     def bad(what: str) -> ValueError:
         return ValueError(f"tokenizer file {path} is not in tiktoken format ({what})")
