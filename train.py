@@ -15,6 +15,7 @@ import contextlib
 import faulthandler
 import gc
 import logging
+import os
 import signal
 import sys
 import time
