@@ -52,12 +52,16 @@ def config_lines(args: ModelArgs, out: str, tokenizer: str | None, name: str) ->
     return "\n".join(lines)
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("hf_dir", help="Hugging Face folder: config.json and model*.safetensors")
+    p.add_argument("out", help="DCP checkpoint folder to create (must not exist, or be empty)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("hf_dir", help="Hugging Face folder: config.json and model*.safetensors")
-    parser.add_argument("out", help="DCP checkpoint folder to create (must not exist, or be empty)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     hf_dir = Path(args.hf_dir)
     has_tokenizer = (hf_dir / "tokenizer.json").is_file() or (hf_dir / "original" / "tokenizer.model").is_file()
 

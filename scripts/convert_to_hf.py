@@ -41,15 +41,19 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("ckpt", help="a step-N folder, their checkpoint folder or the run's dump folder (the newest "
+                   "complete step), e.g. outputs/checkpoint/step-1000")
+    p.add_argument("out", help="Hugging Face folder to create (must not exist, or be empty)")
+    p.add_argument("--config", help="the run's config.toml (default: config.toml of the run's dump folder)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
+    p.add_argument("--max_shard_size", type=parse_size, default=DEFAULT_MAX_SHARD_SIZE, help="default 5GB")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("ckpt", help="a step-N folder, their checkpoint folder or the run's dump folder (the newest "
-                        "complete step), e.g. outputs/checkpoint/step-1000")
-    parser.add_argument("out", help="Hugging Face folder to create (must not exist, or be empty)")
-    parser.add_argument("--config", help="the run's config.toml (default: config.toml of the run's dump folder)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
-    parser.add_argument("--max_shard_size", type=parse_size, default=DEFAULT_MAX_SHARD_SIZE, help="default 5GB")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         ckpt, cfg = checkpoint_and_config(args.ckpt, args.config)
         tokenizer = load_tokenizer(cfg.model.tokenizer_path)

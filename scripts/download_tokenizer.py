@@ -12,12 +12,16 @@ import argparse
 TOKENIZER_FILE = "original/tokenizer.model"
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repo_id", default="meta-llama/Meta-Llama-3.1-8B")
     p.add_argument("--hf_token", default=None, help="a Hugging Face access token (default: the logged-in one)")
     p.add_argument("--local_dir", default="assets/tokenizer/")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
 
     try:
         from huggingface_hub import hf_hub_download

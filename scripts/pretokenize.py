@@ -48,7 +48,7 @@ def fail(message: str):
     raise SystemExit(2)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", required=True, choices=("python_stdlib", "text", "jsonl"))
     p.add_argument("--dataset_path", default="", help="files, globs or folders, comma-separated")
@@ -57,7 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer_path", required=True, help="tiktoken file, or '' for the byte-level tokenizer")
     p.add_argument("--output", type=Path, required=True, help="folder for the shards (must hold none yet)")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="processes tokenizing files in parallel")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
 
     try:
         tokenizer = build_tokenizer(args.tokenizer_path)

@@ -155,7 +155,7 @@ def write_tiktoken(tokens: list[bytes], path: Path) -> None:
     path.write_text("".join(lines))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--dataset", choices=("python_stdlib", "text", "jsonl"), help="a corpus, as pretokenize.py "
@@ -167,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab_size", type=int, default=2048, help="ranks, the 256 bytes included (BOS/EOS come on top)")
     p.add_argument("--max_bytes", type=int, default=20_000_000, help="read at most this much input")
     p.add_argument("--output", type=Path, required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.vocab_size < 256:
         p.error("--vocab_size must be at least 256 (the single bytes)")
