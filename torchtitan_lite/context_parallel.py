@@ -112,8 +112,8 @@ def lower_right_masks(ranges: list[tuple[int, int]], device_type: str) -> list:
     the flash kernel applies itself. Elsewhere SDPA would materialize that bias as a new float mask at every call,
     which every block keeps for its backward: one float mask per chunk is made here and shared. Both are built before
     any compiled code runs, which cannot construct them."""
-    # Imported here, by CP runs alone: torch.nn.attention.bias imports torch._dynamo, ~0.5 s that `train.py --check`
-    # (run_train.sh's preflight) and a config error would otherwise pay before saying anything.
+    # Imported here, by CP runs alone: torch.nn.attention.bias imports torch._dynamo, whose import time (measured in
+    # docs/performance.md) `train.py --check` (run_train.sh's preflight) and a config error would otherwise pay.
     from torch.nn.attention.bias import causal_lower_right
 
     if device_type == "cuda":

@@ -73,7 +73,7 @@ class Permutation:
     A 4-round Feistel network, its round function init.py's integer hash, permutes [0, 4^h) for the smallest
     4^h >= n; a value that lands outside [0, n) is permuted again until it is inside ("cycle walking"), which stays a
     bijection and takes < 4 rounds on average. Python ints, not tensors: a batch needs a few dozen values, and for
-    those the interpreter is ~10x faster than launching tensor ops.
+    those the interpreter is faster than launching tensor ops (docs/performance.md).
     """
 
     rounds = 4

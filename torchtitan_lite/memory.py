@@ -147,7 +147,7 @@ class _DevicePeak:
 
     def _update_peak_stats(self, peak_state) -> None:
         # Not torch's: after every op it walks every module's statistics (per-module peaks, which nothing here
-        # reads), which was 40% of an estimate's time.
+        # reads), most of an estimate's time (docs/performance.md).
         if self._in_opt:
             return  # under fake tensors an in-place optimizer kernel allocates its outputs anew: not real memory
         if sum(dev["Total"] for dev in self._curr_mem_snap.values()) <= self.device_peak:

@@ -1,9 +1,9 @@
 """Throughput accounting (FLOPs, peak FLOP/s, memory) and the per-step metric logger.
 
-The logger writes the two formats fixed in CONTRACT.md: `metrics.jsonl` (what scripts and tests read) and the
-console line `step: N  loss: X  ...` (torchtitan's shape). TensorBoard is optional and imported only when enabled;
-it gets the run's resolved config as text, and a resumed run continues its curves without the stale tail a crash
-leaves (see MetricLogger).
+The logger writes the two formats docs/configuration.md fixes ("What a run writes"): `metrics.jsonl` (what scripts
+and tests read) and the console line `step: N  loss: X  ...` (torchtitan's shape). TensorBoard is optional and
+imported only when enabled; it gets the run's resolved config as text, and a resumed run continues its curves without
+the stale tail a crash leaves (see MetricLogger).
 """
 
 import functools
@@ -76,9 +76,9 @@ def _tf32_allowed() -> bool:
 def _cpu_peak(dtype: torch.dtype, num_threads: int) -> float:
     # A CPU has no datasheet peak we can trust (turbo, AVX-512/AMX, shared cores), so "peak" is what matmuls in the
     # training dtype achieve here with this thread count; MFU is the model's share of that rate. A step multiplies in
-    # three layouts (forward x @ W^T, backward g @ W and g^T @ x), and a CPU may run them at rates 20x apart (fp16 on
-    # CPUs without fp16 units: 1 GFLOP/s for a @ b, 20 for a @ b^T), so the peak is the fastest layout's: a model
-    # made of them cannot beat it, and MFU stays at most 100%. Keyed on the thread count because torchrun ranks on
+    # three layouts (forward x @ W^T, backward g @ W and g^T @ x), and a CPU may run them at rates an order of
+    # magnitude apart (fp16 on CPUs without fp16 units; docs/performance.md), so the peak is the fastest layout's: a
+    # model made of them cannot beat it, and MFU stays at most 100%. Keyed on the thread count because torchrun ranks on
     # one host may each be given fewer threads.
     n = 512
     g = torch.Generator().manual_seed(0)  # not the global generator: a run's RNG state never depends on the cache

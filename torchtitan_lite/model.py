@@ -94,8 +94,8 @@ def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Ten
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     # Meta's layout: consecutive pairs (x[2i], x[2i+1]) rotate together. x: (bs, seq, heads, head_dim).
-    # One complex multiplication (a kernel forward, one backward) instead of ~10 real element-wise ops and a stack:
-    # 5% of the debug model's CPU step (benchmarks/model_step.py).
+    # One complex multiplication (a kernel forward, one backward) instead of ~10 real element-wise ops and a stack,
+    # which cost a share of the debug model's CPU step (benchmarks/model_step.py; docs/performance.md).
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rope[: x.shape[1], None]).flatten(-2).type_as(x)
 
