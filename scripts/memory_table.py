@@ -1,9 +1,9 @@
-"""The README's memory table ("Memory and speed"), made from estimate_memory.py's figures so that it cannot go stale.
+"""The memory table of docs/performance.md, made from estimate_memory.py's figures so that it cannot go stale.
 
     python scripts/memory_table.py           # the table as markdown, every row estimated (70B and 405B: minutes)
-    python scripts/memory_table.py --check   # also compares it with README.md: exit 1 naming each row that differs
+    python scripts/memory_table.py --check   # also compares it with docs/performance.md: exit 1 naming stale rows
 
-ROWS is the one list of what the table shows. tests/test_memory.py checks on every run of the suite that the README
+ROWS is the one list of what the table shows. tests/test_memory.py checks on every run of the suite that the page
 lists these rows, and the figures of the first (seconds to estimate; the others take one to several minutes each);
 this script checks them all, to be run after a change to what the estimate counts.
 """
@@ -20,11 +20,11 @@ sys.path.insert(0, str(ROOT))
 from torchtitan_lite.config import load_config  # noqa: E402
 from torchtitan_lite.memory import Estimate, estimate_memory  # noqa: E402
 
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "performance.md"
 
 
 class Row(NamedTuple):
-    config: str  # the first three cells, as the README words them
+    config: str  # the first three cells, as the page words them
     mesh: str
     micro_batch: str
     world_size: int
@@ -59,13 +59,13 @@ def estimate(row: Row) -> Estimate:
 
 
 def line(row: Row, e: Estimate) -> str:
-    """The row as the README shows it: GiB per rank, two decimals."""
+    """The row as the page shows it: GiB per rank, two decimals."""
     figures = (e.param_bytes, e.grad_bytes, e.optimizer_bytes, e.activation_bytes, e.transient_bytes, e.peak_bytes)
     return "| " + " | ".join([row.config, row.mesh, row.micro_batch, *(f"{b / 2**30:.2f}" for b in figures)]) + " |"
 
 
-def readme_rows(text: str) -> dict[tuple[str, str, str], str]:
-    """The README table's lines by their first three cells, in order."""
+def page_rows(text: str) -> dict[tuple[str, str, str], str]:
+    """The page table's lines by their first three cells, in order."""
     lines = text.splitlines()
     start = lines.index(HEADER[0]) + 2
     rows = {}
@@ -82,16 +82,16 @@ def main(argv: list[str]) -> int:
         print("usage: python scripts/memory_table.py [--check]", file=sys.stderr)
         return 2
     check = argv == ["--check"]
-    readme = readme_rows(README.read_text()) if check else {}
+    page = page_rows(PAGE.read_text()) if check else {}
     stale = []
     print("\n".join(HEADER), flush=True)
     for row in ROWS:
         new = line(row, estimate(row))
         print(new, flush=True)
-        if check and readme.get(row[:3]) != new:
-            stale.append(f"{', '.join(row[:3])}: README has {readme.get(row[:3])}")
-    if check and list(readme) != [row[:3] for row in ROWS]:
-        stale.append(f"the README's rows are {list(readme)}, this script's {[row[:3] for row in ROWS]}")
+        if check and page.get(row[:3]) != new:
+            stale.append(f"{', '.join(row[:3])}: the page has {page.get(row[:3])}")
+    if check and list(page) != [row[:3] for row in ROWS]:
+        stale.append(f"the page's rows are {list(page)}, this script's {[row[:3] for row in ROWS]}")
     for s in stale:
         print(f"stale: {s}", file=sys.stderr)
     return 1 if stale else 0

@@ -1,5 +1,5 @@
 """metrics.held_bytes counts real storages; memory.py's fake-tensor estimate reproduces them on any world size; the
-README's memory table quotes the estimate (scripts/memory_table.py)."""
+memory table of docs/performance.md quotes the estimate (scripts/memory_table.py)."""
 
 import sys
 from pathlib import Path
@@ -22,8 +22,8 @@ STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
 @pytest.fixture(scope="module")
-def first_readme_row():
-    """The README table's first row, 8B on FSDP 8, and its estimate: the one row the suite can afford (seconds; the
+def first_table_row():
+    """The table's first row, 8B on FSDP 8, and its estimate: the one row the suite can afford (seconds; the
     others take minutes each, and scripts/memory_table.py --check compares them all)."""
     row = memory_table.ROWS[0]
     return row, memory_table.estimate(row)
@@ -66,8 +66,8 @@ def test_sharded_state_is_one_nth_up_to_padding(one_process_held, world_size):
     assert 0 < estimate.activation_bytes < estimate.peak_bytes
 
 
-def test_8b_state_follows_from_its_parameter_count(first_readme_row):
-    row, estimate = first_readme_row
+def test_8b_state_follows_from_its_parameter_count(first_table_row):
+    row, estimate = first_table_row
     assert row.world_size == 8 and row.argv[1].endswith("llama3_8b.toml")
     assert estimate.vocab_size == LLAMA3_VOCAB == 128256
     n_params, n_tensors = 8_030_261_248, 32 * 9 + 3  # Llama 3 8B; per block 2 norms + 7 linears; embedding, norm, out
@@ -85,8 +85,8 @@ def test_cpu_offload_moves_the_state_to_the_host():
     assert offload.peak_bytes < device.peak_bytes
 
 
-def test_readme_memory_table_lists_the_scripts_rows_and_quotes_the_first_exactly(first_readme_row):
-    rows = memory_table.readme_rows(memory_table.README.read_text())
+def test_the_memory_table_lists_the_scripts_rows_and_quotes_the_first_exactly(first_table_row):
+    rows = memory_table.page_rows(memory_table.PAGE.read_text())
     assert list(rows) == [row[:3] for row in memory_table.ROWS]
-    row, estimate = first_readme_row
+    row, estimate = first_table_row
     assert rows[row[:3]] == memory_table.line(row, estimate), "stale: run python scripts/memory_table.py --check"
