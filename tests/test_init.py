@@ -148,14 +148,19 @@ def test_indices_beyond_int32_are_the_definition():
 @pytest.mark.parametrize("cutoff", [math.inf, 3.0, 1 / 3])
 def test_bin_lookup_is_searchsorted_at_every_knot_and_bucket_edge(cutoff):
     # The lookup's hard cases: u exactly at a knot, one step (2**-53) either side, and at the ends of every bucket,
-    # where the lookup changes row; the far-end buckets are searched. u * 2**53 is an integer U; a is U's top bits.
+    # where the lookup changes row; the far-end buckets are searched. u * 2**53 is an integer U; the bucket comes from
+    # U's top 26 bits, as the signed int32 the hash leaves.
     z_list, p_list = _quantile_table(min(float(cutoff), 8.0))
     lower, _ = init._bucket_ranges()
     points = torch.cat([torch.tensor(p_list, dtype=torch.float64), lower]) * 2.0**53
     U = torch.cat([points.floor() + d for d in (-1, 0, 1)] + [points.ceil()])
     U = U[(U >= 0) & (U < 2.0**53)].to(torch.int64).unique()
-    a = ((U >> 21) - ((U >> 52) << 32)).to(torch.int32)  # U's top 32 bits, as the int32 the hash leaves
-    j = init._bin(a, U.to(torch.float64), _tables(min(float(cutoff), 8.0), torch.device("cpu")))
+    n = len(U)
+    high = ((U >> 27) - ((U >> 52) << 26)).to(torch.int32)
+    bucket, j = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
+    init._bucket_(high, torch.empty(n), torch.empty(n, dtype=torch.float16), bucket, torch.tensor(2.0**-10))
+    table = _tables(min(float(cutoff), 8.0), torch.device("cpu"))
+    init._bin_(j, bucket, U.to(torch.float64), table, torch.empty(n, dtype=torch.float64), torch.empty_like(j))
     assert torch.equal(j.long(), ref_bin(U.to(torch.float64) * 2.0**-53, cutoff))
 
 
