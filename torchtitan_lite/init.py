@@ -229,8 +229,8 @@ class _Fill:
         _bucket_(tmp[0], self.f32[:m], self.f16[:m], bucket, c["scale"])  # from a >> 6, arithmetic: u's top 26 bits
         tmp &= c["mask"]
         # u * 2**53, an integer below 2**53: exact. Scaling u and the knots by a power of two changes no rounding.
-        u.copy_(tmp[0])
-        torch.add(tmp[1], u, alpha=2.0**27, out=u)
+        u.copy_(tmp[1])
+        u.add_(tmp[0], alpha=2.0**27)
         _bin_(j, bucket, u, table, col, tmp[0])
         # The interpolation in the bin, operation by operation as the definition rounds it: z0 + (u - p0) / dp * dz.
         u -= torch.index_select(table["p"], 0, j, out=col)
@@ -242,7 +242,8 @@ class _Fill:
             u /= col
             u *= table["dz"] if len(table["dz"]) == 1 else torch.index_select(table["dz"], 0, j)
             u += col2
-        torch.mul(u, std, out=out)  # in float64, rounded once to out's dtype
+        u *= std
+        out.copy_(u)  # rounded once to out's dtype
 
 
 def _local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
