@@ -162,32 +162,62 @@ def _int32(words: list[int]) -> list[int]:
     return [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the same bits, as int32
 
 
-class _Fill:
-    """Fills one block, chunk by chunk, with the definition's values: uniform() then the table, in bulk.
+class _Buffers:
+    """Buffers for chunks of up to n elements: every op of a chunk writes into them, in place where it can (an op that
+    writes a fresh tensor costs about twice one that updates its input), so that a chunk's working set stays the same
+    few buffers. Views of them are made once per chunk size: each costs as much as a small op."""
 
-    What the chunks share is made once: the key's words, the tables, the constants as tensors (a Python int operand
-    costs an op a conversion, as much as a small op) and buffers for the largest chunk. Every op writes into those
-    buffers, in place where it can (an op that writes a fresh tensor costs about twice one that updates its input), so
-    that a chunk's working set stays the same few buffers.
-    """
+    def __init__(self, n: int, device: torch.device):
+        self.n = n
+        self.i32 = torch.empty(4 * n, dtype=torch.int32, device=device)
+        self.f64 = torch.empty(3 * n, dtype=torch.float64, device=device)
+        self.f32 = torch.empty(n, dtype=torch.float32, device=device)
+        self.f16 = torch.empty(n, dtype=torch.float16, device=device)
+        self.chunks = {}
+
+    def views(self, m: int) -> tuple[torch.Tensor, ...]:
+        """x and tmp (int32, 2 x m), u, col and col2 (float64), f32 and f16, for a chunk of m <= n elements."""
+        if m not in self.chunks:
+            i32, f64 = self.i32[: 4 * m].view(4, m), self.f64[: 3 * m].view(3, m)
+            self.chunks[m] = (i32[:2], i32[2:], *f64, self.f32[:m], self.f16[:m])
+        return self.chunks[m]
+
+
+_cpu_buffers: list[_Buffers] = []  # kept between fills: fresh megabytes cost each fill their page faults
+
+
+def _buffers(n: int, device: torch.device) -> _Buffers:
+    if device.type != "cpu":  # where a caching allocator keeps freed memory, and chunks are large
+        return _Buffers(n, device)
+    if not _cpu_buffers or _cpu_buffers[0].n < n:
+        _cpu_buffers[:] = [_Buffers(n, device)]
+    return _cpu_buffers[0]
+
+
+@functools.lru_cache(maxsize=8)
+def _constants(device: torch.device) -> dict[str, torch.Tensor]:
+    """The hash's constants as tensors: a Python int operand costs an op a conversion, as much as a small op."""
+    ints = {"m1": 0x21F0AAAD, "m2": 0x735A2D97, "15": 15, "16": 16, "low15": (1 << 17) - 1, "low16": (1 << 16) - 1}
+    c = {name: torch.tensor(v, dtype=torch.int32, device=device) for name, v in ints.items()}
+    c["scale"] = torch.tensor(2.0**-10, device=device)
+    # uniform()'s a >> 6 and b >> 5, as logical shifts of the int32 rows holding a and b
+    c["shift"] = torch.tensor([[6], [5]], dtype=torch.int32, device=device)
+    c["mask"] = torch.tensor([[(1 << 26) - 1], [(1 << 27) - 1]], dtype=torch.int32, device=device)
+    return c
+
+
+class _Fill:
+    """Fills one block, chunk by chunk, with the definition's values: uniform() then the table, in bulk. What the
+    chunks share is made once: the key's words, the tables, the constants and the buffers."""
 
     def __init__(self, key: str, cutoff: float, n: int, device: torch.device):
-        self.table = _tables(min(float(cutoff), _MAX_CUTOFF), device)
+        self.table, self.c = _tables(min(float(cutoff), _MAX_CUTOFF), device), _constants(device)
+        self.buffers = _buffers(n, device)
         k = key_words(key)
         # mix32's first step, x ^ (x >> 16), is linear: of index ^ key it is that of the index (once for both rows) ^
         # that of the key. Row 0 computes uniform()'s a (key words 0 and 1), row 1 its b (words 2 and 3).
         words = _int32([k[0] ^ (k[0] >> 16), k[2] ^ (k[2] >> 16), k[1], k[3]])
         self.words = torch.tensor(words, dtype=torch.int32, device=device).view(4, 1)
-        ints = {"m1": 0x21F0AAAD, "m2": 0x735A2D97, "15": 15, "16": 16, "low15": (1 << 17) - 1, "low16": (1 << 16) - 1}
-        self.c = {name: torch.tensor(v, dtype=torch.int32, device=device) for name, v in ints.items()}
-        self.c["scale"] = torch.tensor(2.0**-10, device=device)
-        # uniform()'s a >> 6 and b >> 5, as logical shifts of the int32 rows holding a and b
-        self.c["shift"] = torch.tensor([[6], [5]], dtype=torch.int32, device=device)
-        self.c["mask"] = torch.tensor([[(1 << 26) - 1], [(1 << 27) - 1]], dtype=torch.int32, device=device)
-        self.i32 = torch.empty(4, n, dtype=torch.int32, device=device)
-        self.f64 = torch.empty(3, n, dtype=torch.float64, device=device)
-        self.f32 = torch.empty(n, device=device)
-        self.f16 = torch.empty(n, dtype=torch.float16, device=device)
 
     def _xorshift_(self, x: torch.Tensor, tmp: torch.Tensor, shift: str) -> None:
         torch.bitwise_right_shift(x, self.c[shift], out=tmp)
@@ -207,9 +237,8 @@ class _Fill:
     def __call__(self, out: torch.Tensor, index: torch.Tensor, std: float) -> None:
         """out = std * (the truncated normal of each flat index). `index` is int32 when every index is below 2**31
         (and is overwritten), else int64 (then its high word joins the hash, as in uniform)."""
-        m, c, table = out.numel(), self.c, self.table
-        x, tmp = self.i32[:2, :m], self.i32[2:, :m]
-        u, col, col2 = self.f64[:, :m]
+        c, table = self.c, self.table
+        x, tmp, u, col, col2, f32, f16 = self.buffers.views(out.numel())
         hi = None
         if index.dtype == torch.int64:
             hi, index = (index >> 32).to(torch.int32), index & _MASK32
@@ -226,7 +255,7 @@ class _Fill:
         self._mix32_(x, tmp)
         torch.bitwise_right_shift(x, c["shift"], out=tmp)
         bucket, j = x  # the hash is done: its rows now hold the draws' buckets, then their bins
-        _bucket_(tmp[0], self.f32[:m], self.f16[:m], bucket, c["scale"])  # from a >> 6, arithmetic: u's top 26 bits
+        _bucket_(tmp[0], f32, f16, bucket, c["scale"])  # from a >> 6, arithmetic: u's top 26 bits
         tmp &= c["mask"]
         # u * 2**53, an integer below 2**53: exact. Scaling u and the knots by a power of two changes no rounding.
         u.copy_(tmp[1])
@@ -286,7 +315,8 @@ def fill_block_(local: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[
     inner = inner.reshape(1, -1)
     out = local if local.is_contiguous() else torch.empty(shape, dtype=local.dtype, device=device)
     chunk = _CHUNK * torch.get_num_threads() if device.type == "cpu" else _CHUNK_ACCELERATOR
-    rows_per_chunk = min(shape[0], max(1, chunk // inner.numel()))
+    chunks = -(-shape[0] * inner.numel() // chunk)
+    rows_per_chunk = -(-shape[0] // chunks)  # even chunks: no last one of a few rows, that would cost as much
     # The first chunk's index; a later one's is that plus its rows' offset.
     first = (torch.arange(rows_per_chunk, dtype=dtype, device=device) + offset[0]) * strides[0]
     first = (first.view(-1, 1) + inner).view(-1)
