@@ -7,16 +7,18 @@ computed from (seed, parameter name, global element index) alone, by a counter-b
 local shard: O(shard) memory and time, no communication.
 
 Bitwise equality also needs every operation to round the same way wherever an element lands in a kernel's
-vectorized body or scalar tail. So the generator uses only integer ops, comparisons and IEEE-exact float64
-+ - * /; the normal quantile comes from a table computed once in Python scalars, not from erfinv or log
-(whose vectorized and scalar code paths differ in the last bit on the CPU).
+vectorized body or scalar tail. So the generator uses only integer ops, comparisons, IEEE-exact float64 + - * / and
+conversions (rounded to nearest even, exactly as IEEE 754 specifies); the normal quantile comes from a table computed
+once in Python scalars, not from erfinv or log (whose vectorized and scalar code paths differ in the last bit on the
+CPU).
 
 Host initialization (CPU offload: every rank fills its shard on the CPU) makes its speed matter, so a shard is
-filled in bulk, a few whole-tensor ops per element instead of a binary search each: the hash runs on int32 lanes,
-both of uniform()'s streams in one tensor, and a draw's bin comes from a lookup (buckets as fine as the bins, found
-from the float32 exponent of the draw's distance to the nearer end of [0, 1)) and one comparison. The values are the
-plain definition's, uniform() then a search of the table, bit for bit: tests/test_init.py keeps that definition to
-compare against, and benchmarks/init_speed.py times both against torch's `normal_`.
+filled in bulk, about 36 whole-tensor ops per chunk instead of a binary search per element: the hash runs on int32
+lanes, both of uniform()'s streams in one tensor, and a draw's bin comes from a lookup (2**16 buckets, the float16
+bits of u's top 26 bits as a signed integer: finer towards both ends of [0, 1), as the bins are) and one comparison.
+Each op writes into buffers made once, in place where it can. The values are the plain definition's, uniform() then
+a search of the table, bit for bit: tests/test_init.py keeps that definition to compare against, and
+benchmarks/init_speed.py times both against torch's `normal_`.
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ def _bucket_ranges() -> tuple[torch.Tensor, torch.Tensor]:
     by a bisection over its own ops, so that no rounding rule has to be restated here."""
     def bucket_of_magnitude(m):  # the bucket of -m without its sign bit: that of m, as rounding is symmetric
         out = torch.empty(len(m), dtype=torch.int32)
-        _bucket_((-m).to(torch.int32), torch.empty(len(m)), torch.empty(len(m), dtype=torch.float16), out,
-                 torch.tensor(2.0**-10))
+        f32, f16 = torch.empty(len(m), dtype=torch.float32), torch.empty(len(m), dtype=torch.float16)
+        _bucket_((-m).to(torch.int32), f32, f16, out, torch.tensor(2.0**-10, dtype=torch.float32))
         return out & 0x7FFF
 
     # first[b]: the least m in [0, 2**25] whose bucket is b or above (2**25 + 1 where none is); first[0] is 0. (2**15
@@ -158,10 +160,6 @@ def _bin_(j: torch.Tensor, bucket: torch.Tensor, u: torch.Tensor, table: dict[st
         j[far] = torch.searchsorted(table["p_upper"][:_TABLE_SIZE], u[far], right=True, out_int32=True)
 
 
-def _int32(words: list[int]) -> list[int]:
-    return [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the same bits, as int32
-
-
 class _Buffers:
     """Buffers for chunks of up to n elements: every op of a chunk writes into them, in place where it can (an op that
     writes a fresh tensor costs about twice one that updates its input), so that a chunk's working set stays the same
@@ -183,7 +181,9 @@ class _Buffers:
         return self.chunks[m]
 
 
-_cpu_buffers: list[_Buffers] = []  # kept between fills: fresh megabytes cost each fill their page faults
+# Kept between fills (the largest so far, a few MiB per thread): fresh megabytes would cost each fill their page
+# faults. One process fills one tensor at a time.
+_cpu_buffers: list[_Buffers] = []
 
 
 def _buffers(n: int, device: torch.device) -> _Buffers:
@@ -199,7 +199,7 @@ def _constants(device: torch.device) -> dict[str, torch.Tensor]:
     """The hash's constants as tensors: a Python int operand costs an op a conversion, as much as a small op."""
     ints = {"m1": 0x21F0AAAD, "m2": 0x735A2D97, "15": 15, "16": 16, "low15": (1 << 17) - 1, "low16": (1 << 16) - 1}
     c = {name: torch.tensor(v, dtype=torch.int32, device=device) for name, v in ints.items()}
-    c["scale"] = torch.tensor(2.0**-10, device=device)
+    c["scale"] = torch.tensor(2.0**-10, dtype=torch.float32, device=device)
     # uniform()'s a >> 6 and b >> 5, as logical shifts of the int32 rows holding a and b
     c["shift"] = torch.tensor([[6], [5]], dtype=torch.int32, device=device)
     c["mask"] = torch.tensor([[(1 << 26) - 1], [(1 << 27) - 1]], dtype=torch.int32, device=device)
@@ -216,7 +216,8 @@ class _Fill:
         k = key_words(key)
         # mix32's first step, x ^ (x >> 16), is linear: of index ^ key it is that of the index (once for both rows) ^
         # that of the key. Row 0 computes uniform()'s a (key words 0 and 1), row 1 its b (words 2 and 3).
-        words = _int32([k[0] ^ (k[0] >> 16), k[2] ^ (k[2] >> 16), k[1], k[3]])
+        words = [k[0] ^ (k[0] >> 16), k[2] ^ (k[2] >> 16), k[1], k[3]]
+        words = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the same bits, as int32
         self.words = torch.tensor(words, dtype=torch.int32, device=device).view(4, 1)
 
     def _xorshift_(self, x: torch.Tensor, tmp: torch.Tensor, shift: str) -> None:
