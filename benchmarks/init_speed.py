@@ -10,7 +10,9 @@ Cases, each timed whole, rounds alternating between the sides so that load on a 
   and FFN weights) filled by `fill_block_`, against `normal_` on tensors of the shard's shape.
 `--other PATH` also times the init.py of another checkout (e.g. `git worktree add /tmp/old HEAD~1`), loaded beside
 this one, and checks that both give bit-identical values. Times are medians over the rounds, with torch's thread count
-(the trainer's: cores per local process) unless --threads says otherwise.
+(the trainer's: cores per local process) unless --threads says otherwise. On one thread they are the thread's CPU
+time, which a machine shared with other jobs measures reliably (time spent waiting for a core is not the init's, and
+both sides run on that one thread); with more threads, wall time.
 
 Prints one line per case and side, and last `init/normal_ time: R` (the debug model's ratio of medians).
 """
@@ -59,7 +61,7 @@ def debug_model() -> Transformer:
 def model_init(model: Transformer, trunc_normal_) -> dict[str, torch.Tensor]:
     with mock.patch("torchtitan_lite.model.trunc_normal_", trunc_normal_):
         model.init_weights(seed=0)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 def normal_baseline(param, std, cutoff, key):
@@ -70,7 +72,7 @@ def shard_init(module, blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     for name, block in blocks.items():
         rows = block.shape[0]
         module.fill_block_(block, SHARDS[name], (RANK * rows, 0), 0.02, math.inf, f"0/{name}")
-    return {n: b.clone() for n, b in blocks.items()}
+    return blocks
 
 
 def shard_normal(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -80,9 +82,10 @@ def shard_normal(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def timed(fn, *args) -> tuple[float, object]:
-    start = time.perf_counter()
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    start = clock()
     out = fn(*args)
-    return time.perf_counter() - start, out
+    return clock() - start, out
 
 
 def main() -> None:
@@ -100,8 +103,10 @@ def main() -> None:
     blocks = {n: torch.empty(r // WORLD, c) for n, (r, c) in SHARDS.items()}
     n_model = sum(p.numel() for p in model.parameters())
     n_shards = sum(b.numel() for b in blocks.values())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; debugmodel {n_model / 1e6:.2f}M parameters, "
-          f"8B shards {n_shards / 1e6:.2f}M elements (1/{WORLD}, rank {RANK})")
+    clock = "thread CPU time" if torch.get_num_threads() == 1 else "wall time"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads ({clock}); "
+          f"debugmodel {n_model / 1e6:.2f}M parameters, 8B shards {n_shards / 1e6:.2f}M elements (1/{WORLD}, "
+          f"rank {RANK})")
 
     cases = {"debugmodel": {"normal_": lambda: model_init(model, normal_baseline)},
              "8B shards": {"normal_": lambda: shard_normal(blocks)}}
@@ -115,8 +120,8 @@ def main() -> None:
             for side, fn in fns.items():
                 seconds, out = timed(fn)
                 times[case, side].append(seconds)
-                if side != "normal_":
-                    values[case, side] = out
+                if side != "normal_":  # copied untimed: the sides fill the same tensors
+                    values[case, side] = {n: t.clone() for n, t in out.items()}
 
     ratios = {}
     for case in cases:

@@ -124,17 +124,19 @@ def test_uniform_is_uniform_and_uses_the_high_index_bits():
 @pytest.mark.parametrize("cutoff", [math.inf, 3.0, 1 / 3])  # 1/3: uneven knots, a dz per bin
 def test_blocks_are_the_definition_bit_for_bit(seed, cutoff):
     # Uneven blocks of 2-D and 3-D tensors, a scalar, and low-precision storage: each is the reference's values.
+    # float64 storage shows the computation's own rounding, which float32's final rounding would almost always hide.
     cases = [((37, 24), (37, 24), (0, 0)), ((19, 5), (37, 24), (18, 19)), ((1, 7), (37, 24), (36, 0)),
              ((3, 4, 5), (7, 9, 11), (2, 3, 4)), ((), (), ()), ((1000,), (1000,), (0,))]
     for shape, full_shape, offset in cases:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
             block = torch.full(shape, float("nan"), dtype=dtype)
             fill_block_(block, full_shape, offset, 0.02, cutoff, f"{seed}/w")
             assert torch.equal(block, ref_block(shape, full_shape, offset, 0.02, cutoff, f"{seed}/w", dtype)), shape
     # Enough draws to land in every bin of the table, std 1 so none is lost to rounding.
-    block = torch.empty(512, 512)
+    block = torch.empty(512, 512, dtype=torch.float64)
     fill_block_(block, (1024, 512), (512, 0), 1.0, cutoff, f"{seed}/many")
-    assert torch.equal(block, ref_block((512, 512), (1024, 512), (512, 0), 1.0, cutoff, f"{seed}/many"))
+    ref = ref_block((512, 512), (1024, 512), (512, 0), 1.0, cutoff, f"{seed}/many", torch.float64)
+    assert torch.equal(block, ref)
 
 
 def test_indices_beyond_int32_are_the_definition():
@@ -148,14 +150,19 @@ def test_indices_beyond_int32_are_the_definition():
 @pytest.mark.parametrize("cutoff", [math.inf, 3.0, 1 / 3])
 def test_bin_lookup_is_searchsorted_at_every_knot_and_bucket_edge(cutoff):
     # The lookup's hard cases: u exactly at a knot, one step (2**-53) either side, and at the ends of every bucket,
-    # where the lookup changes row; the far-end buckets are searched. u * 2**53 is an integer U; a is U's top bits.
+    # where the lookup changes row; the far-end buckets are searched. u * 2**53 is an integer U; the bucket comes from
+    # U's top 26 bits, as the signed int32 the hash leaves.
     z_list, p_list = _quantile_table(min(float(cutoff), 8.0))
     lower, _ = init._bucket_ranges()
     points = torch.cat([torch.tensor(p_list, dtype=torch.float64), lower]) * 2.0**53
     U = torch.cat([points.floor() + d for d in (-1, 0, 1)] + [points.ceil()])
     U = U[(U >= 0) & (U < 2.0**53)].to(torch.int64).unique()
-    a = ((U >> 21) - ((U >> 52) << 32)).to(torch.int32)  # U's top 32 bits, as the int32 the hash leaves
-    j = init._bin(a, U.to(torch.float64), _tables(min(float(cutoff), 8.0), torch.device("cpu")))
+    n = len(U)
+    high = ((U >> 27) - ((U >> 52) << 26)).to(torch.int32)
+    bucket, j = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
+    init._bucket_(high, torch.empty(n), torch.empty(n, dtype=torch.float16), bucket, torch.tensor(2.0**-10))
+    table = _tables(min(float(cutoff), 8.0), torch.device("cpu"))
+    init._bin_(j, bucket, U.to(torch.float64), table, torch.empty(n, dtype=torch.float64), torch.empty_like(j))
     assert torch.equal(j.long(), ref_bin(U.to(torch.float64) * 2.0**-53, cutoff))
 
 

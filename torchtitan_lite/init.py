@@ -7,16 +7,18 @@ computed from (seed, parameter name, global element index) alone, by a counter-b
 local shard: O(shard) memory and time, no communication.
 
 Bitwise equality also needs every operation to round the same way wherever an element lands in a kernel's
-vectorized body or scalar tail. So the generator uses only integer ops, comparisons and IEEE-exact float64
-+ - * /; the normal quantile comes from a table computed once in Python scalars, not from erfinv or log
-(whose vectorized and scalar code paths differ in the last bit on the CPU).
+vectorized body or scalar tail. So the generator uses only integer ops, comparisons, IEEE-exact float64 + - * / and
+conversions (rounded to nearest even, exactly as IEEE 754 specifies); the normal quantile comes from a table computed
+once in Python scalars, not from erfinv or log (whose vectorized and scalar code paths differ in the last bit on the
+CPU).
 
 Host initialization (CPU offload: every rank fills its shard on the CPU) makes its speed matter, so a shard is
-filled in bulk, a few whole-tensor ops per element instead of a binary search each: the hash runs on int32 lanes,
-both of uniform()'s streams in one tensor, and a draw's bin comes from a lookup (buckets as fine as the bins, found
-from the float32 exponent of the draw's distance to the nearer end of [0, 1)) and one comparison. The values are the
-plain definition's, uniform() then a search of the table, bit for bit: tests/test_init.py keeps that definition to
-compare against, and benchmarks/init_speed.py times both against torch's `normal_`.
+filled in bulk, about 36 whole-tensor ops per chunk instead of a binary search per element: the hash runs on int32
+lanes, both of uniform()'s streams in one tensor, and a draw's bin comes from a lookup (2**16 buckets, the float16
+bits of u's top 26 bits as a signed integer: finer towards both ends of [0, 1), as the bins are) and one comparison.
+Each op writes into buffers made once, in place where it can. The values are the plain definition's, uniform() then
+a search of the table, bit for bit: tests/test_init.py keeps that definition to compare against, and
+benchmarks/init_speed.py times both against torch's `normal_`.
 """
 
 from __future__ import annotations
@@ -33,9 +35,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 _MASK32 = 0xFFFFFFFF
 _TABLE_SIZE = 4096  # bins of the quantile table; each holds 1/4096 of [-cutoff, cutoff] in units of std
 _MAX_CUTOFF = 8.0  # beyond 8 std the normal holds 1e-15 of its mass: "untruncated" for all purposes
-_OCTAVE_BITS = 10  # buckets of the bin lookup: 2**10 per octave of a draw's distance to the nearer end of [0, 1)
-_OCTAVES = 24  # octaves of (that distance * 2**25) resolved: 2**-25 .. 2**-1
-_CHUNK = 1 << 16  # elements generated at once per CPU thread: temporaries stay in cache, Python calls stay few
+_CHUNK = 1 << 15  # elements generated at once per CPU thread: the chunk's buffers stay in cache
 _CHUNK_ACCELERATOR = 1 << 22  # where every op is a kernel launch
 
 
@@ -75,39 +75,48 @@ def _quantile_table(cutoff: float) -> tuple[list[float], list[float]]:
     return z, p
 
 
-def _bucket(a: torch.Tensor) -> torch.Tensor:
-    """The lookup bucket of each draw, from its a (int32): the octave and 10 more top bits of u's distance to the
-    nearer end of [0, 1), read off a float32's exponent and mantissa; the far half's buckets follow the near half's.
-    Buckets narrow towards the ends as the bins of the quantile table do, so that nearly all hold at most one knot."""
-    side = a >> 31  # 0 where u < 1/2, else -1
-    distance = a ^ side  # a, or 2**32 - 1 - a: the top 32 bits of u's distance to 0 or to 1, below 2**31
-    distance >>= 7
-    distance.clamp_min_(1)  # below 2**24, so exact in float32: its exponent is the octave
-    bucket = distance.to(torch.float32).view(torch.int32)
-    bucket >>= 23 - _OCTAVE_BITS
-    bucket.add_(side, alpha=-(_OCTAVES << _OCTAVE_BITS))
-    bucket -= 127 << _OCTAVE_BITS  # 1.0's exponent
-    return bucket
+def _bucket_(high: torch.Tensor, f32: torch.Tensor, f16: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> None:
+    """out = the lookup bucket of each draw, from `high`, u's top 26 bits as a signed int32 (negative where u >= 1/2):
+    the bits of its float16 value, sign, 5 exponent and 10 mantissa bits. The 2**16 buckets narrow towards both ends
+    of [0, 1) as the bins of the quantile table do, so that nearly all hold at most one knot. Each conversion rounds
+    to nearest, ties to even, as IEEE 754 specifies for every device; `f32` and `f16` are scratch."""
+    f32.copy_(high)
+    f32.mul_(scale)  # 2**-10: exact, and brings +-2**25 within float16's range
+    f16.copy_(f32)
+    out.copy_(f16.view(torch.uint16))
 
 
+@functools.lru_cache(maxsize=1)
 def _bucket_ranges() -> tuple[torch.Tensor, torch.Tensor]:
-    """[lower, upper) of the u in each of _bucket's buckets: what _bucket does, undone."""
-    index = torch.arange(_OCTAVES << _OCTAVE_BITS)
-    octave, step = index >> _OCTAVE_BITS, index & ((1 << _OCTAVE_BITS) - 1)
+    """[lower, upper) of the u in each of _bucket_'s buckets (empty where lower == upper): what _bucket_ does, undone
+    by a bisection over its own ops, so that no rounding rule has to be restated here."""
+    def bucket_of_magnitude(m):  # the bucket of -m without its sign bit: that of m, as rounding is symmetric
+        out = torch.empty(len(m), dtype=torch.int32)
+        f32, f16 = torch.empty(len(m), dtype=torch.float32), torch.empty(len(m), dtype=torch.float16)
+        _bucket_((-m).to(torch.int32), f32, f16, out, torch.tensor(2.0**-10, dtype=torch.float32))
+        return out & 0x7FFF
 
-    def least(step):  # the least distance >> 7 in (octave, step): 2**octave * (1 + step / 2**10), rounded up
-        return (1 << octave) + (((step << octave) + (1 << _OCTAVE_BITS) - 1) >> _OCTAVE_BITS)
-
-    near, far = least(step) << 7, least(step + 1) << 7
-    near[0] = 0  # clamp_min_(1) puts distances 0 .. 127 in bucket 0
-    lower = torch.cat([near, (1 << 32) - far]).to(torch.float64) * 2.0**-32
-    upper = torch.cat([far, (1 << 32) - near]).to(torch.float64) * 2.0**-32
-    return lower, upper
+    # first[b]: the least m in [0, 2**25] whose bucket is b or above (2**25 + 1 where none is); first[0] is 0. (2**15
+    # bisections at once: below torch's grain size, so one thread runs them, without waiting on busy cores.)
+    b = torch.arange(1, (1 << 15) + 1)
+    first, last = torch.zeros_like(b), torch.full_like(b, (1 << 25) + 1)
+    for _ in range(26):
+        mid = (first + last) // 2
+        above = bucket_of_magnitude(mid.clamp_max(1 << 25)) >= b
+        first, last = torch.where(above, first, torch.maximum(first, mid + 1)), torch.where(above, mid, last)
+    first = torch.cat([first.new_zeros(1), first])
+    lo, hi = first[:-1], first[1:]  # bucket b holds the m in [lo, hi)
+    # high >= 0 (u < 1/2) is m itself; high < 0 is -m for 1 <= m <= 2**25, where u's top 26 bits are 2**26 - m
+    near = lo.clamp_max(1 << 25), hi.clamp_max(1 << 25)
+    far = (1 << 26) + 1 - hi.clamp_max((1 << 25) + 1), (1 << 26) + 1 - lo.clamp_min(1)
+    lower = torch.cat([near[0], far[0]]).to(torch.float64) * 2.0**-26
+    upper = torch.cat([near[1], far[1]]).to(torch.float64) * 2.0**-26
+    return lower, torch.maximum(lower, upper)
 
 
 @functools.lru_cache(maxsize=16)
 def _tables(cutoff: float, device: torch.device) -> dict[str, torch.Tensor]:
-    """The quantile table as _normal_at_ reads it: one column per bin quantity, and the lookup of a draw's bin."""
+    """The quantile table as _Fill reads it: one column per bin quantity, and the lookup of a draw's bin."""
     z_list, p_list = _quantile_table(cutoff)
     z = torch.tensor(z_list, dtype=torch.float64)
     p = torch.tensor(p_list, dtype=torch.float64)
@@ -115,92 +124,156 @@ def _tables(cutoff: float, device: torch.device) -> dict[str, torch.Tensor]:
     # With p[0] == 0 <= u < 1 == p[-1] and p sorted, the bin of u, clamp(searchsorted(p, u, right=True) - 1, 0, 4095),
     # is the number of p[1:] <= u: a count, which a lookup and one comparison can make.
     assert p[0] == 0 and p[-1] == 1 and bool((p[1:] >= p[:-1]).all())
-    # When the bins of a bucket's two ends differ by at most one, the bucket holds at most one knot: a u inside is in
-    # the lower bin, or in the next one when u >= that knot. Buckets holding more knots (at the very ends, where the
-    # bins are finer than 2**-25: a few draws in a million) are flagged by + _TABLE_SIZE, and their draws searched.
-    lower, upper = (torch.searchsorted(p, u, right=True).sub_(1).clamp_(0, _TABLE_SIZE - 1) for u in _bucket_ranges())
-    one_knot = upper - lower <= 1
+    # When the bins of a bucket's first and last u differ by at most one, the bucket holds at most one knot: a u inside
+    # is in the lower bin, or in the next one when u >= that bin's upper knot. Buckets holding more knots (at the very
+    # ends, where the bins are finer than the buckets: about one draw in a million) are flagged by + _TABLE_SIZE, which
+    # finds an infinite upper knot, and their draws are searched.
+    lower, upper = _bucket_ranges()
+    first, last = (torch.searchsorted(p, u, right=True).sub_(1).clamp_(0, _TABLE_SIZE - 1)
+                   for u in (lower, upper - 2.0**-53))  # upper - 2**-53: the bucket's last u (both exact)
+    one_knot = (upper > lower) & (last - first <= 1)
     dz = z[1:] - z[:-1]
+    even = bool((dz == dz[0]).all())  # exactly even knots (cutoffs 8 and 3): one dz
+    # Knots a power of two apart (cutoff 8): (u - p0) / dp * dz == (u - p0) / (dp / dz) exactly, a multiply fewer.
+    fold = even and math.frexp(dz[0].item())[0] == 0.5
     columns = {
-        "bin": torch.where(one_knot, lower, lower + _TABLE_SIZE).to(torch.int32),
-        "knot": torch.where(one_knot, p[lower + 1], math.inf) * 2.0**53,
-        "p_upper": p[1:] * 2.0**53,
+        "bin": torch.where(one_knot, first, first + _TABLE_SIZE).to(torch.int32),
+        "p_upper": torch.cat([p[1:], torch.full((_TABLE_SIZE,), math.inf, dtype=torch.float64)]) * 2.0**53,
         "p": p[:-1] * 2.0**53,
-        "dp": (p[1:] - p[:-1]).clamp_min(1e-300) * 2.0**53,
+        "dp": (p[1:] - p[:-1]).clamp_min(1e-300) * 2.0**53 / (dz[0] if fold else 1.0),
         "z": z[:-1],
-        "dz": dz[:1] if bool((dz == dz[0]).all()) else dz,  # one value for exactly even knots (cutoffs 8 and 3)
-        # uniform()'s a >> 6 and b >> 5, as logical shifts of the int32 rows holding a and b
-        "shift": torch.tensor([[6], [5]], dtype=torch.int32),
-        "mask": torch.tensor([[(1 << 26) - 1], [(1 << 27) - 1]], dtype=torch.int32),
+        "dz": dz[:0] if fold else dz[:1] if even else dz,
     }
     return {name: c.contiguous().to(device) for name, c in columns.items()}
 
 
-def _xorshift_(x: torch.Tensor, tmp: torch.Tensor, shift: int) -> None:
-    torch.bitwise_right_shift(x, shift, out=tmp)
-    tmp &= (1 << (32 - shift)) - 1  # >> is arithmetic on int32: the mask makes it logical
-    x ^= tmp
+def _bin_(j: torch.Tensor, bucket: torch.Tensor, u: torch.Tensor, table: dict[str, torch.Tensor],
+          knot: torch.Tensor, past: torch.Tensor) -> None:
+    """j = the bin of each draw (its bucket, and its u times 2**53), as searchsorted finds it: its bucket's lower bin,
+    plus one when u is at or past that bin's upper knot. `knot` (float64) and `past` (int32) are scratch."""
+    torch.index_select(table["bin"], 0, bucket, out=j)
+    torch.index_select(table["p_upper"], 0, j, out=knot)
+    torch.ge(u, knot, out=past)
+    j += past
+    if j.amax().item() >= _TABLE_SIZE:
+        far = (j >= _TABLE_SIZE).nonzero().squeeze(1)
+        j[far] = torch.searchsorted(table["p_upper"][:_TABLE_SIZE], u[far], right=True, out_int32=True)
 
 
-def _mix32_(x: torch.Tensor, tmp: torch.Tensor, xorshifted: bool = False) -> None:
-    """mix32 in place on int32 lanes, where a multiply wraps as the uint32 one does. `xorshifted`: x has had mix32's
-    first step, x ^= x >> 16, already."""
-    if not xorshifted:
-        _xorshift_(x, tmp, 16)
-    x *= 0x21F0AAAD  # both multipliers are < 2**31: int32 scalars
-    _xorshift_(x, tmp, 15)
-    x *= 0x735A2D97
-    _xorshift_(x, tmp, 15)
+class _Buffers:
+    """Buffers for chunks of up to n elements: every op of a chunk writes into them, in place where it can (an op that
+    writes a fresh tensor costs about twice one that updates its input), so that a chunk's working set stays the same
+    few buffers. Views of them are made once per chunk size: each costs as much as a small op."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.n = n
+        self.i32 = torch.empty(4 * n, dtype=torch.int32, device=device)
+        self.f64 = torch.empty(3 * n, dtype=torch.float64, device=device)
+        self.f32 = torch.empty(n, dtype=torch.float32, device=device)
+        self.f16 = torch.empty(n, dtype=torch.float16, device=device)
+        self.chunks = {}
+
+    def views(self, m: int) -> tuple[torch.Tensor, ...]:
+        """x and tmp (int32, 2 x m), u, col and col2 (float64), f32 and f16, for a chunk of m <= n elements."""
+        if m not in self.chunks:
+            i32, f64 = self.i32[: 4 * m].view(4, m), self.f64[: 3 * m].view(3, m)
+            self.chunks[m] = (i32[:2], i32[2:], *f64, self.f32[:m], self.f16[:m])
+        return self.chunks[m]
 
 
-def _bin(a: torch.Tensor, u: torch.Tensor, table: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The bin of each draw (its a, and its u times 2**53), as searchsorted finds it: by its bucket's lower bin, plus
-    one when u is past the bucket's knot."""
-    bucket = _bucket(a)
-    j = torch.index_select(table["bin"], 0, bucket)
-    j += torch.index_select(table["knot"], 0, bucket) <= u
-    if j.max() >= _TABLE_SIZE:
-        far = (j >> 12).nonzero().squeeze(1)
-        j[far] = torch.searchsorted(table["p_upper"], u[far], right=True, out_int32=True)
-    return j
+# Kept between fills (the largest so far, a few MiB per thread): fresh megabytes would cost each fill their page
+# faults. One process fills one tensor at a time.
+_cpu_buffers: list[_Buffers] = []
 
 
-def _normal_at_(out: torch.Tensor, index: torch.Tensor, key: str, cutoff: float, std: float) -> None:
-    """out = std * (the truncated normal of each flat index): the definition, uniform() then the table, in bulk.
+def _buffers(n: int, device: torch.device) -> _Buffers:
+    if device.type != "cpu":  # where a caching allocator keeps freed memory, and chunks are large
+        return _Buffers(n, device)
+    if not _cpu_buffers or _cpu_buffers[0].n < n:
+        _cpu_buffers[:] = [_Buffers(n, device)]
+    return _cpu_buffers[0]
 
-    `index` is int32 when every index is below 2**31, else int64 (then its high word joins the hash, as in uniform).
-    """
-    table = _tables(min(float(cutoff), _MAX_CUTOFF), out.device)
-    k = key_words(key)
-    # mix32's first step, x ^ (x >> 16), is linear: of index ^ key it is that of the index (once for both rows) ^ that
-    # of the key. Row 0 computes uniform()'s a (key words 0 and 1), row 1 its b (words 2 and 3).
-    inner_keys = [k[0] ^ (k[0] >> 16), k[2] ^ (k[2] >> 16)]
-    words = [w - (1 << 32) if w >= 1 << 31 else w for w in inner_keys + [k[1], k[3]]]  # the same bits, as int32
-    words = torch.tensor(words, dtype=torch.int32, device=out.device).view(4, 1)
-    hi = None
-    if index.dtype == torch.int64:
-        hi, index = (index >> 32).to(torch.int32), index & _MASK32
-    index = index ^ (index >> 16)  # index >= 0: >> is logical
-    if hi is not None:
-        index = (index - ((index >> 31) << 32)).to(torch.int32)
-    x = torch.bitwise_xor(index, words[:2])
-    tmp = torch.empty_like(x)
-    _mix32_(x, tmp, xorshifted=True)
-    x ^= words[2:]
-    if hi is not None:
-        x ^= hi
-    _mix32_(x, tmp)
-    torch.bitwise_right_shift(x, table["shift"], out=tmp)
-    tmp &= table["mask"]
-    # u * 2**53, an integer below 2**53: exact. Scaling u and the knots by a power of two changes no rounding.
-    u = torch.add(tmp[1], tmp[0].to(torch.float64), alpha=2.0**27)
-    j = _bin(x[0], u, table)
-    # The interpolation in the bin, operation by operation as the definition rounds it: z0 + (u - p0) / dp * dz.
-    u -= torch.index_select(table["p"], 0, j)
-    u /= torch.index_select(table["dp"], 0, j)
-    u *= table["dz"] if len(table["dz"]) == 1 else torch.index_select(table["dz"], 0, j)
-    u += torch.index_select(table["z"], 0, j)
-    torch.mul(u, std, out=out)  # in float64, rounded once to out's dtype
+
+@functools.lru_cache(maxsize=8)
+def _constants(device: torch.device) -> dict[str, torch.Tensor]:
+    """The hash's constants as tensors: a Python int operand costs an op a conversion, as much as a small op."""
+    ints = {"m1": 0x21F0AAAD, "m2": 0x735A2D97, "15": 15, "16": 16, "low15": (1 << 17) - 1, "low16": (1 << 16) - 1}
+    c = {name: torch.tensor(v, dtype=torch.int32, device=device) for name, v in ints.items()}
+    c["scale"] = torch.tensor(2.0**-10, dtype=torch.float32, device=device)
+    # uniform()'s a >> 6 and b >> 5, as logical shifts of the int32 rows holding a and b
+    c["shift"] = torch.tensor([[6], [5]], dtype=torch.int32, device=device)
+    c["mask"] = torch.tensor([[(1 << 26) - 1], [(1 << 27) - 1]], dtype=torch.int32, device=device)
+    return c
+
+
+class _Fill:
+    """Fills one block, chunk by chunk, with the definition's values: uniform() then the table, in bulk. What the
+    chunks share is made once: the key's words, the tables, the constants and the buffers."""
+
+    def __init__(self, key: str, cutoff: float, n: int, device: torch.device):
+        self.table, self.c = _tables(min(float(cutoff), _MAX_CUTOFF), device), _constants(device)
+        self.buffers = _buffers(n, device)
+        k = key_words(key)
+        # mix32's first step, x ^ (x >> 16), is linear: of index ^ key it is that of the index (once for both rows) ^
+        # that of the key. Row 0 computes uniform()'s a (key words 0 and 1), row 1 its b (words 2 and 3).
+        words = [k[0] ^ (k[0] >> 16), k[2] ^ (k[2] >> 16), k[1], k[3]]
+        words = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the same bits, as int32
+        self.words = torch.tensor(words, dtype=torch.int32, device=device).view(4, 1)
+
+    def _xorshift_(self, x: torch.Tensor, tmp: torch.Tensor, shift: str) -> None:
+        torch.bitwise_right_shift(x, self.c[shift], out=tmp)
+        tmp &= self.c["low" + shift]  # >> is arithmetic on int32: the mask makes it logical
+        x ^= tmp
+
+    def _mix32_(self, x: torch.Tensor, tmp: torch.Tensor, xorshifted: bool = False) -> None:
+        """mix32 in place on int32 lanes, where a multiply wraps as the uint32 one does. `xorshifted`: x has had
+        mix32's first step, x ^= x >> 16, already."""
+        if not xorshifted:
+            self._xorshift_(x, tmp, "16")
+        x *= self.c["m1"]  # both multipliers are < 2**31: int32 values
+        self._xorshift_(x, tmp, "15")
+        x *= self.c["m2"]
+        self._xorshift_(x, tmp, "15")
+
+    def __call__(self, out: torch.Tensor, index: torch.Tensor, std: float) -> None:
+        """out = std * (the truncated normal of each flat index). `index` is int32 when every index is below 2**31
+        (and is overwritten), else int64 (then its high word joins the hash, as in uniform)."""
+        c, table = self.c, self.table
+        x, tmp, u, col, col2, f32, f16 = self.buffers.views(out.numel())
+        hi = None
+        if index.dtype == torch.int64:
+            hi, index = (index >> 32).to(torch.int32), index & _MASK32
+            index = index ^ (index >> 16)  # index >= 0: >> is logical
+            index = (index - ((index >> 31) << 32)).to(torch.int32)
+        else:
+            torch.bitwise_right_shift(index, c["16"], out=tmp[0])  # index >= 0: >> is logical
+            index ^= tmp[0]
+        torch.bitwise_xor(index, self.words[:2], out=x)
+        self._mix32_(x, tmp, xorshifted=True)
+        x ^= self.words[2:]
+        if hi is not None:
+            x ^= hi
+        self._mix32_(x, tmp)
+        torch.bitwise_right_shift(x, c["shift"], out=tmp)
+        bucket, j = x  # the hash is done: its rows now hold the draws' buckets, then their bins
+        _bucket_(tmp[0], f32, f16, bucket, c["scale"])  # from a >> 6, arithmetic: u's top 26 bits
+        tmp &= c["mask"]
+        # u * 2**53, an integer below 2**53: exact. Scaling u and the knots by a power of two changes no rounding.
+        u.copy_(tmp[1])
+        u.add_(tmp[0], alpha=2.0**27)
+        _bin_(j, bucket, u, table, col, tmp[0])
+        # The interpolation in the bin, operation by operation as the definition rounds it: z0 + (u - p0) / dp * dz.
+        u -= torch.index_select(table["p"], 0, j, out=col)
+        torch.index_select(table["dp"], 0, j, out=col)
+        torch.index_select(table["z"], 0, j, out=col2)
+        if len(table["dz"]) == 0:  # dz folded into dp
+            torch.addcdiv(col2, u, col, out=u)
+        else:
+            u /= col
+            u *= table["dz"] if len(table["dz"]) == 1 else torch.index_select(table["dz"], 0, j)
+            u += col2
+        u *= std
+        out.copy_(u)  # rounded once to out's dtype
 
 
 def _local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -243,10 +316,15 @@ def fill_block_(local: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[
     inner = inner.reshape(1, -1)
     out = local if local.is_contiguous() else torch.empty(shape, dtype=local.dtype, device=device)
     chunk = _CHUNK * torch.get_num_threads() if device.type == "cpu" else _CHUNK_ACCELERATOR
-    rows_per_chunk = max(1, chunk // inner.numel())
+    chunks = -(-shape[0] * inner.numel() // chunk)
+    rows_per_chunk = -(-shape[0] // chunks)  # even chunks: no last one of a few rows, that would cost as much
+    # The first chunk's index; a later one's is that plus its rows' offset.
+    first = (torch.arange(rows_per_chunk, dtype=dtype, device=device) + offset[0]) * strides[0]
+    first = (first.view(-1, 1) + inner).view(-1)
+    fill, index = _Fill(key, cutoff, first.numel(), device), torch.empty_like(first)
     for r0 in range(0, shape[0], rows_per_chunk):
-        r1 = min(shape[0], r0 + rows_per_chunk)
-        rows = (torch.arange(r0, r1, dtype=dtype, device=device) + offset[0]) * strides[0]
-        _normal_at_(out[r0:r1].view(-1), (rows.view(-1, 1) + inner).view(-1), key, cutoff, std)
+        m = (min(shape[0], r0 + rows_per_chunk) - r0) * inner.numel()
+        torch.add(first[:m], r0 * strides[0], out=index[:m])
+        fill(out[r0 : r0 + rows_per_chunk].view(-1), index[:m], std)
     if out is not local:
         local.copy_(out)
