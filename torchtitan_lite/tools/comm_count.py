@@ -1,6 +1,7 @@
-"""train.py that records the collectives of one whole training step, for several layouts in one launch.
+"""The collectives of one whole training step, for several layouts in one launch (what benchmarks/comm_count.py and
+the tests run train.py under).
 
-    comm_count.py OUT_DIR '{"name": [overrides...], ...}' TRAIN_ARGS...   ->   OUT_DIR/name.json (rank 0)
+    main(train, [OUT_DIR, '{"name": [overrides...], ...}', TRAIN_ARGS...])   ->   OUT_DIR/name.json (rank 0)
 
 Each layout is a run of train.run with TRAIN_ARGS and its overrides, one after another in the same processes. During
 its step 2 (step 1 differs: it compiles nothing here, but it alone logs and measures memory) a TorchDispatchMode
@@ -11,8 +12,8 @@ ranks, bytes], the bytes being the full buffer (what an all-gather outputs, what
 
 import json
 import os
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -20,8 +21,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the trainer, from a checkout
-import train  # noqa: E402
+from torchtitan_lite.data.loader import DataLoader
 
 c10d, funcol = torch.ops.c10d, torch.ops._c10d_functional
 
@@ -65,31 +65,34 @@ class CommRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-out, layouts, argv = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
-next_batch, state = train.DataLoader.next_batch, {}
+def main(train: ModuleType, argv: list[str]) -> int:
+    """Each layout's train.run in turn, its step 2 recorded; `train` is train.py's module (passed in: it sits above
+    the package). Returns 1 when a run fails, else 0."""
+    out, layouts, train_args = Path(argv[0]), json.loads(argv[1]), argv[2:]
+    next_batch, state = DataLoader.next_batch, {}
 
+    def recording_next_batch(self):
+        if "recorder" in state:  # the start of step 3: step 2 is over
+            state.pop("recorder").__exit__(None, None, None)
+        state["step"] = state.get("step", 0) + 1
+        if state["step"] == 2:
+            state["recorder"] = CommRecorder().__enter__()
+            state["calls"] = state["recorder"].calls
+        return next_batch(self)
 
-def recording_next_batch(self):
-    if "recorder" in state:  # the start of step 3: step 2 is over
-        state.pop("recorder").__exit__(None, None, None)
-    state["step"] = state.get("step", 0) + 1
-    if state["step"] == 2:
-        state["recorder"] = CommRecorder().__enter__()
-        state["calls"] = state["recorder"].calls
-    return next_batch(self)
-
-
-# One process group for all the runs: train.run would make and destroy one each time, and a group made again in the
-# same processes can meet the previous one's keys in the store. Each run still builds its own mesh and subgroups.
-init_distributed, destroy = train.init_distributed, dist.destroy_process_group
-train.init_distributed = lambda *a, **k: torch.device("cpu") if dist.is_initialized() else init_distributed(*a, **k)
-dist.destroy_process_group = lambda *a, **k: None
-train.DataLoader.next_batch = recording_next_batch
-for name, overrides in layouts.items():
-    state.clear()
-    if train.run([*argv, "--job.dump_folder", str(out / name), *overrides]) != 0:
-        sys.exit(1)
-    if os.environ["RANK"] == "0":
-        (out / f"{name}.json").write_text(json.dumps(state["calls"]))
-dist.barrier()
-destroy()
+    # One process group for all the runs: train.run would make and destroy one each time, and a group made again in
+    # the same processes can meet the previous one's keys in the store. Each run still builds its own mesh and
+    # subgroups.
+    init_distributed, destroy = train.init_distributed, dist.destroy_process_group
+    train.init_distributed = lambda *a, **k: torch.device("cpu") if dist.is_initialized() else init_distributed(*a, **k)
+    dist.destroy_process_group = lambda *a, **k: None
+    DataLoader.next_batch = recording_next_batch
+    for name, overrides in layouts.items():
+        state.clear()
+        if train.run([*train_args, "--job.dump_folder", str(out / name), *overrides]) != 0:
+            return 1
+        if os.environ["RANK"] == "0":
+            (out / f"{name}.json").write_text(json.dumps(state["calls"]))
+    dist.barrier()
+    destroy()
+    return 0

@@ -1,6 +1,7 @@
-"""train.py that records every host-device sync of its training steps, with the line of ours that asked for it.
+"""Every host-device sync of a run's training steps, with the line of ours that asked for it (what
+benchmarks/sync_count.py and the tests run train.py under).
 
-    sync_count.py OUT_DIR TRAIN_ARGS...   ->   OUT_DIR/syncs-RANK.json: {step: ["file:function@device", ...]}
+    main(train.run, [OUT_DIR, TRAIN_ARGS...])   ->   OUT_DIR/syncs-RANK.json: {step: ["file:function@device", ...]}
 
 A sync is an op whose result the host must wait for: reading a tensor's value (`.item()`, `bool(t)`, `if t:`), or an
 op whose output shape depends on values (nonzero). A TorchDispatchMode sees each one as it is dispatched, on any
@@ -11,19 +12,18 @@ a copy to the GPU from pageable host memory (the host first waits for the device
 
 import json
 import os
-import sys
 import traceback
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the trainer, from a checkout
-import train  # noqa: E402
+from torchtitan_lite.data.loader import DataLoader
 
-ROOT = Path(train.__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]  # beside the package: train.py, in a checkout and installed alike
 OURS = (str(ROOT / "train.py"), str(ROOT / "torchtitan_lite"))
 aten = torch.ops.aten
 SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default, aten.equal.default}
@@ -64,20 +64,19 @@ class SyncRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-out, argv = Path(sys.argv[1]), sys.argv[2:]
-recorder = SyncRecorder()
-next_batch = train.DataLoader.next_batch
+def main(run: Callable[[list[str]], int], argv: list[str]) -> int:
+    """run(TRAIN_ARGS) (train.run) with every sync from its first step on recorded; returns run's exit code."""
+    out, train_args = Path(argv[0]), argv[1:]
+    recorder, next_batch = SyncRecorder(), DataLoader.next_batch
 
+    def counting_next_batch(self):
+        if recorder.step == 0:
+            recorder.__enter__()  # from the first step on: start-up's syncs are not the loop's
+        recorder.step += 1
+        return next_batch(self)
 
-def counting_next_batch(self):
-    if recorder.step == 0:
-        recorder.__enter__()  # from the first step on: start-up's syncs are not the loop's
-    recorder.step += 1
-    return next_batch(self)
-
-
-train.DataLoader.next_batch = counting_next_batch
-code = train.run(argv)
-recorder.__exit__(None, None, None)
-(out / f"syncs-{os.environ['RANK']}.json").write_text(json.dumps(recorder.syncs))
-sys.exit(code)
+    DataLoader.next_batch = counting_next_batch
+    code = run(train_args)
+    recorder.__exit__(None, None, None)
+    (out / f"syncs-{os.environ['RANK']}.json").write_text(json.dumps(recorder.syncs))
+    return code
