@@ -44,7 +44,7 @@ def waiting_upload(func, args, kwargs) -> bool:
 def call_site() -> str:
     """Our innermost frame on the stack: what asked for the value."""
     for frame in reversed(traceback.extract_stack()):
-        if frame.filename.startswith(OURS):
+        if frame.filename.startswith(OURS) and frame.filename != __file__:  # the recorder's own frames are not a site
             return f"{Path(frame.filename).name}:{frame.name}"
     return "elsewhere"
 
