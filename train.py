@@ -26,22 +26,22 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan_lite.checkpoint import CheckpointManager, CheckpointSaveError, TrainState, check_config
+from torchtitan_lite.checkpoint.manager import CheckpointManager, CheckpointSaveError, TrainState, check_config
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
-from torchtitan_lite.context_parallel import check_cp, sharder
-from torchtitan_lite.data import DataLoader, build_sources, to_device, warn_if_validating_on_training_data
-from torchtitan_lite.distributed import Env, init_distributed, peer_timeout, set_determinism, set_timeout
-from torchtitan_lite.errors import checks_passed, group_formed, report
-from torchtitan_lite.metrics import MetricLogger, flops_per_token, held_bytes, memory_gib, peak_flops
-from torchtitan_lite.model import Transformer, count_params, flavor_args
-from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from torchtitan_lite.parallel_dims import ParallelDims
-from torchtitan_lite.parallelize import parallelize, warn_ignored_options
-from torchtitan_lite.pipeline import Pipeline, check_pipeline, merge, split
-from torchtitan_lite.precision import DTYPES, NonFiniteError, UpdateGuard, warn_if_slow
-from torchtitan_lite.run_history import start_history
-from torchtitan_lite.signals import Preemption, exit_code, restore_signals, stop_with_launcher
-from torchtitan_lite.tokenizer import load_tokenizer
+from torchtitan_lite.data.loader import DataLoader, build_sources, to_device, warn_if_validating_on_training_data
+from torchtitan_lite.data.tokenizer import load_tokenizer
+from torchtitan_lite.models.llama import Transformer, count_params, flavor_args
+from torchtitan_lite.parallel.context_parallel import check_cp, sharder
+from torchtitan_lite.parallel.dims import ParallelDims
+from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
+from torchtitan_lite.parallel.pipeline import Pipeline, check_pipeline, merge, split
+from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
+from torchtitan_lite.runtime.metrics import MetricLogger, flops_per_token, held_bytes, memory_gib, peak_flops
+from torchtitan_lite.runtime.precision import DTYPES, NonFiniteError, UpdateGuard, warn_if_slow
+from torchtitan_lite.runtime.process import Env, init_distributed, peer_timeout, set_determinism, set_timeout
+from torchtitan_lite.runtime.run_history import start_history
+from torchtitan_lite.runtime.signals import Preemption, exit_code, restore_signals, stop_with_launcher
+from torchtitan_lite.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 
 logger = logging.getLogger("torchtitan_lite")
 

@@ -20,21 +20,18 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from torchtitan_lite.checkpoint import CheckpointManager, TrainState  # noqa: E402
-from torchtitan_lite.config import Checkpoint, LRScheduler  # noqa: E402
-from torchtitan_lite.data import DataLoader, SyntheticSource  # noqa: E402
-from torchtitan_lite.distributed import Env, init_distributed  # noqa: E402
-from torchtitan_lite.model import FLAVORS, Transformer  # noqa: E402
-from torchtitan_lite.optim import build_lr_scheduler  # noqa: E402
-from torchtitan_lite.precision import UpdateGuard  # noqa: E402
+from torchtitan_lite.checkpoint.manager import CheckpointManager, TrainState
+from torchtitan_lite.config import Checkpoint, LRScheduler
+from torchtitan_lite.data.loader import DataLoader, SyntheticSource
+from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.runtime.precision import UpdateGuard
+from torchtitan_lite.runtime.process import Env, init_distributed
+from torchtitan_lite.training.optim import build_lr_scheduler
 
 SEQ, BATCH, VOCAB = 64, 2, 258
 

@@ -23,8 +23,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from torchtitan_lite.run_history import read_metrics  # noqa: E402
+from torchtitan_lite.runtime.run_history import read_metrics  # noqa: E402
 
 
 def step_times(nproc: int, steps: int, warmup: int, extra: list[str]) -> tuple[list[float], list[float]]:

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 DEGREES = (1, 2, 4)
 VOCAB = 2048
@@ -39,8 +38,8 @@ def measure(seq_len: int, out: Path) -> None:
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan_lite.context_parallel import apply_cp, sharder
-    from torchtitan_lite.model import FLAVORS, Transformer
+    from torchtitan_lite.models.llama import FLAVORS, Transformer
+    from torchtitan_lite.parallel.context_parallel import apply_cp, sharder
 
     dist.init_process_group("gloo")
     cp = dist.get_world_size()

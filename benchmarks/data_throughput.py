@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,12 +21,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from torchtitan_lite import datasets  # noqa: E402
-from torchtitan_lite.data import DataLoader, build_source  # noqa: E402
-from torchtitan_lite.model import FLAVORS, Transformer  # noqa: E402
-from torchtitan_lite.run_history import read_metrics  # noqa: E402
-from torchtitan_lite.tokenizer import STDLIB_BPE, Tokenizer  # noqa: E402
+from torchtitan_lite.data import files as datasets
+from torchtitan_lite.data.loader import DataLoader, build_source
+from torchtitan_lite.data.tokenizer import STDLIB_BPE, Tokenizer
+from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.runtime.run_history import read_metrics
 
 
 def windows_per_second(source, batch: int, seconds: float = 2.0) -> float:

@@ -22,7 +22,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 BASE = ("--job.config_file", str(ROOT / "tests" / "assets" / "tiny.toml"), "--training.seq_len", "64")
 NO_PIN = ("--no-parallelism.fsdp_offload_pin_memory",)  # pinned memory needs a GPU
@@ -46,7 +45,7 @@ def params_between_forward_and_backward(model) -> int:
     """Bytes of parameter storage alive after forward: shards, kept unsharded parameters, hpZ post-forward shards."""
     from torch.distributed.fsdp import FSDPModule
 
-    from torchtitan_lite.metrics import storage_bytes
+    from torchtitan_lite.runtime.metrics import storage_bytes
 
     kept = []
     for module in model.modules():
@@ -66,12 +65,12 @@ def worker(out: str, argv: list[str]) -> None:
     import torch.nn.functional as F
 
     from torchtitan_lite.config import load_config
-    from torchtitan_lite.memory import model_args
-    from torchtitan_lite.metrics import held_bytes
-    from torchtitan_lite.model import Transformer
-    from torchtitan_lite.optim import build_optimizer
-    from torchtitan_lite.parallel_dims import ParallelDims
-    from torchtitan_lite.parallelize import parallelize
+    from torchtitan_lite.models.llama import Transformer
+    from torchtitan_lite.parallel.dims import ParallelDims
+    from torchtitan_lite.parallel.parallelize import parallelize
+    from torchtitan_lite.runtime.metrics import held_bytes
+    from torchtitan_lite.tools.memory import model_args
+    from torchtitan_lite.training.optim import build_optimizer
 
     cfg = load_config(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))

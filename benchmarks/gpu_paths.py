@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 import traceback
@@ -28,13 +27,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
-from torchtitan_lite.data import DataLoader  # noqa: E402
-from torchtitan_lite.metrics import flops_per_token, peak_flops  # noqa: E402
-from torchtitan_lite.model import Transformer, count_params, flavor_args  # noqa: E402
-from torchtitan_lite.parallel_dims import ParallelDims  # noqa: E402
-from torchtitan_lite.run_history import read_metrics  # noqa: E402
+from torchtitan_lite.data.loader import DataLoader  # noqa: E402
+from torchtitan_lite.models.llama import Transformer, count_params, flavor_args  # noqa: E402
+from torchtitan_lite.parallel.dims import ParallelDims  # noqa: E402
+from torchtitan_lite.runtime.metrics import flops_per_token, peak_flops  # noqa: E402
+from torchtitan_lite.runtime.run_history import read_metrics  # noqa: E402
 
 TINY = str(ROOT / "tests/assets/tiny.toml")
 REFERENCE = ROOT / "tests/assets/losses/debugmodel_cpu.txt"

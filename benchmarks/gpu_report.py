@@ -28,11 +28,10 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from torchtitan_lite.config import load_config  # noqa: E402
-from torchtitan_lite.parallel_dims import ParallelDims  # noqa: E402
-from torchtitan_lite.run_history import read_metrics  # noqa: E402
+from torchtitan_lite.parallel.dims import ParallelDims  # noqa: E402
+from torchtitan_lite.runtime.run_history import read_metrics  # noqa: E402
 
 # torchtitan's published Llama 3 figures (H100, bf16, FSDP, selective AC): (flavor, world, tp, seq_len, local batch)
 PUBLISHED = {
@@ -103,7 +102,7 @@ def main() -> None:
           f"AC {cfg.activation_checkpoint.mode}, TP {par.tensor_parallel_degree}, CP {par.context_parallel_degree}, "
           f"PP {par.pipeline_parallel_degree}")
 
-    from torchtitan_lite.memory import estimate_memory  # noqa: PLC0415 - imports torch: after the cheap checks
+    from torchtitan_lite.tools.memory import estimate_memory  # noqa: PLC0415 - imports torch: after the cheap checks
 
     estimate = estimate_memory(cfg, a.nproc).peak_bytes / 2**30
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,7 +4,7 @@
 
 Writes a DCP checkpoint of a ~390 MB fp32 model (random weights: the values do not matter here), then runs three
 fresh processes: the imports a conversion needs and nothing else (the baseline); the export to a Hugging Face folder
-(torchtitan_lite.hf.export_to_hf, what scripts/convert_to_hf.py runs, one output file); and the import of that folder
+(tools/hf_convert.export_to_hf, what scripts/convert_to_hf.py runs, one output file); and the import of that folder
 back to DCP. Each reports its peak resident memory (ru_maxrss, which counts every page it ever held at once). A
 conversion's peak above the baseline should be a few copies of the largest tensor (DCP's read buffer, the tensor,
 its Hugging Face layout), not the model.
@@ -20,7 +20,6 @@ import subprocess
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MiB = 2**20
 
@@ -31,7 +30,7 @@ def peak_rss() -> int:
 
 def child(mode: str, folder: str, args) -> None:
     """One measured process: prints its peak RSS in bytes as its last line."""
-    from torchtitan_lite.hf import export_to_hf, import_from_hf
+    from torchtitan_lite.tools.hf_convert import export_to_hf, import_from_hf
 
     if mode == "export":
         export_to_hf(os.path.join(folder, "dcp"), os.path.join(folder, "hf"), model_args(args), bos_id=0, eos_id=1)
@@ -41,7 +40,7 @@ def child(mode: str, folder: str, args) -> None:
 
 
 def model_args(args):
-    from torchtitan_lite.model import ModelArgs
+    from torchtitan_lite.models.llama import ModelArgs
 
     return ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64, vocab_size=args.vocab)
 
@@ -60,8 +59,8 @@ def main() -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from torchtitan_lite.hf import expected_shapes
-    from torchtitan_lite.model import Transformer
+    from torchtitan_lite.models.hf import expected_shapes
+    from torchtitan_lite.models.llama import Transformer
 
     shutil.rmtree(args.folder, ignore_errors=True)
     os.makedirs(args.folder)

@@ -24,27 +24,28 @@ import importlib.util
 import math
 import os
 import statistics
-import sys
 import time
 from unittest import mock
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import torchtitan_lite.init as this_init
+import torchtitan_lite.models.init as this_init
 from torchtitan_lite.config import load_config
-from torchtitan_lite.model import FLAVORS, Transformer
-from torchtitan_lite.tokenizer import build_tokenizer
+from torchtitan_lite.data.tokenizer import build_tokenizer
+from torchtitan_lite.models.llama import FLAVORS, Transformer
 
 SHARDS = {"attention 4096x4096": (4096, 4096), "ffn 4096x14336": (4096, 14336)}
 WORLD, RANK = 8, 3
 
 
 def load_init(path: str):
-    """The init.py of another checkout, as a module of its own (it imports only torch and the standard library)."""
-    spec = importlib.util.spec_from_file_location("other_init", os.path.join(path, "torchtitan_lite", "init.py"))
+    """The init.py of another checkout, as a module of its own (it imports only torch and the standard library);
+    models/init.py, or init.py in a checkout from before the package had folders."""
+    file = next(f for f in (os.path.join(path, "torchtitan_lite", *p) for p in (("models", "init.py"), ("init.py",)))
+                if os.path.exists(f))
+    spec = importlib.util.spec_from_file_location("other_init", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -59,7 +60,7 @@ def debug_model() -> Transformer:
 
 
 def model_init(model: Transformer, trunc_normal_) -> dict[str, torch.Tensor]:
-    with mock.patch("torchtitan_lite.model.trunc_normal_", trunc_normal_):
+    with mock.patch("torchtitan_lite.models.llama.trunc_normal_", trunc_normal_):
         model.init_weights(seed=0)
     return {n: p.detach() for n, p in model.named_parameters()}
 

@@ -9,17 +9,14 @@ context rendezvousing through the store, on a real job). The time is build_mesh 
 backend: a lower bound, since a real group's rendezvous costs more than a fake one.
 """
 
-import sys
 import time
-from pathlib import Path
 from unittest import mock
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, from a checkout
-from torchtitan_lite.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan_lite.parallel.dims import ParallelDims
 
 JOBS = {  # name: (pp, dp_replicate, dp_shard, cp, tp)
     "405B, PP 8 x FSDP 8 x TP 8": (8, 1, 8, 1, 8),

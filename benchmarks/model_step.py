@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from torchtitan_lite.metrics import flops_per_token, peak_flops
-from torchtitan_lite.model import FLAVORS, ModelArgs, Transformer, count_params
+from torchtitan_lite.models.llama import FLAVORS, ModelArgs, Transformer, count_params
+from torchtitan_lite.runtime.metrics import flops_per_token, peak_flops
 
 
 def hf_reference(a: ModelArgs) -> nn.Module:

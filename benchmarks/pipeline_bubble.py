@@ -31,11 +31,10 @@ SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 3}  # name -> stages per 
 
 def worker(out: Path, warmup: int, argv: list[str]) -> int:
     """train.py, with the pipeline's calls and its stages' computations timed; writes OUT/bubble.RANK.json."""
-    sys.path.insert(0, str(ROOT))
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     import train
-    from torchtitan_lite import pipeline
+    from torchtitan_lite.parallel import pipeline
 
     busy, calls, spans = [0.0], [], []
 

@@ -12,6 +12,7 @@ Each figure includes starting the new workers (imports, mesh, model, checkpoint 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -21,8 +22,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "multiprocess")]
-
+# The jobs are the multi-process tests' (tests/multiprocess/launch.py: agents, gate, process trees), loaded from
+# their file: tests/ is not part of the installed package.
+_spec = importlib.util.spec_from_file_location("launch", ROOT / "tests" / "multiprocess" / "launch.py")
+sys.modules["launch"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sys.modules["launch"])
 from launch import (CHECKPOINTED, COMMON, GATE, STEPS, agent, descendants, free_port, kill_tree,  # noqa: E402
                     logged, read_metrics, resumes, train_argv, wait_until)
 

@@ -27,7 +27,6 @@ import gc
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 from unittest import mock
@@ -36,14 +35,13 @@ import torch
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import train
 from torchtitan_lite.config import load_config
-from torchtitan_lite.data import DataLoader, build_source
-from torchtitan_lite.model import FLAVORS, Transformer
-from torchtitan_lite.run_history import read_metrics
-from torchtitan_lite.tokenizer import build_tokenizer
+from torchtitan_lite.data.loader import DataLoader, build_source
+from torchtitan_lite.data.tokenizer import build_tokenizer
+from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.runtime.run_history import read_metrics
 
 
 class BareLoop:

@@ -1,83 +1,11 @@
-"""train.py that records every host-device sync of its training steps, with the line of ours that asked for it.
+"""train.py that records every host-device sync of its training steps (torchtitan_lite/tools/sync_count.py).
 
     sync_count.py OUT_DIR TRAIN_ARGS...   ->   OUT_DIR/syncs-RANK.json: {step: ["file:function@device", ...]}
-
-A sync is an op whose result the host must wait for: reading a tensor's value (`.item()`, `bool(t)`, `if t:`), or an
-op whose output shape depends on values (nonzero). A TorchDispatchMode sees each one as it is dispatched, on any
-device; on a GPU device-to-host copies (`.cpu()`, `.tolist()`) sync too, and the trainer's step makes none. So does
-a copy to the GPU from pageable host memory (the host first waits for the device's queued work): recorded as
-`file:function:copy@cuda`; batches come pinned and are copied with non_blocking, so a GPU step makes none.
 """
 
-import json
-import os
 import sys
-import traceback
-from collections import defaultdict
-from pathlib import Path
 
-import torch
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+import train
+from torchtitan_lite.tools import sync_count
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the trainer, from a checkout
-import train  # noqa: E402
-
-ROOT = Path(train.__file__).resolve().parent
-OURS = (str(ROOT / "train.py"), str(ROOT / "torchtitan_lite"))
-aten = torch.ops.aten
-SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default, aten.equal.default}
-COPIES = {aten._to_copy.default, aten.copy_.default}
-
-
-def waiting_upload(func, args, kwargs) -> bool:
-    """A host-to-GPU copy the host must wait for: from pageable memory, or without non_blocking."""
-    if func is aten._to_copy.default:
-        src, target, non_blocking = args[0], kwargs.get("device"), kwargs.get("non_blocking", False)
-    else:
-        (target, src), non_blocking = args[:2], (args[2:] or [kwargs.get("non_blocking", False)])[0]
-        target = target.device
-    return (target is not None and torch.device(target).type == "cuda" and src.device.type == "cpu"
-            and not (non_blocking and src.is_pinned()))
-
-
-def call_site() -> str:
-    """Our innermost frame on the stack: what asked for the value."""
-    for frame in reversed(traceback.extract_stack()):
-        if frame.filename.startswith(OURS):
-            return f"{Path(frame.filename).name}:{frame.name}"
-    return "elsewhere"
-
-
-class SyncRecorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.step, self.syncs = 0, defaultdict(list)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if DTensor in types:
-            return NotImplemented  # let DTensor desugar the op first: what it syncs on then comes through here
-        if func in SYNCS:
-            self.syncs[self.step].append(f"{call_site()}@{args[0].device.type}")
-        elif func in COPIES and waiting_upload(func, args, kwargs or {}):
-            self.syncs[self.step].append(f"{call_site()}:copy@cuda")
-        return func(*args, **(kwargs or {}))
-
-
-out, argv = Path(sys.argv[1]), sys.argv[2:]
-recorder = SyncRecorder()
-next_batch = train.DataLoader.next_batch
-
-
-def counting_next_batch(self):
-    if recorder.step == 0:
-        recorder.__enter__()  # from the first step on: start-up's syncs are not the loop's
-    recorder.step += 1
-    return next_batch(self)
-
-
-train.DataLoader.next_batch = counting_next_batch
-code = train.run(argv)
-recorder.__exit__(None, None, None)
-(out / f"syncs-{os.environ['RANK']}.json").write_text(json.dumps(recorder.syncs))
-sys.exit(code)
+sys.exit(sync_count.main(train.run, sys.argv[1:]))

@@ -18,11 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from torchtitan_lite.hf import ConversionError, import_from_hf, matching_flavor
-from torchtitan_lite.model import ModelArgs
-from torchtitan_lite.precision import DTYPES
+from torchtitan_lite.models.hf import ConversionError, matching_flavor
+from torchtitan_lite.models.llama import ModelArgs
+from torchtitan_lite.runtime.precision import DTYPES
+from torchtitan_lite.tools.hf_convert import import_from_hf
 
 TOKENIZER_FILE = "tokenizer.tiktoken"
 
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def add_tokenizer(folder: Path, model_args: ModelArgs) -> None:
         # Imported here, not at the top: checking and converting the weights need none of it.
-        from torchtitan_lite.hf_tokenizer import load_hf_tokenizer
+        from torchtitan_lite.data.hf_tokenizer import load_hf_tokenizer
 
         try:
             n_words = load_hf_tokenizer(hf_dir, folder / TOKENIZER_FILE).n_words

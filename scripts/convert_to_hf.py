@@ -20,14 +20,13 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from torchtitan_lite.checkpoint_finder import checkpoint_and_config
+from torchtitan_lite.checkpoint.finder import checkpoint_and_config
 from torchtitan_lite.config import ConfigError
-from torchtitan_lite.hf import DEFAULT_MAX_SHARD_SIZE, ConversionError, export_to_hf
-from torchtitan_lite.model import flavor_args
-from torchtitan_lite.precision import DTYPES
-from torchtitan_lite.tokenizer import load_tokenizer
+from torchtitan_lite.data.tokenizer import load_tokenizer
+from torchtitan_lite.models.hf import ConversionError
+from torchtitan_lite.models.llama import flavor_args
+from torchtitan_lite.runtime.precision import DTYPES
+from torchtitan_lite.tools.hf_convert import DEFAULT_MAX_SHARD_SIZE, export_to_hf
 
 # transformers' units: GB is 10^9 bytes, GiB 2^30.
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def add_tokenizer(folder: Path) -> None:
             # Imported here, not at the top: checking and converting the weights need none of it.
-            from torchtitan_lite.hf_tokenizer import save_hf_tokenizer
+            from torchtitan_lite.data.hf_tokenizer import save_hf_tokenizer
 
             save_hf_tokenizer(tokenizer, folder, model_max_length=shape.max_seq_len)
 

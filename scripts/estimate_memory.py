@@ -13,12 +13,9 @@ from __future__ import annotations
 import math
 import os
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan_lite.config import ConfigError, JobConfig, load_config
-from torchtitan_lite.memory import Estimate, estimate_memory
+from torchtitan_lite.tools.memory import Estimate, estimate_memory
 
 # torchtitan's usual cluster per flavor; any other flavor: one 8-GPU node.
 DEFAULT_WORLD = {"8B": 8, "70B": 64, "405B": 128}

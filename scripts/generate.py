@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from torchtitan_lite.checkpoint_finder import checkpoint_and_config
+from torchtitan_lite.checkpoint.finder import checkpoint_and_config
 from torchtitan_lite.config import ConfigError
-from torchtitan_lite.generation import ContextError, generate, load_model
-from torchtitan_lite.precision import DTYPES
+from torchtitan_lite.runtime.precision import DTYPES
+from torchtitan_lite.tools.generation import ContextError, generate, load_model
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

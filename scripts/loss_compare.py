@@ -23,9 +23,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torchtitan_lite.runtime.run_history import HistoryError, read_metrics  # needs no torch: starts at once
+
 ROOT = Path(__file__).resolve().parent.parent  # repo root: where run_train.sh and train_configs/ live
-sys.path.insert(0, str(ROOT))
-from torchtitan_lite.run_history import HistoryError, read_metrics  # noqa: E402 - needs no torch: starts at once
 
 GRAD_NORM = "grad_norm"
 

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from torchtitan_lite.config import load_config  # noqa: E402
-from torchtitan_lite.memory import Estimate, estimate_memory  # noqa: E402
+from torchtitan_lite.tools.memory import Estimate, estimate_memory  # noqa: E402
 
 PAGE = ROOT / "docs" / "performance.md"
 

@@ -25,8 +25,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # loss_compare.py, also when imported from elsewhere
-
 from loss_compare import InputError, read_curves
 
 # (metrics.jsonl key, panel title); val_loss shares the loss panel.

@@ -20,10 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from torchtitan_lite import datasets  # noqa: E402
-from torchtitan_lite.config import ConfigError  # noqa: E402
-from torchtitan_lite.tokenizer import build_tokenizer  # noqa: E402
+from torchtitan_lite.config import ConfigError
+from torchtitan_lite.data import files as datasets
+from torchtitan_lite.data.tokenizer import build_tokenizer
 
 _tokenizer = None  # one per worker process, built once
 

@@ -31,10 +31,9 @@ from typing import Iterable, Iterator
 
 import regex  # a dependency of tiktoken, so always installed with it; Python's `re` has no \p{L}
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from torchtitan_lite import datasets  # noqa: E402
-from torchtitan_lite.config import ConfigError  # noqa: E402
-from torchtitan_lite.tokenizer import LLAMA3_PAT, Tokenizer  # noqa: E402
+from torchtitan_lite.config import ConfigError
+from torchtitan_lite.data import files as datasets
+from torchtitan_lite.data.tokenizer import LLAMA3_PAT, Tokenizer
 
 
 def input_files(specs: list[str]) -> list[Path]:

@@ -6,9 +6,9 @@ import os
 import shutil
 import threading
 
-from torchtitan_lite import checkpoint_trash
-from torchtitan_lite.checkpoint import complete_checkpoints
-from torchtitan_lite.checkpoint_trash import Trash
+from torchtitan_lite.checkpoint import trash as checkpoint_trash
+from torchtitan_lite.checkpoint.manager import complete_checkpoints
+from torchtitan_lite.checkpoint.trash import Trash
 
 
 def make(folder, name):

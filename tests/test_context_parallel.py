@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchtitan_lite import context_parallel
-from torchtitan_lite.context_parallel import Attend, chunks, shard
-from torchtitan_lite.model import FLAVORS, apply_rope, attend, rope_table
+from torchtitan_lite.models.llama import FLAVORS, apply_rope, attend, rope_table
+from torchtitan_lite.parallel import context_parallel
+from torchtitan_lite.parallel.context_parallel import Attend, chunks, shard
 
 
 @pytest.mark.parametrize("balancer", ["headtail", "none"])

@@ -10,11 +10,11 @@ import torch
 
 import train
 from tests.multiprocess.launch import TINY
-from torchtitan_lite import datasets
 from torchtitan_lite.config import ConfigError, Training, Validation, load_config
-from torchtitan_lite.data import (HOLDOUT, DataLoader, Permutation, SyntheticSource, TokenSource, build_source,
+from torchtitan_lite.data import files as datasets
+from torchtitan_lite.data.loader import (HOLDOUT, DataLoader, Permutation, SyntheticSource, TokenSource, build_source,
                                   build_sources, to_device, warn_if_validating_on_training_data)
-from torchtitan_lite.tokenizer import BOS, EOS, STDLIB_BPE, Tokenizer
+from torchtitan_lite.data.tokenizer import BOS, EOS, STDLIB_BPE, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("pretokenize", ROOT / "scripts" / "pretokenize.py")

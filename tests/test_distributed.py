@@ -1,7 +1,7 @@
 import pytest
 
-from torchtitan_lite import distributed
-from torchtitan_lite.distributed import Env, job_store, peer_timeout
+from torchtitan_lite.runtime import process as distributed
+from torchtitan_lite.runtime.process import Env, job_store, peer_timeout
 
 
 @pytest.mark.parametrize("gloo, cause", [

@@ -6,8 +6,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from torchtitan_lite import errors
-from torchtitan_lite.distributed import Env
+from torchtitan_lite.runtime import errors
+from torchtitan_lite.runtime.process import Env
 
 
 class StoppedStore:

@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from tests.multiprocess.launch import ROOT, TIMEOUT_S, ckpt, train_in_process
-from torchtitan_lite import checkpoint_reader
-from torchtitan_lite.checkpoint_finder import checkpoint_and_config
-from torchtitan_lite.checkpoint_reader import read_tensors
+from torchtitan_lite.checkpoint import reader as checkpoint_reader
+from torchtitan_lite.checkpoint.finder import checkpoint_and_config
+from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import load_config
-from torchtitan_lite.generation import (
+from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.tools.generation import (
     ContextError,
     KVCache,
     forward_cached,
@@ -25,11 +26,10 @@ from torchtitan_lite.generation import (
     load_model,
     sample,
 )
-from torchtitan_lite.model import FLAVORS, Transformer
+
+import generate as generate_script  # scripts/generate.py (pytest.ini puts scripts/ on the path)
 
 SCRIPT = ROOT / "scripts" / "generate.py"
-sys.path.insert(0, str(SCRIPT.parent))  # scripts/ is not a package: its main() is called in-process below
-import generate as generate_script
 
 VOCAB, EOS = 258, 257  # the byte-level tokenizer's: 256 bytes, BOS, EOS
 

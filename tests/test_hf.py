@@ -16,12 +16,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.multiprocess.launch import ROOT, TINY, ckpt, train_in_process
-from torchtitan_lite.checkpoint_reader import read_tensors
+from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import load_config, to_toml
-from torchtitan_lite.hf import export_to_hf, import_from_hf, model_args_from_hf
-from torchtitan_lite.hf_tokenizer import save_hf_tokenizer
-from torchtitan_lite.model import FLAVORS, ModelArgs, Transformer
-from torchtitan_lite.tokenizer import Tokenizer
+from torchtitan_lite.data.hf_tokenizer import save_hf_tokenizer
+from torchtitan_lite.data.tokenizer import Tokenizer
+from torchtitan_lite.models.hf import model_args_from_hf
+from torchtitan_lite.models.llama import FLAVORS, ModelArgs, Transformer
+from torchtitan_lite.tools.hf_convert import export_to_hf, import_from_hf
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,8 +12,8 @@ import warnings
 
 import pytest
 
-from torchtitan_lite.hf_tokenizer import load_hf_tokenizer, save_hf_tokenizer
-from torchtitan_lite.tokenizer import BOS, EOS, LLAMA3_PAT, STDLIB_BPE, Tokenizer
+from torchtitan_lite.data.hf_tokenizer import load_hf_tokenizer, save_hf_tokenizer
+from torchtitan_lite.data.tokenizer import BOS, EOS, LLAMA3_PAT, STDLIB_BPE, Tokenizer
 
 # Test-only dependencies: the runtime writes and reads Hugging Face's JSON without them.
 transformers = pytest.importorskip("transformers")

@@ -14,8 +14,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import torchtitan_lite.init as init
-from torchtitan_lite.init import _quantile_table, _tables, fill_block_, trunc_normal_, uniform
+import torchtitan_lite.models.init as init
+from torchtitan_lite.models.init import _quantile_table, _tables, fill_block_, trunc_normal_, uniform
 
 
 # The definition of the values, as the first implementation computed them (int64 hash, searchsorted, one call per
@@ -87,7 +87,7 @@ def test_values_do_not_depend_on_thread_count_or_chunking():
         assert torch.equal(full((300, 50)), ref)
     finally:
         torch.set_num_threads(threads)
-    import torchtitan_lite.init as init
+    import torchtitan_lite.models.init as init
     chunk, init._CHUNK = init._CHUNK, 7  # forces one row per chunk
     try:
         assert torch.equal(full((300, 50)), ref)

@@ -1,21 +1,17 @@
 """metrics.held_bytes counts real storages; memory.py's fake-tensor estimate reproduces them on any world size; the
 memory table of docs/performance.md quotes the estimate (scripts/memory_table.py)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from torchtitan_lite.config import load_config
-from torchtitan_lite.memory import LLAMA3_VOCAB, estimate_memory, model_args
-from torchtitan_lite.metrics import held_bytes, storage_bytes
-from torchtitan_lite.model import Transformer
-from torchtitan_lite.optim import build_optimizer
+from torchtitan_lite.models.llama import Transformer
+from torchtitan_lite.runtime.metrics import held_bytes, storage_bytes
+from torchtitan_lite.tools.memory import LLAMA3_VOCAB, estimate_memory, model_args
+from torchtitan_lite.training.optim import build_optimizer
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))  # scripts/ is not a package
-import memory_table  # noqa: E402
+import memory_table  # scripts/memory_table.py (pytest.ini puts scripts/ on the path)
 
 TINY = ["--job.config_file", "tests/assets/tiny.toml"]
 STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")

@@ -11,10 +11,10 @@ from torch.utils.flop_counter import (FlopCounterMode, bmm_flop, register_flop_f
                                       sdpa_flop_count)
 
 from tests.multiprocess.launch import ckpt, losses, read_metrics, resumes, train_in_process
-from torchtitan_lite import metrics
-from torchtitan_lite.metrics import MetricLogger, _cpu_peak, flops_per_token, memory_gib, peak_flops
-from torchtitan_lite.model import FLAVORS, Transformer, TransformerBlock, count_params, rope_table
-from torchtitan_lite.parallelize import apply_ac
+from torchtitan_lite.models.llama import FLAVORS, Transformer, TransformerBlock, count_params, rope_table
+from torchtitan_lite.parallel.parallelize import apply_ac
+from torchtitan_lite.runtime import metrics
+from torchtitan_lite.runtime.metrics import MetricLogger, _cpu_peak, flops_per_token, memory_gib, peak_flops
 
 CPU = torch.device("cpu")
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from torchtitan_lite.config import LRScheduler
-from torchtitan_lite.optim import build_lr_scheduler, clip_grad_norm_, lr_factor
+from torchtitan_lite.training.optim import build_lr_scheduler, clip_grad_norm_, lr_factor
 
 
 def factors(steps, **kw):

@@ -7,8 +7,8 @@ import torch.distributed.distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan_lite.config import ConfigError, Parallelism
-from torchtitan_lite.model import FLAVORS
-from torchtitan_lite.parallel_dims import DIMS, ParallelDims
+from torchtitan_lite.models.llama import FLAVORS
+from torchtitan_lite.parallel.dims import DIMS, ParallelDims
 
 
 def dims(world, replicate=1, shard=-1, tp=1):

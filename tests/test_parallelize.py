@@ -7,9 +7,9 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan_lite.config import JobConfig, Parallelism
-from torchtitan_lite.model import FLAVORS, Transformer
-from torchtitan_lite.parallel_dims import ParallelDims
-from torchtitan_lite.parallelize import parallelize, reshard_after_forward, warn_ignored_options
+from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.parallel.dims import ParallelDims
+from torchtitan_lite.parallel.parallelize import parallelize, reshard_after_forward, warn_ignored_options
 
 
 @pytest.mark.parametrize("policy, blocks, last", [
@@ -78,7 +78,7 @@ def test_bf16_compute_keeps_the_rope_table_exact():
     table passed to the blocks would reach attention in bf16. The complex table is left alone."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan_lite.parallelize import apply_fsdp
+    from torchtitan_lite.parallel.parallelize import apply_fsdp
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -7,9 +7,9 @@ import re
 import pytest
 
 from torchtitan_lite.config import ConfigError, load_config, to_toml
-from torchtitan_lite.data import build_source
-from torchtitan_lite.paths import CALLER_DIR
-from torchtitan_lite.tokenizer import Tokenizer, load_tokenizer
+from torchtitan_lite.config.paths import CALLER_DIR
+from torchtitan_lite.data.loader import build_source
+from torchtitan_lite.data.tokenizer import Tokenizer, load_tokenizer
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from torchtitan_lite.config import load_config
-from torchtitan_lite.model import FLAVORS, Transformer
-from torchtitan_lite.pipeline import merge, split, stage_blocks
+from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.parallel.pipeline import merge, split, stage_blocks
 
 ARGS = FLAVORS["debugmodel"].with_(vocab_size=64)  # 6 blocks
 

@@ -6,9 +6,9 @@ from unittest import mock
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan_lite.precision import LossScaler, NonFiniteError, UpdateGuard, moved
+from torchtitan_lite.runtime.precision import LossScaler, NonFiniteError, UpdateGuard, moved
+from torchtitan_lite.tools.sync_count import SyncRecorder
 
 
 def step(guard: UpdateGuard, grad: float, n: int = 1) -> torch.nn.Parameter:
@@ -131,29 +131,15 @@ def test_the_decision_reaches_the_host_by_a_blocking_copy():
     assert moved(same, torch.device("cpu")) is same  # no copy when the optimizer lives with the flag
 
 
-class Syncs(TorchDispatchMode):
-    """Counts the ops whose result the host waits for (benchmarks/sync_count.py's list)."""
-    SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
-             torch.ops.aten.nonzero.default, torch.ops.aten.equal.default}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in self.SYNCS
-        return func(*args, **(kwargs or {}))
-
-
 def test_an_fp16_step_with_fused_adamw_never_waits_for_the_device():
     guard = UpdateGuard(torch.device("cpu"), torch.float16)
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.AdamW([p], lr=0.1, fused=True)
     for n, grad in enumerate([1.0, float("inf"), 1.0], start=1):
-        with Syncs() as syncs:
+        with SyncRecorder() as recorder:
             guard.scale((p * grad).sum()).backward()
             guard.unscale_(opt)
             guard.step(opt, torch.linalg.vector_norm(p.grad), n)
             opt.zero_grad()
-        assert syncs.count == 0, f"step {n}"
+        assert not recorder.syncs, f"step {n}: {dict(recorder.syncs)}"
     assert guard.metrics() == {"loss_scale": 2.0**15, "skipped_steps": 1}

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from tests.multiprocess.launch import read_metrics, train_in_process
-from torchtitan_lite.run_history import HistoryError, read_history, start_history
+from torchtitan_lite.runtime.run_history import HistoryError, read_history, start_history
 
 
 def write(path, *records) -> str:

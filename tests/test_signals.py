@@ -4,7 +4,7 @@ a second kills at once, and a run stopped by Ctrl-C exits 130 unless torchrun la
 import os
 import signal
 
-from torchtitan_lite.signals import Preemption, exit_code, restore_signals
+from torchtitan_lite.runtime.signals import Preemption, exit_code, restore_signals
 
 
 def test_second_ctrl_c_is_not_held():

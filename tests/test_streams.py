@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.test_data import BYTES, DOCS, bad, global_batches, write_jsonl
-from torchtitan_lite.data import HFSource, Packer, build_source
+from torchtitan_lite.data.loader import HFSource, Packer, build_source
 
 class ListStream:
     """A streaming source over a list of documents, sharded by rank like the hf source."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import tiktoken
 
-from torchtitan_lite.tokenizer import LLAMA3_PAT, MAX_CHARS, STDLIB_BPE, Tokenizer, build_tokenizer
+from torchtitan_lite.data.tokenizer import LLAMA3_PAT, MAX_CHARS, STDLIB_BPE, Tokenizer, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_tokenizer", ROOT / "scripts" / "train_tokenizer.py")
@@ -41,7 +41,7 @@ def test_round_trip_on_arbitrary_unicode_and_long_runs(name):
 
 def test_cutting_long_normal_text_keeps_the_tokens():
     tok = TOKENIZERS["stdlib_bpe"]
-    text = (ROOT / "torchtitan_lite" / "tokenizer.py").read_text()
+    text = (ROOT / "torchtitan_lite" / "data" / "tokenizer.py").read_text()
     text = text * (2 * MAX_CHARS // len(text) + 1)
     assert tok.encode(text, bos=False, eos=False) == tok.model.encode_ordinary(text)
 
@@ -76,7 +76,7 @@ def test_byte_level_and_asset_vocabularies():
 
 def test_asset_compresses_held_out_text():
     # This repo's own code was not in the training set (the standard library was).
-    text = "".join(p.read_text() for p in sorted((ROOT / "torchtitan_lite").glob("*.py")))
+    text = "".join(p.read_text() for p in sorted((ROOT / "torchtitan_lite").rglob("*.py")))
     tok = TOKENIZERS["stdlib_bpe"]
     assert len(text.encode()) / len(tok.encode(text, bos=False, eos=False)) > 2.0
 

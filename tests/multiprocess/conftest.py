@@ -9,20 +9,16 @@ checkpoint it needs into a folder of its own.
 """
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-# The tests here import the shared launcher as a plain module.
-sys.path.insert(0, str(Path(__file__).parent))
-
-import torch  # noqa: E402
-
-from grad_dump import load_grads, recording  # noqa: E402
-from launch import (CHECKPOINTED, COMMON, CP2, HSDP, PP2, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,  # noqa: E402
+# pytest.ini puts tests/multiprocess on the path: the tests here import the shared launcher as a plain module.
+from grad_dump import load_grads, recording
+from launch import (CHECKPOINTED, COMMON, CP2, HSDP, PP2, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,
                     stopped_after, torchrun_several, train_in_process, train_job)
-from pairs import REFERENCES, generate  # noqa: E402
+from pairs import REFERENCES, generate
 
 SHORT = ("--training.steps", "4")  # after STEPS on the command line, so it wins
 # name -> (processes, overrides), all with global batch 8. One process and DDP accumulate; the 4-process layouts take

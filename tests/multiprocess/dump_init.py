@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 from torchtitan_lite.config import load_config
-from torchtitan_lite.distributed import Env, init_distributed
-from torchtitan_lite.model import FLAVORS, Transformer
-from torchtitan_lite.parallel_dims import ParallelDims
-from torchtitan_lite.parallelize import parallelize
+from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.parallel.dims import ParallelDims
+from torchtitan_lite.parallel.parallelize import parallelize
+from torchtitan_lite.runtime.process import Env, init_distributed
 
 out, config, layouts = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 env = Env.from_environ()

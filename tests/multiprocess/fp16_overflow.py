@@ -14,7 +14,7 @@ from pathlib import Path
 from torch.distributed.tensor import DTensor
 
 import train
-from torchtitan_lite.precision import LossScaler, UpdateGuard
+from torchtitan_lite.runtime.precision import LossScaler, UpdateGuard
 
 exp, (inf_rank, inf_step), runs = int(sys.argv[1]), map(int, sys.argv[2].split(":")), sys.argv[3]
 rank = int(os.environ["RANK"])

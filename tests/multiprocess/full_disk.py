@@ -13,7 +13,7 @@ import signal
 import sys
 
 import train
-from torchtitan_lite.checkpoint import CheckpointManager
+from torchtitan_lite.checkpoint.manager import CheckpointManager
 
 rank, step, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] if sys.argv[3] in ("free", "late") else None
 argv = sys.argv[4 if mode else 3:]

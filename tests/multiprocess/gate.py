@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import train
-from torchtitan_lite import signals
+from torchtitan_lite.runtime import signals
 
 folder, argv = Path(sys.argv[1]), sys.argv[2:]
 die_rank = die_step = None

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchtitan_lite.run_history import read_history, read_metrics  # noqa: F401 - read_metrics: the tests' reader
+from torchtitan_lite.runtime.run_history import read_history, read_metrics  # noqa: F401 - read_metrics: the tests' reader
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "assets" / "tiny.toml"

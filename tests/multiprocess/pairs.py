@@ -22,7 +22,7 @@ from typing import Optional
 
 from launch import COMMON, train_argv
 from torchtitan_lite.config import load_config
-from torchtitan_lite.parallel_dims import ParallelDims
+from torchtitan_lite.parallel.dims import ParallelDims
 
 GLOBAL_BATCH = 8  # every shared run's (launch.COMMON): the rows' sizes below are cut from it
 FACTORS = {  # factor -> levels; the first is the default, what a run that does not set the option computes

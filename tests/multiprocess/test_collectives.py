@@ -1,8 +1,8 @@
 """One training step makes exactly the collectives FSDP2's, Megatron sequence parallelism's and context parallelism's
 rules prescribe.
 
-comm_count.py records every collective of step 2 of a real train.py run, for each layout below, all in one 4-process
-launch. The expected counts are derived here from the model's structure, never read off a run:
+tools/comm_count.py records every collective of step 2 of a real train.py run, for each layout below, all in one
+4-process launch. The expected counts are derived here from the model's structure, never read off a run:
 - FSDP2 (G = one group per block + the root): in forward one all-gather per group; in backward one per group that
   was resharded after forward ("default": every block but the last; "always": all; "never": none; hpZ: the same
   blocks, gathered within groups of N ranks); one reduce-scatter per group, per micro-batch unless the reduction is
@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from launch import ROOT, torchrun
-from torchtitan_lite.model import FLAVORS, Transformer
+from torchtitan_lite.models.llama import FLAVORS, Transformer
 
-COMM_COUNT = ROOT / "benchmarks" / "comm_count.py"
+COUNTED = ROOT / "tests" / "multiprocess" / "counted.py"  # train.py under tools/comm_count.py
 ARGS = FLAVORS["debugmodel"].with_(vocab_size=258, max_seq_len=64)  # tests/assets/tiny.toml: bytes, seq 64
 BATCH = 2  # sequences per micro-batch (tiny.toml's local_batch_size)
 L = ARGS.n_layers
@@ -78,8 +78,9 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def calls(tmp_path_factory):
     out = tmp_path_factory.mktemp("collectives")
-    torchrun(4, out, "--training.steps", "3", "--metrics.log_freq", "10", script=COMM_COUNT,
-             script_args=(str(out), json.dumps({name: overrides for name, (overrides, _) in LAYOUTS.items()})))
+    layouts = json.dumps({name: overrides for name, (overrides, _) in LAYOUTS.items()})
+    torchrun(4, out, "--training.steps", "3", "--metrics.log_freq", "10", script=COUNTED,
+             script_args=("collectives", str(out), layouts))
     recorded = {}
     for name, (_, dims) in LAYOUTS.items():
         recorded[name] = [(kind, dims.get(tuple(ranks), str(ranks)), nbytes)

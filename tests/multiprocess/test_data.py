@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from launch import ROOT, assert_same_curve, losses, train_in_process, train_job
-from torchtitan_lite.datasets import stdlib_files
+from torchtitan_lite.data.files import stdlib_files
 
 needs_checkpointing = pytest.mark.skipif(not (ROOT / "torchtitan_lite/checkpoint.py").exists(),
                                          reason="checkpointing (torchtitan_lite/checkpoint.py) is not built yet")

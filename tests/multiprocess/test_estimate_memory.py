@@ -6,7 +6,7 @@ from conftest import SHARED_RUNS
 from launch import COMMON, STEPS, TINY, read_metrics
 
 from torchtitan_lite.config import load_config
-from torchtitan_lite.memory import estimate_memory
+from torchtitan_lite.tools.memory import estimate_memory
 
 
 @pytest.mark.parametrize("name", ["fsdp4", "tp2_fsdp2", "pp2_fsdp2", "pp2_tp2_looped_bfs", "cp2_fsdp2"])

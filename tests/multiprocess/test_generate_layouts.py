@@ -2,19 +2,16 @@
 runs of conftest.py; no run of its own): one process loads exactly the saved weights, and the script's greedy text
 is what a model holding those weights decodes."""
 
-import sys
-
 import pytest
 import torch
-from launch import ROOT, STEPS, ckpt
+from launch import STEPS, ckpt
 
-from torchtitan_lite.checkpoint_reader import read_tensors
+from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import load_config
-from torchtitan_lite.generation import generate, load_model
-from torchtitan_lite.model import Transformer
+from torchtitan_lite.models.llama import Transformer
+from torchtitan_lite.tools.generation import generate, load_model
 
-sys.path.insert(0, str(ROOT / "scripts"))  # scripts/ is not a package: its main() is called in-process below
-import generate as generate_script
+import generate as generate_script  # scripts/generate.py (pytest.ini puts scripts/ on the path)
 
 PROMPT = "Hello"
 

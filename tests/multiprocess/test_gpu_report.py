@@ -7,7 +7,7 @@ import sys
 
 from launch import ROOT, TIMEOUT_S, TINY
 
-from torchtitan_lite.parallel_dims import ParallelDims
+from torchtitan_lite.parallel.dims import ParallelDims
 
 
 def test_gpu_report_on_the_cpu():
@@ -28,8 +28,7 @@ def test_gpu_report_on_the_cpu():
 def test_collectives_are_named_by_the_mesh_dimension_they_run_over():
     """Rank 0's group on every dimension of the 5-D mesh (pp, dp_replicate, dp_shard, cp, tp), and FSDP's dp_shard x
     cp: a TP 2 x FSDP 2 label cannot hide a CP or PP layout's collectives among "2 ranks"."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_report import group_names  # noqa: PLC0415 - a script's function
+    from gpu_report import group_names  # noqa: PLC0415 - a script's function (pytest.ini puts benchmarks/ on the path)
 
     assert group_names(ParallelDims(1, 2, 2, 4)) == {(0, 2): "dp_shard", (0, 1): "tp", (0, 1, 2, 3): "world"}
     assert group_names(ParallelDims(1, 2, 1, 4, cp=2)) == {(0, 2): "dp_shard", (0, 1): "cp", (0, 1, 2, 3): "world"}

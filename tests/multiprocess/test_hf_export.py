@@ -10,11 +10,11 @@ import torch.distributed.checkpoint as dcp
 from launch import STEPS, ckpt
 from safetensors.torch import load_file
 
-from torchtitan_lite.checkpoint_reader import read_metadata
+from torchtitan_lite.checkpoint.reader import read_metadata
 from torchtitan_lite.config import load_config
-from torchtitan_lite.hf import export_to_hf
-from torchtitan_lite.memory import model_args
-from torchtitan_lite.model import Transformer
+from torchtitan_lite.models.llama import Transformer
+from torchtitan_lite.tools.hf_convert import export_to_hf
+from torchtitan_lite.tools.memory import model_args
 
 
 # run -> the ranks that saved a piece of block 0's wq: TP 2 x FSDP 2, each a TP half of an FSDP half; PP 2 x FSDP 2,

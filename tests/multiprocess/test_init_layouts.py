@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from launch import ROOT, TINY, run_job, torchrun_cmd
-from torchtitan_lite.model import FLAVORS, Transformer
+from torchtitan_lite.models.llama import FLAVORS, Transformer
 
 LAYOUTS = {
     "tp2_fsdp2": ["--parallelism.tensor_parallel_degree", "2"],  # FSDP over TP: a _StridedShard on dim 0

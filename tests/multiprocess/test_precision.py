@@ -16,7 +16,7 @@ import pytest
 
 from launch import (CHECKPOINTED, COMMON, PP2, ckpt, losses, read_metrics, stopped_after, torchrun_several,
                     train_in_process)
-from torchtitan_lite.checkpoint_reader import read_tensors
+from torchtitan_lite.checkpoint.reader import read_tensors
 
 SHIM = Path(__file__).parent / "fp16_overflow.py"
 # 4 sequences of 16 tokens a step: overflow and the scale's bookkeeping show at any size; fp16 matmuls are slow here.

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_lite.config import ConfigError
-from torchtitan_lite.init import trunc_normal_
+from torchtitan_lite.models.init import trunc_normal_
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from torchtitan_lite import datasets
 from torchtitan_lite.config import ConfigError, Training, Validation
-from torchtitan_lite.init import key_words, mix32, uniform
+from torchtitan_lite.data import files as datasets
+from torchtitan_lite.models.init import key_words, mix32, uniform
 
 logger = logging.getLogger("torchtitan_lite")
 # Validation that follows text, jsonl or tokens data reads every 50th window of its stream, which training then skips.

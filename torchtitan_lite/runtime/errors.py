@@ -37,7 +37,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from torchtitan_lite.distributed import Env, job_store, train_timeout
+from torchtitan_lite.runtime.process import Env, job_store, train_timeout
 
 # Rank 0 reaches its own verdict unless it died, and then torchrun stops this rank anyway: the bound is only a
 # backstop against a rank 0 stuck elsewhere. After the group exists, rank 0 raised the same error at the same moment,

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan_lite.checkpoint_reader import SafePlanner, SafeReader, check_fits, flatten_state, read_metadata
-from torchtitan_lite.checkpoint_trash import Trash, fsync_dir
+from torchtitan_lite.checkpoint.reader import SafePlanner, SafeReader, check_fits, flatten_state, read_metadata
+from torchtitan_lite.checkpoint.trash import Trash, fsync_dir
 from torchtitan_lite.config import Checkpoint, ConfigError
 
 logger = logging.getLogger("torchtitan_lite")

@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_lite.config import ConfigError, JobConfig, Parallelism
-from torchtitan_lite.data import to_device
-from torchtitan_lite.distributed import wait
-from torchtitan_lite.model import Transformer
+from torchtitan_lite.data.loader import to_device
+from torchtitan_lite.models.llama import Transformer
+from torchtitan_lite.runtime.process import wait
 
 # torch's schedule names -> whether the schedule runs several stages per rank. torch.distributed.pipelining itself
 # is imported only by a pipelined run: it imports torch._dynamo, half a second more to every process's start.

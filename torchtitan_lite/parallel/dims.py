@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan_lite.config import ConfigError, Parallelism
-from torchtitan_lite.model import ModelArgs
+from torchtitan_lite.models.llama import ModelArgs
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's dims, outermost first
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torchtitan_lite.checkpoint_finder import find_checkpoint
-from torchtitan_lite.checkpoint_reader import check_fits, load_local, read_metadata
+from torchtitan_lite.checkpoint.finder import find_checkpoint
+from torchtitan_lite.checkpoint.reader import check_fits, load_local, read_metadata
 from torchtitan_lite.config import JobConfig
-from torchtitan_lite.model import Transformer, apply_rope, flavor_args
-from torchtitan_lite.tokenizer import Tokenizer, load_tokenizer
+from torchtitan_lite.data.tokenizer import Tokenizer, load_tokenizer
+from torchtitan_lite.models.llama import Transformer, apply_rope, flavor_args
 
 
 class ContextError(ValueError):

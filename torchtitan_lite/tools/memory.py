@@ -56,17 +56,17 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan_lite import context_parallel
 from torchtitan_lite.config import ConfigError, JobConfig
-from torchtitan_lite.context_parallel import check_cp
-from torchtitan_lite.metrics import held_bytes
-from torchtitan_lite.model import ModelArgs, Transformer, flavor_args
-from torchtitan_lite.optim import build_optimizer, clip_grad_norm_
-from torchtitan_lite.parallel_dims import ParallelDims
-from torchtitan_lite.parallelize import parallelize
-from torchtitan_lite.pipeline import check_pipeline, merge, microbatches, schedule_name, split
-from torchtitan_lite.precision import DTYPES
-from torchtitan_lite.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
+from torchtitan_lite.data.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
+from torchtitan_lite.models.llama import ModelArgs, Transformer, flavor_args
+from torchtitan_lite.parallel import context_parallel
+from torchtitan_lite.parallel.context_parallel import check_cp
+from torchtitan_lite.parallel.dims import ParallelDims
+from torchtitan_lite.parallel.parallelize import parallelize
+from torchtitan_lite.parallel.pipeline import check_pipeline, merge, microbatches, schedule_name, split
+from torchtitan_lite.runtime.metrics import held_bytes
+from torchtitan_lite.runtime.precision import DTYPES
+from torchtitan_lite.training.optim import build_optimizer, clip_grad_norm_
 
 LLAMA3_VOCAB = LLAMA3_N_RANKS + len(LLAMA3_SPECIALS)  # 128256: the vocabulary the 8B/70B/405B configs are made for
 

@@ -27,7 +27,7 @@ LLAMA3_PAT = (
 )
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 # The project's own BPE: `train_tokenizer.py --input stdlib` run on CPython 3.11.7 (other versions' stdlib differ).
-STDLIB_BPE = Path(__file__).parent / "assets" / "stdlib_bpe_2k.tiktoken"
+STDLIB_BPE = Path(__file__).parents[1] / "assets" / "stdlib_bpe_2k.tiktoken"
 
 # Llama 3's tokenizer.model is recognised by its size alone: it is the only file we load with exactly this many
 # ranks, and its special tokens are not in the file, so they must be re-created exactly as Meta's tokenizer does.

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_lite.config import ConfigError
-from torchtitan_lite.model import apply_rope
+from torchtitan_lite.models.llama import apply_rope
 
 
 def chunks(seq_len: int, cp: int, rank: int, balancer: str) -> list[tuple[int, int]]:

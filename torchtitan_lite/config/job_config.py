@@ -21,8 +21,8 @@ try:
 except ImportError:
     import tomli
 
-from torchtitan_lite.paths import LIST, ONE, absolute, resolve_typed_paths
-from torchtitan_lite.rules import Rule, at_least, finite_above, finite_at_least, or_auto, within, words_or_count
+from torchtitan_lite.config.paths import LIST, ONE, absolute, resolve_typed_paths
+from torchtitan_lite.config.rules import Rule, at_least, finite_above, finite_at_least, or_auto, within, words_or_count
 
 
 class ConfigError(ValueError):

@@ -27,7 +27,7 @@ import warnings
 from itertools import pairwise, zip_longest
 from pathlib import Path
 
-from torchtitan_lite.tokenizer import (
+from torchtitan_lite.data.tokenizer import (
     BOS,
     EOS,
     LLAMA3_N_RANKS,

@@ -18,9 +18,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan_lite.config import JobConfig, Parallelism
-from torchtitan_lite.context_parallel import apply_cp
-from torchtitan_lite.parallel_dims import ParallelDims
-from torchtitan_lite.precision import DTYPES
+from torchtitan_lite.parallel.context_parallel import apply_cp
+from torchtitan_lite.parallel.dims import ParallelDims
+from torchtitan_lite.runtime.precision import DTYPES
 
 logger = logging.getLogger("torchtitan_lite")
 

@@ -1,0 +1,6 @@
+"""Checkpoints: what a resume restores and how a save stays atomic (manager.py), reading DCP files safely in one
+process (reader.py), deleting old ones off the training path (trash.py), and the checkpoint and config a tool is
+pointed at (finder.py).
+
+Imports config and runtime; training and tools build on it.
+"""
