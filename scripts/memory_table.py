@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from torchtitan_lite.config import load_config  # noqa: E402
-from torchtitan_lite.tools.memory import Estimate, estimate_memory  # noqa: E402
+from torchtitan_lite.config import load_config
+from torchtitan_lite.tools.memory import Estimate, estimate_memory
 
 PAGE = ROOT / "docs" / "performance.md"
 

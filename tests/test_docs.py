@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 import train
-from torchtitan_lite import datasets
+from torchtitan_lite.data import files as datasets
 from torchtitan_lite.config import load_config
-from torchtitan_lite.paths import CALLER_DIR
-from torchtitan_lite.tokenizer import build_tokenizer
+from torchtitan_lite.config.paths import CALLER_DIR
+from torchtitan_lite.data.tokenizer import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
