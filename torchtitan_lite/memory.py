@@ -3,8 +3,8 @@
 
 The estimate runs the trainer's own code on fake tensors instead of a formula: a fake process group of the target
 world size (rank 0, which holds the largest shards), the real ParallelDims mesh, the model built on meta and
-parallelized by the real `parallelize()`, materialized as FakeTensors, and two training steps (forward, loss,
-backward, AdamW step, zero_grad) traced by torch's FSDPMemTracker, which follows every storage's life, FSDP2's
+parallelized by the real `parallelize()`, materialized as FakeTensors, and two training steps (the trainer's
+`step.Step`: forward, loss, backward; then AdamW step, zero_grad) traced by torch's FSDPMemTracker, which follows every storage's life, FSDP2's
 all-gather and reduce-scatter buffers and the storage resizes that free gathered parameters. Fake tensors allocate
 nothing and compute nothing, so the cost is Python time per op (docs/performance.md has the times), and every
 layout rule (TP shards, FSDP padding, hpZ, which block stays gathered after forward, what
