@@ -59,7 +59,8 @@ class LayerCache:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         pos, end = self.cache.length, self.cache.length + q.shape[1]
-        q, k = apply_rope(q, rope[pos:end]), apply_rope(k, rope[pos:end])
+        rope = rope[pos:end]  # the rows of the chunk's positions
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         self.k[:, :, pos:end] = k.transpose(1, 2)
         self.v[:, :, pos:end] = v.transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[:, :, :end], self.v[:, :, :end],
