@@ -35,11 +35,11 @@ def measure(seq_len: int, out: Path) -> None:
     """One rank of a CP job: one step, its activation bytes; rank 0 writes the largest over the ranks."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_lite.models.llama import FLAVORS, Transformer
     from torchtitan_lite.parallel.context_parallel import apply_cp, sharder
+    from torchtitan_lite.training.step import token_loss
 
     dist.init_process_group("gloo")
     cp = dist.get_world_size()
@@ -64,7 +64,7 @@ def measure(seq_len: int, out: Path) -> None:
 
     start = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), reduction="sum") / seq_len
+        loss = token_loss(model(inputs), labels, seq_len)  # the trainer's loss (step.py)
     loss.backward()
     seconds = time.perf_counter() - start
     attend = model.layers["0"].attention.attend

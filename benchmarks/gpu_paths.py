@@ -169,10 +169,10 @@ def step8b() -> dict:
             if i >= 3:
                 times.append(time.perf_counter() - t0)
         n_params, n_embedding = count_params(model)
-        fpt = flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, 8192, n_embedding)
+        token_flops = flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, 8192, n_embedding)
         tps = 8192 / sorted(times)[len(times) // 2]
         out["compiled" if compiled else "eager"] = {
-            "tokens/s": round(tps), "MFU %": round(100 * tps * fpt / peak_flops(device, torch.bfloat16), 1),
+            "tokens/s": round(tps), "MFU %": round(100 * tps * token_flops / peak_flops(device, torch.bfloat16), 1),
             "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
         del model, opt, logits, loss
         torch.cuda.empty_cache()

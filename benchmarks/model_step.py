@@ -155,8 +155,8 @@ def bench(args: ModelArgs, reference: str, batch: int, reps: int, warmup: int) -
             if rep >= warmup:
                 times[i].append(dt)
     ours_s, ref_s = statistics.median(times[0]), statistics.median(times[1])
-    fpt = flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, args.max_seq_len, n_embedding)
-    flops = fpt * batch * args.max_seq_len / ours_s
+    token_flops = flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, args.max_seq_len, n_embedding)
+    flops = token_flops * batch * args.max_seq_len / ours_s
     return {"params": n_params, "ours_s": ours_s, "ref_s": ref_s, "flops": flops,
             "mfu": flops / peak_flops(torch.device("cpu"), torch.float32)}
 

@@ -4,12 +4,13 @@
 
 Runs the trainer on 2 processes (PP 2, the debug model, 6 blocks) once per schedule: GPipe, 1F1B (one stage per
 rank) and Interleaved1F1B (3 stages of 1 block per rank). In each job every rank times the pipeline call of a step
-(`pipeline.Pipeline`) and, inside it, its stages' forward and backward computations (`forward_one_chunk`,
-`backward_one_chunk`); the rest of the call is waiting for the other stage. Idle fraction = 1 - busy / call, over the
-steps after --warmup (the first step infers the stages' shapes). The theory, with p ranks, m micro-batches and v
-stages per rank: (p-1)/(m+p-1), and (p-1)/(v*m+p-1) interleaved, for stages of equal work; here the last stage also
-runs the output projection, so rank 0 waits more than the theory and rank 1 less, and their mean is what compares.
-A mean above the theory is the sends' and the schedule's own time. Prints one line per schedule.
+(`pipeline.Pipeline.forward_backward`) and, inside it, its stages' forward and backward computations
+(`forward_one_chunk`, `backward_one_chunk`); the rest of the call is waiting for the other stage. Idle fraction =
+1 - busy / call, over the steps after --warmup (the first step infers the stages' shapes). The theory, with p ranks,
+m micro-batches and v stages per rank: (p-1)/(m+p-1), and (p-1)/(v*m+p-1) interleaved, for stages of equal work;
+here the last stage also runs the output projection, so rank 0 waits more than the theory and rank 1 less, and
+their mean is what compares. A mean above the theory is the sends' and the schedule's own time. Prints one line per
+schedule.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def worker(out: Path, warmup: int, argv: list[str]) -> int:
 
     for name in ("forward_one_chunk", "backward_one_chunk"):
         setattr(_PipelineStageBase, name, timed(getattr(_PipelineStageBase, name)))
-    call = pipeline.Pipeline.__call__
+    call = pipeline.Pipeline.forward_backward
 
     def timed_call(self, *args, **kwargs):
         busy[0], t0 = 0.0, time.perf_counter()
@@ -58,7 +59,7 @@ def worker(out: Path, warmup: int, argv: list[str]) -> int:
         spans.append(busy[0])
         return result
 
-    pipeline.Pipeline.__call__ = timed_call
+    pipeline.Pipeline.forward_backward = timed_call
     code = train.run(argv)
     kept = list(zip(calls, spans))[warmup:]
     idle = 1 - sum(b for _, b in kept) / sum(c for c, _ in kept)

@@ -10,7 +10,7 @@ context) from the `config.toml` the run wrote into its dump folder, which holds 
 from `--config`. Other `--section.key value` arguments override it, as on train.py's command line.
 `--temperature 0` decodes greedily; otherwise tokens are drawn from the top_k most likely with a generator seeded by
 --seed, so the same seed gives the same text (on the same machine). Decoding uses a KV cache
-(torchtitan_lite/generation.py). Exit status 2, with one `error:` line, on a bad config, checkpoint or length.
+(torchtitan_lite/tools/generation.py). Exit status 2, with one `error:` line, on a bad config, checkpoint or length.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from torchtitan_lite.tools.generation import (
     load_model,
     sample,
 )
+from torchtitan_lite.models.llama import FLAVORS, Transformer, TransformerBlock
 
 import generate as generate_script  # scripts/generate.py (pytest.ini puts scripts/ on the path)
 
@@ -217,3 +218,18 @@ def test_metadata_is_unpickled_once_per_load(run, tmp_path, monkeypatch):
     shutil.copytree(ckpt(run, 1), ckpt(tmp_path, 1))
     log = train_in_process(tmp_path, "--training.steps", "2", "--checkpoint.enable").stdout
     assert "loaded full state" in log and reads == ["safe"]
+
+
+def test_decoding_runs_the_models_own_blocks(monkeypatch):
+    """The cache is an argument of the model's forward, not a copy of it: a change to the block's forward is one that
+    decoding follows."""
+    block_forward = TransformerBlock.forward
+    monkeypatch.setattr(TransformerBlock, "forward", lambda *args, **kwargs: 0.5 * block_forward(*args, **kwargs))
+    model = tiny_model()
+    tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(model, batch=1, max_len=12)
+    logits = [forward_cached(model, tokens[:, :8], cache)]
+    logits += [forward_cached(model, tokens[:, t:t + 1], cache) for t in range(8, 12)]
+    with torch.no_grad():
+        full = model(tokens)
+    torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=1e-5, rtol=0)

@@ -156,17 +156,17 @@ def check_config(cfg: Checkpoint, world_size: int, dump_folder: str = "") -> Non
 def _on_rank0(fn: Callable[[], Any]) -> Any:
     """Runs fn on rank 0 and hands every rank its result, or raises its error on every rank, so a rank never waits
     in a collective for a rank that gave up (and ranks never disagree about what a shared folder holds)."""
-    box: list[Any] = [(None, None)]
+    outcome: list[Any] = [(None, None)]  # (error, value), broadcast in a list as torch asks
     if dist.get_rank() == 0:
         try:
-            box[0] = (None, fn())
+            outcome[0] = (None, fn())
         except Exception as e:  # noqa: BLE001 - relayed to every rank and raised there
-            box[0] = (e if isinstance(e, ConfigError) else RuntimeError(f"checkpoint, on rank 0: {e!r}"), None)
-    dist.broadcast_object_list(box, src=0)
+            outcome[0] = (e if isinstance(e, ConfigError) else RuntimeError(f"checkpoint, on rank 0: {e!r}"), None)
+    dist.broadcast_object_list(outcome, src=0)
     # gloo (torch 2.13) may abort a process ("terminate called without an active exception") that exits while a
     # broadcast it sent is in flight, as rank 0 may right after an error or a finished run: wait for every rank.
     dist.barrier()
-    error, value = box[0]
+    error, value = outcome[0]
     if error is not None:
         raise error
     return value

@@ -2,6 +2,10 @@
 
 Attention and FFN reshape with -1 for the head count, so the same code runs on the local heads of a tensor-parallel
 shard. Layers live in a ModuleDict keyed "0".."n-1" so parameter names (and checkpoints) do not depend on wrapping.
+
+Attention is the one thing the layouts and decoding change, so it is swappable and the rest of the forward exists
+once: context parallelism replaces a block's `attend` (context_parallel.Attend), and decoding passes a KV cache
+through the forward (generation.KVCache), whose layer cache attends over the positions it holds.
 """
 
 from __future__ import annotations
@@ -125,12 +129,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.attend = attend  # context parallelism swaps in its own (context_parallel.py)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None) -> torch.Tensor:
+        """`cache`: this layer's KV cache when decoding (generation.py), which attends in place of `attend`."""
         bs, seq, _ = x.shape
         q = self.wq(x).view(bs, seq, -1, self.head_dim)
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
-        return self.wo(self.attend(q, k, v, rope).reshape(bs, seq, -1))
+        attend = self.attend if cache is None else cache.attend
+        return self.wo(attend(q, k, v, rope).reshape(bs, seq, -1))
 
     def init_weights(self, init, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -173,8 +179,9 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None) -> torch.Tensor:
+        # The cache as a keyword: TP's PrepareModuleInput lays out the positional inputs alone.
+        h = x + self.attention(self.attention_norm(x), rope, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, init) -> None:
@@ -196,11 +203,16 @@ class Transformer(nn.Module):
         # Not persistent: derived from the args, recomputed by init_weights (to_empty leaves it garbage).
         self.register_buffer("rope", rope_table(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+        """Logits of `tokens`; with a KV cache (generation.KVCache), of the positions right after the cached ones."""
         # A pipeline stage (pipeline.py) lacks the pieces other stages own: it takes and gives hidden states.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope)
+        if cache is not None:  # decoding: one process, eager, no wrappers
+            for name, layer in self.layers.items():
+                h = layer(h, self.rope, cache=cache.layer(int(name)))
+        else:  # training calls its wrapped blocks (checkpointed, compiled, sharded) with positional inputs alone
+            for layer in self.layers.values():
+                h = layer(h, self.rope)
         return self.output(self.norm(h)) if self.output is not None else h
 
     @torch.no_grad()

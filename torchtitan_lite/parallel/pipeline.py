@@ -115,7 +115,7 @@ def microbatches(p: Parallelism, local_batch: int) -> int:
     return m
 
 
-def split(model_args, pp_rank: int, p: Parallelism) -> list[Transformer]:
+def split_stages(model_args, pp_rank: int, p: Parallelism) -> list[Transformer]:
     """This rank's stages, on the meta device: stages pp_rank, pp_rank + pp, ... of all, in order."""
     pp = p.pipeline_parallel_degree
     n_stages = pp * stages_per_rank(p, model_args.n_layers)
@@ -135,7 +135,7 @@ def split(model_args, pp_rank: int, p: Parallelism) -> list[Transformer]:
     return parts
 
 
-def merge(parts: list[Transformer]) -> Transformer:
+def merge_stages(parts: list[Transformer]) -> Transformer:
     """One module holding this rank's parameters under their full-model names (for the optimizer, the checkpoint
     and the norm); it shares the stages' modules and is never run itself."""
     if len(parts) == 1:
@@ -150,13 +150,13 @@ def merge(parts: list[Transformer]) -> Transformer:
 
 
 class Pipeline:
-    """The pipelined forward and backward of one local batch: the same call as train.py's plain one.
+    """The pipelined forward and backward of one local batch: step.PipelineStep's implementation of the step.
 
-    `loss_fn(logits, labels, tokens)` gives a micro-batch's loss; the call returns this rank's share of the summed
+    `loss_fn(logits, labels, tokens)` gives a micro-batch's loss; each call returns this rank's share of the summed
     loss (its value on the ranks holding the last stage, 0 elsewhere), detached."""
 
     def __init__(self, parts: list[Transformer], pp_mesh: DeviceMesh, device: torch.device, cfg: JobConfig,
-                 loss_fn: Callable, value: Callable, scale: Callable):
+                 loss_fn: Callable, loss_value: Callable, scale: Callable):
         from torch.distributed.pipelining import PipelineStage, schedules
 
         p = cfg.parallelism
@@ -164,7 +164,7 @@ class Pipeline:
         group = pp_mesh.get_group()
         self.stages = [PipelineStage(part, part.stage, n_stages, device, group=group) for part in parts]
         self.is_last = any(s.is_last for s in self.stages)
-        self.loss_fn, self.value, self.scale = loss_fn, value, scale
+        self.loss_fn, self.loss_value, self.scale = loss_fn, loss_value, scale
         self.device, self.tokens, self.losses = device, 1, []
         # torch 2.13's schedules wait on their sends and receives with no timeout: ours (distributed.wait).
         schedules._wait_batch_p2p = wait
@@ -176,13 +176,20 @@ class Pipeline:
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(logits, labels, self.tokens)
-        self.losses.append(self.value(loss))
+        self.losses.append(self.loss_value(loss))
         return self.scale(loss)
 
-    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int, train: bool = True) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The schedule's forward and backward: gradients added to the stages' parameters."""
+        return self._run(self.schedule.step, inputs, labels, tokens)
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The schedule's forwards alone (validation)."""
+        return self._run(self.schedule.eval, inputs, labels, tokens)
+
+    def _run(self, schedule_call: Callable, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         self.tokens, self.losses = tokens, []
-        run = self.schedule.step if train else self.schedule.eval
-        run(to_device(inputs, self.device), target=to_device(labels, self.device), return_outputs=False)
+        schedule_call(to_device(inputs, self.device), target=to_device(labels, self.device), return_outputs=False)
         if not self.is_last:
             return torch.zeros((), device=self.device)
         # The last m: at the first step, the stage's shape inference computes one loss of its own before them.

@@ -1,13 +1,11 @@
 """Text generation from a trained Transformer, decoded with a KV cache: the prompt runs through the model once
 (prefill), then each new token costs one position's forward instead of the whole sequence's.
 
-Why the cached forward lives here and not in model.py: training never needs a cache, and threading one through
-Transformer, TransformerBlock and Attention.forward would put decoding-only branches into the code that
-parallelize.py's TP plan (PrepareModuleInput on `attention`), activation checkpointing and compile wrap. Instead
-`forward_cached` runs the model's own submodules (embedding, norms, wq/wk/wv/wo, apply_rope, feed-forward, output)
-and writes only what a cache changes: keys and values appended to it, queries attending to every cached position.
-tests/test_generate.py compares its logits with the model's own forward at every step, so a change to model.py's
-forward that this file does not follow fails there.
+The forward is the model's own: `model(tokens, cache=cache)` runs every block as training does, and each block's
+attention hands its queries, keys and values to its layer of the cache instead of `model.attend`. The cache writes
+the new keys and values after the cached ones and attends the new queries to every position it holds. So decoding
+differs from training in attention alone, where a cache changes what attention sees; tests/test_generate.py compares
+the cached logits with the model's uncached forward at every step.
 
 Positions: apply_rope takes the first rows of the table it is given (rope[:seq]), so a chunk that starts at
 position `pos` is handed rope[pos:].
@@ -43,29 +41,31 @@ class KVCache:
     def __init__(self, model: Transformer, batch: int, max_len: int):
         a, weight = model.args, model.tok_embeddings.weight
         shape = (batch, a.kv_heads, max_len, a.head_dim)
-        self.k = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in range(a.n_layers)]
-        self.v = [torch.zeros_like(k) for k in self.k]
+        self.layers = [LayerCache(self, torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+                                  torch.zeros(shape, dtype=weight.dtype, device=weight.device))
+                       for _ in range(a.n_layers)]
         self.length = 0
+        self.mask = None  # of the chunk being decoded: which cached and new positions each new query sees
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes a chunk's keys and values after the cached ones; returns the layer's keys and values so far."""
-        end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+    def layer(self, index: int) -> LayerCache:
+        return self.layers[index]
 
 
-def _attention(attn, x: torch.Tensor, rope: torch.Tensor, cache: KVCache, layer: int,
-               mask: torch.Tensor) -> torch.Tensor:
-    # model.Attention.forward, with the keys and values of earlier positions taken from the cache.
-    bs, seq, _ = x.shape
-    q = attn.wq(x).view(bs, seq, -1, attn.head_dim)
-    k = attn.wk(x).view(bs, seq, -1, attn.head_dim)
-    v = attn.wv(x).view(bs, seq, -1, attn.head_dim)
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
-    keys, values = cache.append(layer, k.transpose(1, 2), v.transpose(1, 2))
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=attn.n_rep > 1)
-    return attn.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+class LayerCache:
+    """One layer's keys and values; attends like model.attend, at the positions after the cached ones."""
+
+    def __init__(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor):
+        self.cache, self.k, self.v = cache, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        pos, end = self.cache.length, self.cache.length + q.shape[1]
+        rope = rope[pos:end]  # the rows of the chunk's positions
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        self.k[:, :, pos:end] = k.transpose(1, 2)
+        self.v[:, :, pos:end] = v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[:, :, :end], self.v[:, :, :end],
+                                             attn_mask=self.cache.mask, enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
 
 
 @torch.no_grad()
@@ -75,16 +75,12 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     pos, seq = cache.length, tokens.shape[1]
     if pos + seq > model.rope.shape[0]:
         raise ContextError(f"position {pos + seq - 1} is past the model's context of {model.rope.shape[0]} tokens")
-    rope = model.rope[pos:pos + seq]
     # The query at position pos+i sees every cached position and the chunk's first i+1 tokens. One explicit mask
     # serves prefill (pos = 0: the causal mask), single-token steps (all True) and chunks in between.
-    mask = torch.ones(seq, pos + seq, dtype=torch.bool, device=tokens.device).tril(pos)
-    h = model.tok_embeddings(tokens)
-    for i, block in enumerate(model.layers.values()):  # model.TransformerBlock.forward
-        h = h + _attention(block.attention, block.attention_norm(h), rope, cache, i, mask)
-        h = h + block.feed_forward(block.ffn_norm(h))
+    cache.mask = torch.ones(seq, pos + seq, dtype=torch.bool, device=tokens.device).tril(pos)
+    logits = model(tokens, cache=cache)
     cache.length += seq
-    return model.output(model.norm(h))
+    return logits
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None,

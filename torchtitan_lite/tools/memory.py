@@ -3,8 +3,8 @@
 
 The estimate runs the trainer's own code on fake tensors instead of a formula: a fake process group of the target
 world size (rank 0, which holds the largest shards), the real ParallelDims mesh, the model built on meta and
-parallelized by the real `parallelize()`, materialized as FakeTensors, and two training steps (forward, loss,
-backward, AdamW step, zero_grad) traced by torch's FSDPMemTracker, which follows every storage's life, FSDP2's
+parallelized by the real `parallelize()`, materialized as FakeTensors, and two training steps (the trainer's
+`step.Step`: forward, loss, backward; then AdamW step, zero_grad) traced by torch's FSDPMemTracker, which follows every storage's life, FSDP2's
 all-gather and reduce-scatter buffers and the storage resizes that free gathered parameters. Fake tensors allocate
 nothing and compute nothing, so the cost is Python time per op (docs/performance.md has the times), and every
 layout rule (TP shards, FSDP padding, hpZ, which block stays gathered after forward, what
@@ -48,25 +48,24 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
 from torchtitan_lite.models.llama import ModelArgs, Transformer, flavor_args
 from torchtitan_lite.parallel import context_parallel
-from torchtitan_lite.parallel.context_parallel import check_cp
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize
-from torchtitan_lite.parallel.pipeline import check_pipeline, merge, microbatches, schedule_name, split
+from torchtitan_lite.parallel.pipeline import merge_stages, microbatches, schedule_name, split_stages
 from torchtitan_lite.runtime.metrics import held_bytes
-from torchtitan_lite.runtime.precision import DTYPES
+from torchtitan_lite.runtime.precision import UpdateGuard
 from torchtitan_lite.training.optim import build_optimizer, clip_grad_norm_
+from torchtitan_lite.training.preflight import check_layout
+from torchtitan_lite.training.step import Numerics, Step
 
 LLAMA3_VOCAB = LLAMA3_N_RANKS + len(LLAMA3_SPECIALS)  # 128256: the vocabulary the 8B/70B/405B configs are made for
 
@@ -191,11 +190,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
         cfg.parallelism.fsdp_offload_pin_memory = False  # pinned or not, the same bytes; pinning needs a GPU here
     args, vocab_note = model_args(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    dims.validate_model(args)
-    if dims.pp > 1:
-        check_pipeline(cfg.parallelism, args.n_layers, cfg.training.local_batch_size)
-    if dims.cp > 1:
-        check_cp(cfg.training.seq_len, dims.cp, dims.tp, cfg.parallelism.context_parallel_load_balancer)
+    check_layout(cfg, dims, args)  # the trainer's preflight of the layout
     # Imported here: the fake backend registers itself on import, and only the estimate needs it.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -203,7 +198,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
     try:
         mesh = dims.build_mesh("cpu")[0]
         with torch.device("meta"):
-            parts = split(args, 0, cfg.parallelism) if dims.pp > 1 else [Transformer(args)]
+            parts = split_stages(args, 0, cfg.parallelism) if dims.pp > 1 else [Transformer(args)]
         unmasked = mock.patch.object(context_parallel, "lower_right_masks", lambda ranges, _: [None] * len(ranges))
         with unmasked:  # the GPU's masks, not the CPU's (module docstring)
             for part in parts:  # outside fake mode: FSDP on top of TP builds meshes, from real (small) tensors
@@ -213,15 +208,17 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
         with fake:
             for part in parts:
                 part.to_empty(device="cpu")
-        model = merge(parts)
+        model = merge_stages(parts)
         # Outside fake mode: build_optimizer may probe the CPU's fused AdamW with real tensors; it allocates nothing.
         optimizer = build_optimizer(model, cfg.optimizer, "cpu")
         offload = cfg.parallelism.fsdp_cpu_offload
         host = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT") if offload else ()
         # FSDPMemTracker follows one forward per module per step: not a pipeline's micro-batches.
         tracker_class = _FSDPTracker if isinstance(model, FSDPModule) and dims.pp == 1 else _Tracker
+        numerics = Numerics.from_config(cfg, dims)
+        guard = UpdateGuard(torch.device("cpu"), numerics.compute_dtype)  # fp16's loss scale, a real scalar
         with fake, tracker_class(model, optimizer, host) as tracker:
-            activations, held = _two_steps(parts, optimizer, cfg, dims, args, tracker)
+            activations, held = _two_steps(parts, optimizer, cfg, dims, args, numerics, guard, tracker)
     finally:
         dist.destroy_process_group()
     state = sum(held.values())
@@ -234,39 +231,76 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
 
 
 def _two_steps(parts: list[Transformer], optimizer: torch.optim.Optimizer, cfg: JobConfig, dims: ParallelDims,
-               args: ModelArgs, tracker: _DevicePeak) -> tuple[int, dict[str, int]]:
+               args: ModelArgs, numerics: Numerics, guard: UpdateGuard,
+               tracker: _DevicePeak) -> tuple[int, dict[str, int]]:
     """train.py's step twice on fake data: (activation bytes, held bytes after step 1). Step 1 creates the optimizer
-    state; step 2, the steady state, is the one measured. One micro-batch, or under PP the first stage's schedule."""
-    t = cfg.training
-    model = merge(parts)
-    use_loss_parallel = dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
-    compute_dtype = DTYPES[t.mixed_precision_param]
-    autocast = not dims.fsdp and compute_dtype != torch.float32  # as in train.py: FSDP casts, else autocast does
-    micro = microbatches(cfg.parallelism, t.local_batch_size) if dims.pp > 1 else 1
-    order = _first_rank_order(cfg.parallelism.pipeline_parallel_schedule, dims.pp, len(parts), micro)
+    state; step 2, the steady state, is the one measured. Without PP the trainer's own step (step.Step) on one
+    micro-batch; under PP the first stage's schedule, stage by stage."""
+    training = cfg.training
+    model = merge_stages(parts)
     activations, held = 0, {}
     for step in (1, 2):
         tracker.reset_mod_stats()  # per-module statistics only; the peaks carry over
         tracker.device_peak = 0
-        with loss_parallel() if use_loss_parallel else torch.enable_grad(), \
-                torch.autocast("cpu", dtype=compute_dtype, enabled=autocast):
-            before = tracker.now()["ACT"]
-            outputs = [_forward(parts, stage, t.local_batch_size // micro, t.seq_len // dims.cp, args, dims,
-                                compute_dtype)
-                       for stage in order]
-            activations = tracker.now()["ACT"] - before
-            last = {stage: i for i, stage in enumerate(order)}
-            for i, (stage, out) in enumerate(zip(order, outputs)):
-                if isinstance(parts[stage], FSDPModule):  # each stage reduces after its last micro-batch
-                    parts[stage].set_requires_gradient_sync(i == last[stage])
-                out.backward(torch.ones_like(out) if out.dim() else None)
-                outputs[i] = None
-        clip_grad_norm_(list(model.parameters()), t.max_norm, dims.world_size)
+        if dims.pp == 1:
+            activations = _model_step(model, cfg, dims, args, numerics, guard, tracker)
+        else:
+            with numerics.context("cpu"):
+                activations = _first_rank_stages(parts, cfg, dims, args, numerics.compute_dtype, tracker)
+        clip_grad_norm_(list(model.parameters()), training.max_norm, dims.world_size)
         optimizer.step()
         if step == 1:
             held = held_bytes(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
     return activations, held
+
+
+class _MeasuredStep(Step):
+    """The trainer's step, noting the activation bytes once the forward and the loss are done, before backward."""
+
+    def __init__(self, *args, tracker: _DevicePeak, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracker, self.after_forward = tracker, 0
+
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+        loss = super().loss(inputs, labels, tokens)
+        self.after_forward = self.tracker.now()["ACT"]
+        return loss
+
+
+def _model_step(model: nn.Module, cfg: JobConfig, dims: ParallelDims, args: ModelArgs, numerics: Numerics,
+                guard: UpdateGuard, tracker: _DevicePeak) -> int:
+    """One micro-batch of rank 0's tokens through the trainer's step; returns the activation bytes."""
+    training = cfg.training
+    step = _MeasuredStep(model, torch.device("cpu"), numerics, guard.scale,
+                         defer_reduce=dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce, tracker=tracker)
+    tokens = dims.global_batch(training.local_batch_size, training.global_batch_size) * training.seq_len
+    before = tracker.now()["ACT"]
+    shape = (training.local_batch_size, training.seq_len // dims.cp)
+    batch = torch.randint(0, args.vocab_size, shape), torch.randint(0, args.vocab_size, shape)
+    step.train_step([batch], tokens)
+    return step.after_forward - before
+
+
+def _first_rank_stages(parts: list[Transformer], cfg: JobConfig, dims: ParallelDims, args: ModelArgs,
+                       dtype: torch.dtype, tracker: _DevicePeak) -> int:
+    """Rank 0's stages in its schedule's order: as many forwards ahead of their backwards as the schedule runs there,
+    each stage reducing after its last micro-batch; returns the activation bytes at the most forwards ahead."""
+    training = cfg.training
+    micro = microbatches(cfg.parallelism, training.local_batch_size)
+    order = _first_rank_order(cfg.parallelism.pipeline_parallel_schedule, dims.pp, len(parts), micro)
+    before = tracker.now()["ACT"]
+    outputs = [_stage_forward(parts[stage], training.local_batch_size // micro, training.seq_len // dims.cp, args,
+                              dims, dtype)
+               for stage in order]
+    activations = tracker.now()["ACT"] - before
+    last = {stage: i for i, stage in enumerate(order)}
+    for i, (stage, out) in enumerate(zip(order, outputs)):
+        if isinstance(parts[stage], FSDPModule):
+            parts[stage].set_requires_gradient_sync(i == last[stage])
+        out.backward(torch.ones_like(out))  # the gradient the next stage would send
+        outputs[i] = None
+    return activations
 
 
 def _first_rank_order(schedule: str, pp: int, v: int, m: int) -> list[int]:
@@ -284,20 +318,13 @@ def _first_rank_order(schedule: str, pp: int, v: int, m: int) -> list[int]:
     return [(i // per_stage) % v for i in range(ahead)]
 
 
-def _forward(parts: list[Transformer], stage: int, batch: int, seq_len: int, args: ModelArgs, dims: ParallelDims,
-             dtype: torch.dtype) -> torch.Tensor:
-    """One micro-batch of rank 0's `seq_len` tokens a sequence through one of its stages: its loss, or under PP its
-    output hidden states (the first stage takes tokens; a later one, hidden states as the previous stage sends them,
-    sequence-sharded under TP)."""
-    part = parts[stage]
+def _stage_forward(part: Transformer, batch: int, seq_len: int, args: ModelArgs, dims: ParallelDims,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """One micro-batch of rank 0's `seq_len` tokens a sequence through one of its stages, which never holds the last
+    (stage s runs on rank s % pp): its output hidden states. The first stage takes tokens; a later one, hidden states
+    as the previous stage sends them, sequence-sharded under TP."""
     if part.tok_embeddings is not None:
         x = torch.randint(0, args.vocab_size, (batch, seq_len))
     else:
         x = torch.randn(batch, seq_len // dims.tp, args.dim, dtype=dtype, requires_grad=True)
-    out = part(x)
-    if part.output is None:
-        return out
-    loss = F.cross_entropy(out.flatten(0, 1).float(), torch.randint(0, args.vocab_size, (batch * seq_len,)),
-                           reduction="sum")
-    del out
-    return loss
+    return part(x)

@@ -1,0 +1,39 @@
+"""Everything that can be checked before any process talks to another, so a bad config fails on every rank the same
+way instead of hanging in a collective. `train.py --check` runs `preflight` alone (run_train.sh, before torchrun);
+the memory estimator runs `check_layout`, its part that needs neither data nor a tokenizer file, so it refuses
+exactly the layouts the trainer refuses.
+"""
+
+from __future__ import annotations
+
+from torchtitan_lite.checkpoint.manager import check_config
+from torchtitan_lite.config import JobConfig
+from torchtitan_lite.data.loader import build_sources
+from torchtitan_lite.data.tokenizer import load_tokenizer
+from torchtitan_lite.models.llama import ModelArgs, flavor_args
+from torchtitan_lite.parallel.context_parallel import check_cp
+from torchtitan_lite.parallel.dims import ParallelDims
+from torchtitan_lite.parallel.pipeline import check_pipeline
+
+
+def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> None:
+    """The model and the sequence cut the way the mesh says: heads over TP, blocks into pipeline stages, CP chunks."""
+    dims.validate_model(model_args)
+    if dims.pp > 1:
+        check_pipeline(cfg.parallelism, model_args.n_layers, cfg.training.local_batch_size)
+    if dims.cp > 1:
+        check_cp(cfg.training.seq_len, dims.cp, dims.tp, cfg.parallelism.context_parallel_load_balancer)
+
+
+def preflight(cfg: JobConfig, world_size: int):
+    """The trainer's checks: (dims, model args, global batch, training source, validation source), or a ConfigError
+    that names the problem and the fix."""
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    model_args = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
+    check_layout(cfg, dims, model_args)
+    check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
+    training = cfg.training
+    global_batch = dims.global_batch(training.local_batch_size, training.global_batch_size)
+    source, val_source = build_sources(training, cfg.validation, tokenizer)
+    return dims, model_args, global_batch, source, val_source

@@ -1,0 +1,135 @@
+"""The step, written once: forward, loss and backward over a local batch's micro-batches, which the training loop,
+validation, the memory estimator (memory.py) and the benchmarks all call.
+
+The loss of a micro-batch is the sum of its token losses over the global token count of the step (every rank's
+micro-batches together), and gradients are summed across ranks (parallelize.py): gradient accumulation and data
+parallelism then give exactly the one big batch's gradient, and the step's loss is the sum of what its calls return.
+
+How the step computes is decided once, from the config (`Numerics`): under tensor parallelism the logits stay sharded
+on the vocabulary and the cross-entropy runs on the shards (loss parallel); FSDP applies mixed precision itself, so
+autocast runs only without it (one process, TP alone).
+
+A pipeline schedule is a second implementation of the same call (`PipelineStep`, chosen once at start-up by
+`build_step`): the loop never asks which one it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torchtitan_lite.config import JobConfig
+from torchtitan_lite.data.loader import to_device
+from torchtitan_lite.parallel.dims import ParallelDims
+from torchtitan_lite.parallel.pipeline import Pipeline
+from torchtitan_lite.runtime.precision import DTYPES
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels) of one local batch
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The sum of the token losses over `tokens`, the step's global token count (a DTensor under loss parallel)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / tokens
+
+
+def loss_value(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain detached tensor, for summing and logging (loss parallel leaves a DTensor)."""
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How the step computes, decided once from the config."""
+    compute_dtype: torch.dtype  # the dtype matmuls run in (training.mixed_precision_param)
+    autocast: bool  # FSDP casts by its mixed-precision policy; without FSDP autocast does
+    loss_parallel: bool  # cross-entropy on vocabulary-sharded logits under TP
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig, dims: ParallelDims) -> Numerics:
+        compute_dtype = DTYPES[cfg.training.mixed_precision_param]
+        return cls(compute_dtype, autocast=not dims.fsdp and compute_dtype != torch.float32,
+                   loss_parallel=dims.tp > 1 and not cfg.parallelism.disable_loss_parallel)
+
+    def context(self, device_type: str) -> contextlib.ExitStack:
+        """What forward and backward run in: loss parallel's backward needs it as much as its forward."""
+        stack = contextlib.ExitStack()
+        if self.loss_parallel:
+            stack.enter_context(loss_parallel())
+        if self.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=self.compute_dtype))
+        return stack
+
+
+class Step:
+    """The step of one rank: `train_step` adds a local batch's gradients to the parameters' .grad, `eval_step` only
+    measures; both return the summed loss of their micro-batches (detached). The optimizer's update is the loop's."""
+
+    def __init__(self, model: nn.Module, device: torch.device, numerics: Numerics,
+                 scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss, defer_reduce: bool = False):
+        self.model, self.device, self.numerics = model, device, numerics
+        self.scale = scale  # fp16's loss scaling (precision.UpdateGuard.scale)
+        # Reduce gradients after the last micro-batch only: FSDP accumulates unsharded gradients until then.
+        self.defer_reduce = defer_reduce
+
+    def train_step(self, batches: list[Batch], tokens: int) -> torch.Tensor:
+        """Forward and backward of every micro-batch; `tokens` is the step's global token count."""
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, labels) in enumerate(batches):
+            if self.defer_reduce:
+                self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            with self.numerics.context(self.device.type):
+                loss_sum += self.forward_backward(inputs, labels, tokens)
+        return loss_sum
+
+    @torch.no_grad()
+    def eval_step(self, batches: Iterable[Batch], tokens: int) -> torch.Tensor:
+        """The summed loss of `batches`, each token's loss over `tokens`; no gradients."""
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            with self.numerics.context(self.device.type):
+                loss_sum += self.forward(inputs, labels, tokens)
+        return loss_sum
+
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+        """One local batch's loss, with its graph for backward."""
+        return token_loss(self.model(to_device(inputs, self.device)), to_device(labels, self.device), tokens)
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+        loss = self.loss(inputs, labels, tokens)
+        self.scale(loss).backward()
+        return loss_value(loss)
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+        return loss_value(self.loss(inputs, labels, tokens))
+
+
+class PipelineStep(Step):
+    """The same step with each local batch run by a pipeline schedule over this rank's stages (pipeline.Pipeline):
+    its loss is this rank's share, the value on the ranks holding the last stage and 0 elsewhere."""
+
+    def __init__(self, parts: list[nn.Module], pp_mesh: DeviceMesh, device: torch.device, numerics: Numerics,
+                 scale: Callable[[torch.Tensor], torch.Tensor], cfg: JobConfig):
+        super().__init__(None, device, numerics, scale)  # a schedule reduces once per local batch itself
+        self.pipeline = Pipeline(parts, pp_mesh, device, cfg, token_loss, loss_value, scale)
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+        return self.pipeline.forward_backward(inputs, labels, tokens)
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+        return self.pipeline.forward(inputs, labels, tokens)
+
+
+def build_step(model: nn.Module, parts: list[nn.Module], mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig,
+               device: torch.device, numerics: Numerics, scale: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+    """The step this rank runs: the pipeline's under PP, else the plain forward and backward of `model`."""
+    if dims.pp > 1:
+        return PipelineStep(parts, mesh["pp"], device, numerics, scale, cfg)
+    return Step(model, device, numerics, scale, defer_reduce=dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce)
