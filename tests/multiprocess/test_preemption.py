@@ -26,9 +26,11 @@ def test_signal_saves_the_current_step(tmp_path, signals, layout):
     # Twice Ctrl-C: step 2's checkpoint is the one to keep.
     cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--training.steps", "1000", "--checkpoint.enable",
            "--checkpoint.interval", "2" if ctrl_c_twice else "500", *layout]
-    # A process group of its own, as a terminal gives a command: Ctrl-C goes to all of it, torchrun included.
+    # A process group of its own, as a terminal gives a command: Ctrl-C goes to all of it, torchrun included. Ctrl-C
+    # at its default, as a terminal's foreground command has it: a suite started in the background (`pytest &`)
+    # ignores SIGINT, its children inherit that, and a shell that starts ignoring a signal cannot trap it.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     def send(name: str) -> None:
         if name == "SIGINT":
