@@ -54,7 +54,8 @@ def torchrun(nproc: int, config: str, dump: str, args: list[str], script: str = 
     The config was checked once above, so the jobs skip run_train.sh's check."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / script), *script_args, "--job.config_file", config, "--job.dump_folder", dump, *COMMON, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # the caller's kept: the tests'
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{script} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     metrics = Path(dump) / "metrics.jsonl"  # comm_count.py writes its runs' into folders of their own

@@ -1,12 +1,16 @@
 """Fixtures of the unit tests (tests/multiprocess/conftest.py has the multi-process ones)."""
 
+import os
 from pathlib import Path
 
 import pytest
 
 import train
+from tests.multiprocess.launch import QUICK_EXIT
 
 TINY = Path(__file__).parent / "assets" / "tiny.toml"
+# Every Python process a test starts, whichever way, finds tests/quick_exit/sitecustomize.py.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(QUICK_EXIT)]))
 
 
 @pytest.fixture

@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "assets" / "tiny.toml"
 TRAIN = ROOT / "train.py"
 GATE = ROOT / "tests" / "multiprocess" / "gate.py"  # the shim that holds a step or kills a rank (gate.py)
+# The folder whose sitecustomize.py spares each process the suite starts its last garbage collection (its docstring
+# says why); tests/conftest.py adds it to every process's PYTHONPATH, torchrun_cmd to its jobs'.
+QUICK_EXIT = ROOT / "tests" / "quick_exit"
 # A bound on a whole job, far above any healthy run even on a loaded machine: it detects a hang, it times nothing.
 TIMEOUT_S = 600
 
@@ -72,7 +75,8 @@ def torchrun_cmd(nproc: int, script: Path, *args: str,
     """The command and environment of a CPU torchrun job, no GPU: by default a rendezvous port of its own
     (--standalone); `launcher` replaces that with other torchrun options."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc_per_node={nproc}", str(script), *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{QUICK_EXIT}"}
     return cmd, env
 
 
