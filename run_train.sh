@@ -7,7 +7,7 @@
 #   PYTHON       the interpreter (default: python, else python3)
 set -euo pipefail
 # Paths typed on the command line (CONFIG_FILE too) are files seen from here, where the user stands; the trainer
-# resolves them against this directory (torchtitan_lite/paths.py), the configs' own against the repository.
+# resolves them against this directory (torchtitan_lite/config/paths.py), the configs' own against the repository.
 export TORCHTITAN_LITE_CALLER_DIR=$PWD
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-$(command -v python || command -v python3)} || {

@@ -1,4 +1,4 @@
-"""The layout-invariant init (torchtitan_lite/init.py) against torch's `normal_` on the same shapes, in one process.
+"""The layout-invariant init (torchtitan_lite/models/init.py) against torch's `normal_` on the same shapes, in one process.
 
     python benchmarks/init_speed.py [--rounds 7] [--threads N] [--other PATH]
 

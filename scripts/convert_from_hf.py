@@ -40,7 +40,7 @@ def config_lines(args: ModelArgs, out: str, tokenizer: str | None, name: str) ->
     flavor, lines = matching_flavor(args), []
     if flavor is None:
         flavor = name
-        lines += ["# No flavor has this shape: add it to FLAVORS in torchtitan_lite/model.py first:",
+        lines += ["# No flavor has this shape: add it to FLAVORS in torchtitan_lite/models/llama.py first:",
                   f"#     {flavor_entry(args, name)}"]
     if tokenizer is None:
         lines.append(f"# The folder has no tokenizer: model.tokenizer_path must give {args.vocab_size} ids"

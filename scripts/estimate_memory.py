@@ -5,7 +5,7 @@
 `--world_size` (this script's only option) defaults to NGPU when set, else to the product of the degrees when none
 is -1, else to the config's usual cluster (DEFAULT_WORLD): the degrees leave the world size open, the estimate needs
 one. Everything else is a trainer option. How the figures are obtained and what they leave out: see
-torchtitan_lite/memory.py.
+torchtitan_lite/tools/memory.py.
 """
 
 from __future__ import annotations

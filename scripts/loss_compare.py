@@ -37,7 +37,7 @@ class InputError(Exception):
 def read_curve(path: str | os.PathLike, key: str = "loss") -> dict[int, float]:
     """{step: value} from a metrics.jsonl file or a dump folder holding one.
 
-    Read as the trainer's one run's history (torchtitan_lite/run_history.py): a resume record at step S drops the
+    Read as the trainer's one run's history (torchtitan_lite/runtime/run_history.py): a resume record at step S drops the
     records past S before it, and a step going back without one (two runs spliced in one file) is an input error.
     """
     return read_curves(path, (key,))[key]

@@ -7,7 +7,7 @@ did warmup and decay happen, did a gradient spike, did throughput drop. Runs are
 by their dump folder, so two settings compare by eye; loss_compare.py compares them step by step, in numbers.
 
 Each RUN is a metrics.jsonl file or a dump folder holding one, read by loss_compare.py's read_curve so both scripts
-agree on a run's curve: one run's history (torchtitan_lite/run_history.py), each step once, a resumed run's record of
+agree on a run's curve: one run's history (torchtitan_lite/runtime/run_history.py), each step once, a resumed run's record of
 a step replacing any logged past its checkpoint before the resume; a file holding two runs' records (a step going
 back without a resume record) is refused rather than drawn as one spliced line. Non-finite values (the grad norm of
 a skipped fp16 step) are drawn as gaps rather than pulling the axis to infinity.

@@ -1,4 +1,4 @@
-"""torchtitan_lite/checkpoint.py in one process: the folder rules, safe reading, and the small Stateful pieces.
+"""torchtitan_lite/checkpoint/manager.py in one process: the folder rules, safe reading, and the small Stateful pieces.
 The multi-process behaviour (resume, reshard, atomic saves) is in tests/multiprocess/test_checkpoint.py."""
 
 import os

@@ -1,4 +1,4 @@
-"""torchtitan_lite/checkpoint_trash.py: deletions leave the training path at once, and a crash in the middle of one
+"""torchtitan_lite/checkpoint/trash.py: deletions leave the training path at once, and a crash in the middle of one
 never leaves a folder that looks complete. The job-level proof (a delete slower than the training timeout) is
 tests/multiprocess/test_checkpoint.py."""
 

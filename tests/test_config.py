@@ -156,7 +156,7 @@ NUMBERS = [o for o in OPTIONS.values() if o.type in (int, float)]
 
 @pytest.mark.parametrize("o", NUMBERS, ids=[o.key for o in NUMBERS])
 def test_every_number_declares_its_range_and_floats_refuse_nan_and_inf(o):
-    assert o.rule is not None, f"{o.key}: give it a range in opt(..., rule=...) (torchtitan_lite/rules.py)"
+    assert o.rule is not None, f"{o.key}: give it a range in opt(..., rule=...) (torchtitan_lite/config/rules.py)"
     assert o.default is None or o.rule.ok(o.default)
     if o.type is float:
         assert not any(o.rule.ok(v) for v in (math.nan, math.inf, -math.inf)), o.rule.text

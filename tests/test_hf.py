@@ -1,4 +1,4 @@
-"""Hugging Face export and import (torchtitan_lite/hf.py, scripts/convert_{to,from}_hf.py), checked against
+"""Hugging Face export and import (torchtitan_lite/tools/hf_convert.py, scripts/convert_{to,from}_hf.py), checked against
 transformers' own Llama as litgpt checks its conversions: the same weights must give the same logits there and here.
 
 Every model has random weights at a scale that gives logits of order 1, norm weights included (they start at 1,

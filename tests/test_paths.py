@@ -1,5 +1,5 @@
 """Paths typed on the command line are the caller's files, those of a TOML file the working directory's, and a missing
-file is named by the absolute path that was tried (torchtitan_lite/paths.py; run_train.sh's side: test_run_train.py)."""
+file is named by the absolute path that was tried (torchtitan_lite/config/paths.py; run_train.sh's side: test_run_train.py)."""
 
 import os
 import re

@@ -1,4 +1,4 @@
-"""torchtitan_lite/run_history.py: one dump folder, one run's history. Reading metrics.jsonl (resume records, spliced
+"""torchtitan_lite/runtime/run_history.py: one dump folder, one run's history. Reading metrics.jsonl (resume records, spliced
 runs refused), a resume cutting the records past its checkpoint, a fresh start moving an earlier run aside, and the
 trainer doing so when a run is rerun in its own folder."""
 

@@ -12,10 +12,6 @@ import pytest
 from launch import ROOT, assert_same_curve, losses, train_in_process, train_job
 from torchtitan_lite.data.files import stdlib_files
 
-needs_checkpointing = pytest.mark.skipif(not (ROOT / "torchtitan_lite/checkpoint.py").exists(),
-                                         reason="checkpointing (torchtitan_lite/checkpoint.py) is not built yet")
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """~400 KB of the standard library as JSON lines (one document per file), and the same as byte-level shards."""
@@ -59,7 +55,6 @@ def test_jsonl_and_shards_train_on_the_same_stream(straight_runs):
     assert jsonl[8] < jsonl[1] - 1.0, jsonl  # real text is learnable: bytes' frequencies alone take ~1.5 nats
 
 
-@needs_checkpointing
 @pytest.mark.parametrize("name, nproc, tolerance", [
     ("jsonl", 1, 1e-6),  # same layout: the same numbers
     ("tokens", 2, 1e-5),  # dp 1 -> FSDP 2: other reduction order, same samples
