@@ -13,12 +13,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # DCP wraps er
 
 import train
 from tests.multiprocess.launch import ROOT, TINY
-from torchtitan_lite.checkpoint.manager import (
-    TrainState,
-    check_config,
-    complete_checkpoints,
-    steps_to_delete,
-)
+from torchtitan_lite.checkpoint.folder import complete_checkpoints, steps_to_delete
+from torchtitan_lite.checkpoint.manager import TrainState, check_config
 from torchtitan_lite.checkpoint.reader import SafePlanner, SafeReader, read_metadata, read_tensors
 from torchtitan_lite.config import Checkpoint, ConfigError
 

@@ -7,7 +7,7 @@ import shutil
 import threading
 
 from torchtitan_lite.checkpoint import trash as checkpoint_trash
-from torchtitan_lite.checkpoint.manager import complete_checkpoints
+from torchtitan_lite.checkpoint.folder import complete_checkpoints
 from torchtitan_lite.checkpoint.trash import Trash
 
 

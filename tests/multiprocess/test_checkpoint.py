@@ -20,7 +20,7 @@ import train as train_module
 from launch import (CHECKPOINTED, COMMON, ROOT, STEPS, TINY, TP2, TRAIN, assert_one_error_line, assert_same_curve, ckpt,
                     curve, kill_tree, losses, metric, read_metrics, resumes, snapshot, stopped_after, torchrun,
                     torchrun_cmd, train_in_process, train_job)
-from torchtitan_lite.checkpoint.manager import complete_checkpoints
+from torchtitan_lite.checkpoint.folder import complete_checkpoints
 from torchtitan_lite.checkpoint.reader import read_tensors
 
 BPE = str(ROOT / "torchtitan_lite" / "assets" / "stdlib_bpe_2k.tiktoken")

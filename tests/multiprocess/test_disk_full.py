@@ -19,7 +19,7 @@ from launch import (
     train_in_process,
 )
 
-from torchtitan_lite.checkpoint.manager import complete_checkpoints
+from torchtitan_lite.checkpoint.folder import complete_checkpoints
 
 FULL_DISK = ROOT / "tests" / "multiprocess" / "full_disk.py"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from launch import CHECKPOINTED, COMMON, PP2, assert_one_error_line, ckpt, read_metrics, torchrun
-from torchtitan_lite.checkpoint.manager import complete_checkpoints
+from torchtitan_lite.checkpoint.folder import complete_checkpoints
 from torchtitan_lite.checkpoint.reader import read_tensors
 
 SHIM = Path(__file__).parent / "nan_loss.py"

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from launch import PP2, ROOT, TINY, TIMEOUT_S, descendants, kill_tree, logged, read_metrics, running, wait_until
-from torchtitan_lite.checkpoint.manager import complete_checkpoints
+from torchtitan_lite.checkpoint.folder import complete_checkpoints
 
 
 @pytest.mark.parametrize("signals, layout", [(("SIGTERM",), ()), (("SIGUSR1", "SIGTERM"), PP2), (("SIGINT",), ()),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from torchtitan_lite.checkpoint.manager import complete_checkpoints
+from torchtitan_lite.checkpoint.folder import complete_checkpoints
 from torchtitan_lite.config import Checkpoint, ConfigError, JobConfig, load_config
 
 

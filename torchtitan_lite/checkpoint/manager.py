@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -32,49 +31,16 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan_lite.checkpoint.folder import checkpoint_to_load, complete_checkpoints, steps_to_delete
 from torchtitan_lite.checkpoint.reader import SafePlanner, SafeReader, check_fits, flatten_state, read_metadata
 from torchtitan_lite.checkpoint.trash import Trash, fsync_dir
 from torchtitan_lite.config import Checkpoint, ConfigError
 
 logger = logging.getLogger("torchtitan_lite")
 
-_STEP = re.compile(r"step-(\d+)")
 # Test hook: seconds the coordinator waits with every shard written and `.metadata` not yet, the moment at which a
 # kill would do the most damage. Only the tests set it.
 _PAUSE_BEFORE_METADATA_S = float(os.environ.get("TORCHTITAN_LITE_TEST_PAUSE_BEFORE_METADATA_S", "0"))
-
-
-# ---- The folder: which checkpoints exist, which to delete. Pure functions of the directory listing.
-
-def complete_checkpoints(folder: str) -> dict[int, str]:
-    """step -> path of each complete checkpoint in `folder`, oldest first: a `step-N` folder holding DCP's
-    `.metadata`, which exists only once every rank's shards are written. `step-N.tmp` (a save in progress) and
-    `step-N.<tag>.trash` (a deletion in progress) never match."""
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    found = {int(m.group(1)): os.path.join(folder, m.group(0)) for m in map(_STEP.fullmatch, names)
-             if m and os.path.isfile(os.path.join(folder, m.group(0), ".metadata"))}
-    return dict(sorted(found.items()))
-
-
-def checkpoint_to_load(cfg: Checkpoint, folder: str) -> tuple[int | None, dict[int, str], str]:
-    """(the step a run resumes from, None for none; the complete checkpoints in `folder`, read only with
-    checkpoint.enable; checkpoint.initial_load_path if it resumes from none), each checked to exist."""
-    found = complete_checkpoints(folder) if cfg.enable else {}
-    if cfg.load_step >= 0 and cfg.load_step not in found:
-        raise ConfigError(f"checkpoint.load_step {cfg.load_step}: {folder}/step-{cfg.load_step} is not a complete "
-                          f"checkpoint (complete ones: {', '.join(f'step-{s}' for s in found) or 'none'})")
-    path = "" if found else cfg.initial_load_path
-    if path and not os.path.isfile(os.path.join(path, ".metadata")):
-        why = "does not exist" if not os.path.exists(path) else "has no .metadata (not a complete DCP checkpoint)"
-        raise ConfigError(f"checkpoint.initial_load_path {path} {why}")
-    return (cfg.load_step if cfg.load_step >= 0 else max(found, default=None)), found, path
-
-
-def steps_to_delete(steps: list[int], keep_latest_k: int, just_saved: int) -> list[int]:
-    """What keep_latest_k removes: all but the newest k, and never the checkpoint just saved, which is not the newest
-    when a run resumed from an older one (checkpoint.load_step). 0 keeps everything."""
-    keep = set(sorted(steps)[-keep_latest_k:]) | {just_saved} if keep_latest_k > 0 else set(steps)
-    return [s for s in sorted(steps) if s not in keep]
 
 
 class _Writer(FileSystemWriter):

@@ -1,0 +1,43 @@
+"""The checkpoint folder's rules, pure functions of its listing: which `step-N` are complete, which one a run
+resumes from, which keep_latest_k deletes. The trainer, `train.py --check` and the tools read a folder through them
+alike."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from torchtitan_lite.config import Checkpoint, ConfigError
+
+_STEP = re.compile(r"step-(\d+)")
+
+
+def complete_checkpoints(folder: str) -> dict[int, str]:
+    """step -> path of each complete checkpoint in `folder`, oldest first: a `step-N` folder holding DCP's
+    `.metadata`, which exists only once every rank's shards are written. `step-N.tmp` (a save in progress) and
+    `step-N.<tag>.trash` (a deletion in progress) never match."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    found = {int(m.group(1)): os.path.join(folder, m.group(0)) for m in map(_STEP.fullmatch, names)
+             if m and os.path.isfile(os.path.join(folder, m.group(0), ".metadata"))}
+    return dict(sorted(found.items()))
+
+
+def checkpoint_to_load(cfg: Checkpoint, folder: str) -> tuple[int | None, dict[int, str], str]:
+    """(the step a run resumes from, None for none; the complete checkpoints in `folder`, read only with
+    checkpoint.enable; checkpoint.initial_load_path if it resumes from none), each checked to exist."""
+    found = complete_checkpoints(folder) if cfg.enable else {}
+    if cfg.load_step >= 0 and cfg.load_step not in found:
+        raise ConfigError(f"checkpoint.load_step {cfg.load_step}: {folder}/step-{cfg.load_step} is not a complete "
+                          f"checkpoint (complete ones: {', '.join(f'step-{s}' for s in found) or 'none'})")
+    path = "" if found else cfg.initial_load_path
+    if path and not os.path.isfile(os.path.join(path, ".metadata")):
+        why = "does not exist" if not os.path.exists(path) else "has no .metadata (not a complete DCP checkpoint)"
+        raise ConfigError(f"checkpoint.initial_load_path {path} {why}")
+    return (cfg.load_step if cfg.load_step >= 0 else max(found, default=None)), found, path
+
+
+def steps_to_delete(steps: list[int], keep_latest_k: int, just_saved: int) -> list[int]:
+    """What keep_latest_k removes: all but the newest k, and never the checkpoint just saved, which is not the newest
+    when a run resumed from an older one (checkpoint.load_step). 0 keeps everything."""
+    keep = set(sorted(steps)[-keep_latest_k:]) | {just_saved} if keep_latest_k > 0 else set(steps)
+    return [s for s in sorted(steps) if s not in keep]
