@@ -1,8 +1,5 @@
-"""Typed run configuration: one dataclass per TOML section, everything else derived from them.
-
-A field's default, help, choices and rule (the values it accepts, rules.py) are written once, in `opt(...)`.
-TOML loading, `--section.key` overrides, `--help`, unknown-key errors, type, choice and range checks all walk the
-dataclasses, so adding an option is one line here and nothing else. Precedence: command line > TOML file
+"""Typed run configuration, derived from the section dataclasses of sections.py (where an option is written once):
+TOML loading, `--section.key` overrides, `--help`, unknown-key errors, type, choice and range checks. Precedence: command line > TOML file
 (`--job.config_file`) > defaults.
 """
 
@@ -13,194 +10,16 @@ import difflib
 import json
 import sys
 import typing
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 try:
     import tomllib as tomli  # Python >= 3.11
 except ImportError:
     import tomli
 
-from torchtitan_lite.config.paths import LIST, ONE, absolute, resolve_typed_paths
-from torchtitan_lite.config.rules import Rule, at_least, finite_above, finite_at_least, or_auto, within, words_or_count
-
-
-class ConfigError(ValueError):
-    """A problem with the user's configuration; the message is one line naming the key and the fix."""
-
-def opt(default: Any, help: str, choices: tuple[str, ...] = (), rule: Rule | None = None, path: str = "") -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "rule": rule, "path": path})
-
-
-@dataclass
-class Job:
-    """where the config came from and where outputs go"""
-    config_file: str = opt("", "TOML file the run was read from", path=ONE)
-    dump_folder: str = opt("./outputs", "where config.toml, metrics.jsonl, checkpoints and tb/ go", path=ONE)
-    description: str = opt("", "free text describing the run")
-    print_args: bool = opt(False, "also print the resolved config at start-up (config.toml always holds it)")
-
-
-@dataclass
-class Model:
-    """architecture and tokenizer"""
-    name: str = opt("llama3", "model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "size preset: a key of the model's flavor table (checked by the trainer)")
-    tokenizer_path: str = opt("", '"" = byte-level tokenizer needing no file; else a tiktoken BPE file', path=ONE)
-
-
-@dataclass
-class Optimizer:
-    """optimizer and its hyperparameters"""
-    name: str = opt("AdamW", "optimizer", choices=("AdamW",))
-    lr: float = opt(8e-4, "peak learning rate", rule=finite_above(0))
-    beta1: float = opt(0.9, "Adam first-moment decay", rule=within(0, 1, high_open=True))
-    beta2: float = opt(0.95, "Adam second-moment decay", rule=within(0, 1, high_open=True))
-    eps: float = opt(1e-8, "Adam denominator epsilon", rule=finite_above(0))
-    weight_decay: float = opt(0.1, "decoupled weight decay", rule=finite_at_least(0))
-    implementation: str = opt("fused", "kernel flavour of the update", choices=("foreach", "fused", "for-loop"))
-
-
-@dataclass
-class LRScheduler:
-    """warmup, then a constant stretch, then decay"""
-    warmup_steps: int = opt(200, "steps of linear warmup from ~0 to lr", rule=at_least(0))
-    decay_ratio: Optional[float] = opt(None, "fraction of steps spent decaying at the end; none = all after warmup",
-                                       rule=within(0, 1))
-    decay_type: str = opt("linear", "shape of the decay", choices=("linear", "sqrt", "cosine"))
-    min_lr_factor: float = opt(0.0, "lr at the end of decay, as a fraction of lr", rule=within(0, 1))
-
-
-@dataclass
-class Training:
-    """batch, length, duration, data and precision"""
-    local_batch_size: int = opt(8, "sequences per device per micro-batch", rule=at_least(1))
-    global_batch_size: int = opt(-1, "-1 = local x data-parallel degree; larger multiples accumulate gradients",
-                                 rule=or_auto(at_least(1), "local x data-parallel degree"))
-    seq_len: int = opt(2048, "tokens per sequence", rule=at_least(2))  # inputs and next-token targets
-    steps: int = opt(10000, "optimizer steps to train for", rule=at_least(1))
-    max_norm: float = opt(1.0, "gradient clipping norm; 0 disables", rule=finite_at_least(0, "0 disables clipping"))
-    dataset: str = opt("synthetic", "training dataset name")
-    dataset_path: str = opt("", "local path of the dataset, if it needs one", path=LIST)
-    dataset_text_field: str = opt("text", "jsonl and hf datasets: the field that holds a document's text")
-    mixed_precision_param: str = opt("bfloat16", "compute dtype; float16 adds loss scaling",
-                                     choices=("bfloat16", "float32", "float16"))
-    mixed_precision_reduce: str = opt("float32", "FSDP gradient reduce dtype", choices=("float32", "bfloat16"))
-    mixed_precision_output: str = opt("none", "output dtype", choices=("none", "float32", "bfloat16", "float16"))
-    mixed_precision_cast_forward_inputs: bool = opt(True, "FSDP casts sharded modules' float inputs to param dtype")
-    seed: int = opt(0, "random seed", rule=Rule("in [0, 2**64)", lambda v: 0 <= v < 2**64))  # what torch takes
-    deterministic: bool = opt(False, "torch.use_deterministic_algorithms, for bitwise-reproducible runs")
-    skip_nonfinite_steps: int = opt(0, "a NaN/Inf gradient norm stops the run; N > 0 skips up to N such in a row",
-                                    rule=at_least(0))
-    gc_freq: int = opt(50, "Python GC every N steps, so ranks pause together; 0 leaves automatic GC on",
-                       rule=at_least(0, "0 leaves automatic GC on"))
-
-
-@dataclass
-class Parallelism:
-    """device mesh degrees; they must multiply to the world size"""
-    data_parallel_replicate_degree: int = opt(1, "copies of the model (HSDP across nodes)", rule=at_least(1))
-    data_parallel_shard_degree: int = opt(-1, "FSDP shards; -1 = the rest of the world size",
-                                          rule=or_auto(at_least(1), "the rest of the world"))
-    tensor_parallel_degree: int = opt(1, "heads and FFN split across this many devices", rule=at_least(1))
-    disable_loss_parallel: bool = opt(False, "gather logits before the loss instead of a sharded loss under TP")
-    fsdp_reshard_after_forward: str = opt(
-        "default", "after forward: default (every block but the last), always, never, or N = keep parameters "
-        "sharded over groups of N ranks (hpZ; N divides the shard degree) so backward's all-gather stays within them",
-        rule=words_or_count(("default", "always", "never"), "default, always, never or a group size >= 1"))
-    fsdp_cpu_offload: bool = opt(False, "sharded params, grads and optimizer state in host memory; AdamW runs there")
-    fsdp_offload_pin_memory: bool = opt(True, "offload into page-locked host memory (faster copies; needs a GPU)")
-    fsdp_prefetch: int = opt(0, "all-gather the next N blocks ahead in forward and backward; 0 = FSDP2's implicit one",
-                             rule=at_least(0))
-    fsdp_defer_grad_reduce: bool = opt(False, "accumulation: reduce gradients after the last micro-batch only")
-    pipeline_parallel_degree: int = opt(1, "pipeline stages across this many ranks (the outermost mesh dim)",
-                                        rule=at_least(1))
-    pipeline_parallel_schedule: str = opt("1F1B", "torch's schedule name: GPipe, 1F1B, Interleaved1F1B, LoopedBFS")
-    pipeline_parallel_microbatches: int = opt(-1, "micro-batches per local batch; -1 = the pipeline degree",
-                                              rule=or_auto(at_least(1)))
-    pipeline_parallel_layers_per_stage: int = opt(-1, "blocks per stage; -1 = split over 1 stage a rank (see README)",
-                                                  rule=or_auto(at_least(1)))
-    context_parallel_degree: int = opt(1, "each sequence split across this many ranks (long context; see README)",
-                                       rule=at_least(1))
-    context_parallel_load_balancer: str = opt("headtail", "a rank's share of the sequence: headtail = chunks i and "
-                                              "2cp-1-i (equal causal work), none = one contiguous chunk",
-                                              choices=("headtail", "none"))
-
-
-@dataclass
-class Comm:
-    """how long a rank waits for its peers before the job is ended as hung"""
-    init_timeout_seconds: int = opt(600, "collective timeout from start-up through the first step (which may compile)",
-                                    rule=at_least(1))
-    train_timeout_seconds: int = opt(100, "collective timeout once training is under way", rule=at_least(1))
-
-
-@dataclass
-class Checkpoint:
-    """saving and resuming (DCP)"""
-    enable: bool = opt(False, "save checkpoints and resume from the newest one")
-    folder: str = opt("checkpoint", "checkpoint folder, under job.dump_folder")
-    interval: int = opt(500, "save every N steps", rule=at_least(1))
-    continue_on_save_error: bool = opt(False, "a failed save (full disk) is reported and training goes on")
-    keep_latest_k: int = opt(0, "keep only the newest K checkpoints; 0 keeps all", rule=at_least(0, "0 keeps all"))
-    async_mode: str = opt("disabled", "save in the background", choices=("disabled", "async"))
-    last_save_model_only: bool = opt(False, "the final save holds weights only (smaller, but cannot be resumed)")
-    export_dtype: str = opt("float32", "dtype of a model-only save", choices=("float32", "bfloat16", "float16"))
-    create_seed_checkpoint: bool = opt(False, "write the initial weights at step 0 and exit")
-    load_step: int = opt(-1, "step to resume from; -1 = newest complete checkpoint",
-                         rule=or_auto(at_least(0), "the newest complete checkpoint"))
-    initial_load_path: str = opt("", "checkpoint to start from when the folder holds none", path=ONE)
-    initial_load_model_only: bool = opt(True, "load only weights from initial_load_path")
-
-
-@dataclass
-class ActivationCheckpoint:
-    """recompute activations in backward to save memory"""
-    mode: str = opt("none", "what to recompute", choices=("none", "full", "selective"))
-    selective_ac_option: str = opt("2", '"op" (per-op policy) or N: checkpoint every N-th block',
-                                   rule=words_or_count(("op",), '"op" or a positive integer'))
-
-
-@dataclass
-class Compile:
-    """torch.compile"""
-    enable: bool = opt(False, "compile each transformer block")
-    backend: str = opt("inductor", "torch.compile backend (aot_eager: traced, not code-generated)",
-                       choices=("inductor", "aot_eager", "eager"))
-
-
-@dataclass
-class Metrics:
-    """logging"""
-    log_freq: int = opt(10, "log every N steps", rule=at_least(1))
-    enable_tensorboard: bool = opt(False, "also write TensorBoard events")
-    save_tb_folder: str = opt("tb", "TensorBoard folder, under job.dump_folder")
-
-
-@dataclass
-class Validation:
-    """periodic evaluation on held-out data"""
-    enable: bool = opt(False, "run validation during training")
-    dataset: str = opt("", '"" = the training data\'s held-out part (README: Data and tokenizers); else a dataset')
-    dataset_path: str = opt("", "local path of that dataset, if it needs one", path=LIST)
-    freq: int = opt(100, "validate every N steps", rule=at_least(1))
-    steps: int = opt(10, "batches per validation", rule=at_least(1))
-
-
-@dataclass
-class JobConfig:
-    job: Job = field(default_factory=Job)
-    model: Model = field(default_factory=Model)
-    optimizer: Optimizer = field(default_factory=Optimizer)
-    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
-    training: Training = field(default_factory=Training)
-    parallelism: Parallelism = field(default_factory=Parallelism)
-    comm: Comm = field(default_factory=Comm)
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
-    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
-    compile: Compile = field(default_factory=Compile)
-    metrics: Metrics = field(default_factory=Metrics)
-    validation: Validation = field(default_factory=Validation)
+from torchtitan_lite.config.paths import absolute, resolve_typed_paths
+from torchtitan_lite.config.rules import Rule
+from torchtitan_lite.config.sections import ConfigError, JobConfig
 
 
 class _Opt(NamedTuple):
