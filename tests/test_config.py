@@ -180,7 +180,9 @@ def test_every_number_declares_its_range_and_floats_refuse_nan_and_inf(o):
     (["--lr_scheduler.decay_ratio", "inf"], "lr_scheduler.decay_ratio must be none or in [0, 1] (got inf)"),
     (["--training.seed", "-1"], "training.seed must be in [0, 2**64) (got -1)"),
     (["--training.seed", str(2**64)], f"training.seed must be in [0, 2**64) (got {2**64})"),
-    (["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds must be >= 1 (got 0)"),
+    (["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds must be in [1, 604800] (got 0)"),
+    (["--comm.init_timeout_seconds", "100000000000000"],
+     "comm.init_timeout_seconds must be in [1, 604800] (got 100000000000000)"),
     (["--parallelism.pipeline_parallel_microbatches", "0"],
      "parallelism.pipeline_parallel_microbatches must be >= 1 or -1 (got 0)"),
 ])

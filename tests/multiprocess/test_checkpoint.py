@@ -21,6 +21,7 @@ from launch import (CHECKPOINTED, COMMON, ROOT, STEPS, TINY, TP2, TRAIN, assert_
                     curve, kill_tree, losses, metric, read_metrics, resumes, snapshot, stopped_after, torchrun,
                     torchrun_cmd, train_in_process, train_job)
 from torchtitan_lite.checkpoint.folder import complete_checkpoints
+from torchtitan_lite.config import ConfigError
 from torchtitan_lite.checkpoint.reader import read_tensors
 
 BPE = str(ROOT / "torchtitan_lite" / "assets" / "stdlib_bpe_2k.tiktoken")
@@ -238,15 +239,27 @@ def test_missing_checkpoint_is_a_config_error(tmp_path, override, message):
     assert_one_error_line(proc, message.format(folder=tmp_path))
 
 
-def test_a_run_stopped_by_an_error_publishes_its_healthy_async_save(tmp_path, monkeypatch):
-    # Step 3's loss is NaN: the run stops at step 3's log, while step 2's save is still in flight.
+@pytest.mark.parametrize("error", ["nan", "config"])
+def test_a_run_stopped_by_an_error_publishes_its_healthy_async_save(tmp_path, monkeypatch, error):
+    # Step 2's save is still in flight when step 3 stops the run: at step 3's log, on a NaN loss; or as it reads its
+    # batch, on a config error (a streamed dataset found changed since it was saved raises one then).
     batches, next_batch = [], train_module.DataLoader.next_batch
-    monkeypatch.setattr(train_module.DataLoader, "next_batch", lambda self: batches.append(1) or next_batch(self))
+
+    def counted_batch(self):
+        batches.append(1)
+        if error == "config" and len(batches) == 3:
+            raise ConfigError("the dataset changed since it was saved")
+        return next_batch(self)
+
+    monkeypatch.setattr(train_module.DataLoader, "next_batch", counted_batch)
     cross_entropy = torch.nn.functional.cross_entropy
     monkeypatch.setattr(torch.nn.functional, "cross_entropy",
                         lambda *a, **k: cross_entropy(*a, **k) * (float("nan") if len(batches) == 3 else 1))
     proc = train(1, tmp_path, "--checkpoint.async_mode", "async", steps=6, check=False)
-    assert proc.returncode == 1 and "step 3: the gradient norm is nan" in proc.stderr
+    if error == "nan":
+        assert proc.returncode == 1 and "step 3: the gradient norm is nan" in proc.stderr
+    else:
+        assert_one_error_line(proc, "the dataset changed since it was saved")
     assert os.listdir(tmp_path / "checkpoint") == ["step-2"]
     assert list(complete_checkpoints(str(tmp_path / "checkpoint"))) == [2]
 

@@ -14,6 +14,11 @@ import math
 from typing import Any, Callable, NamedTuple
 
 
+# The longest timeout: a peer silent for a week is hung whatever it runs, and far longer ones overflow the timedelta
+# that torch.distributed takes (10**14 s raised OverflowError on every rank at start-up).
+WEEK = 7 * 24 * 3600
+
+
 class Rule(NamedTuple):
     text: str  # as the user reads it after "must be"
     ok: Callable[[Any], bool]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torchtitan_lite.config.paths import LIST, ONE
-from torchtitan_lite.config.rules import Rule, at_least, finite_above, finite_at_least, or_auto, within, words_or_count
+from torchtitan_lite.config.rules import WEEK, Rule, at_least, finite_above, finite_at_least, or_auto, within, words_or_count
 
 
 class ConfigError(ValueError):
@@ -118,8 +118,8 @@ class Parallelism:
 class Comm:
     """how long a rank waits for its peers before the job is ended as hung"""
     init_timeout_seconds: int = opt(600, "collective timeout from start-up through the first step (which may compile)",
-                                    rule=at_least(1))
-    train_timeout_seconds: int = opt(100, "collective timeout once training is under way", rule=at_least(1))
+                                    rule=within(1, WEEK))
+    train_timeout_seconds: int = opt(100, "collective timeout once training is under way", rule=within(1, WEEK))
 
 
 @dataclass
