@@ -280,8 +280,10 @@ class DataLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
-        # A checkpoint saved before digests existed has none: the template's own is left in `state`, and passes.
-        check_digest(state.get("digest") or digest(self.source, 0), self.source, self.position // self.global_batch)
+        # A checkpoint saved before digests existed has none: `state` keeps the template's, this loader's digest of no
+        # steps (which no saved step has: a mixture's lists no quotas, a plain source's is the same at every step).
+        if (saved := state.get("digest")) and saved != digest(self.source, 0):
+            check_digest(saved, self.source, self.position // self.global_batch)
         if "dp_size" not in state and not self.streaming:
             return
         saved = state.get("dp_size")
