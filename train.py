@@ -86,17 +86,21 @@ def build_model(cfg: JobConfig, model_args: ModelArgs, mesh, dims: ParallelDims,
     return merge_stages(parts), parts, n_params, n_embedding
 
 
-def validate(model_step: Step, loader: DataLoader, steps: int, global_tokens: int, loss_mesh) -> float:
-    """The loss on `steps` global batches from the start of the held-out data: the same batches every time."""
-    batches = (batch for _ in range(steps) for batch in loader.next_batch())
-    loss_sum = model_step.eval_step(batches, global_tokens * steps)
-    dist.all_reduce(loss_sum, group=loss_mesh.get_group())
-    return loss_sum.item()
+def validate(model_step: Step, loaders: dict[str, DataLoader], steps: int, global_tokens: int,
+             loss_mesh) -> dict[str, float]:
+    """The loss on `steps` global batches from the start of each held-out source: the same batches every time.
+    One source logs `val_loss`; a mixture's log `val_loss/NAME` each and `val_loss` over all their tokens, the
+    mean of theirs since each has as many. One all-reduce and one read of the device for all of them."""
+    losses = torch.stack([model_step.eval_step((batch for _ in range(steps) for batch in loader.next_batch()),
+                                               global_tokens * steps) for loader in loaders.values()])
+    dist.all_reduce(losses, group=loss_mesh.get_group())
+    values = dict(zip(loaders, losses.tolist()))
+    return {"val_loss": sum(values.values()) / len(values), **{f"val_loss/{n}": v for n, v in values.items() if n}}
 
 
 def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     """Trains; `exits` closes what main opens on every way out (run()). Returns the signal that stopped it early."""
-    dims, model_args, global_batch, source, val_source = preflight(cfg, env.world_size)
+    dims, model_args, global_batch, source, val_sources = preflight(cfg, env.world_size)
     training, validation = cfg.training, cfg.validation
     warn_if_validating_on_training_data(training, validation)  # not in preflight: --check is silent on a legal config
 
@@ -171,13 +175,13 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
         optimizer.zero_grad(set_to_none=True)
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + global_tokens
 
-        val_loss = None
+        val_losses = {}
         if validation.enable and (step % validation.freq == 0 or step == training.steps):
             val_start = time.perf_counter()
-            val_loss = validate(model_step, DataLoader(val_source, *loader_args), validation.steps, global_tokens,
-                                loss_mesh)
+            val_losses = validate(model_step, {n: DataLoader(v, *loader_args) for n, v in val_sources.items()},
+                                  validation.steps, global_tokens, loss_mesh)
             last_log_time += time.perf_counter() - val_start  # tokens/s and MFU measure training alone
-        if metrics.should_log(step, last=step == training.steps) or val_loss is not None:
+        if metrics.should_log(step, last=step == training.steps) or val_losses:
             guard.check()  # a step since the last log that must stop the run raises here (saves check too)
             dist.all_reduce(loss_sum, group=loss_mesh.get_group())
             now = time.perf_counter()
@@ -188,7 +192,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
                 "elapsed_s": train_state.elapsed_s(), "tokens_seen": train_state.tokens_seen,
                 "world_size": env.world_size,  # changes when an elastic job shrinks or grows
                 **guard.metrics(), **held,
-                **({} if val_loss is None else {"val_loss": val_loss}),
+                **val_losses,
             })
             last_log_time, last_log_step, held = now, step, {}
             if device.type == "cuda":

@@ -3,13 +3,14 @@ import math
 
 import pytest
 
-from torchtitan_lite.config import OPTIONS, ConfigError, JobConfig, help_text, load_config, to_toml, validate
+from torchtitan_lite.config import OPTIONS, TABLES, ConfigError, JobConfig, help_text, load_config, to_toml, validate
 
 
 def all_keys() -> list[tuple[str, str, object]]:
-    """(section, key, default) for every option, read from the dataclasses so new options are covered too."""
+    """(section, key, default) for every option, read from the dataclasses so new options are covered too; the
+    lists of tables ([[mixture.sources]]) have their own help lines."""
     return [(s.name, f.name, f.default) for s in dataclasses.fields(JobConfig)
-            for f in dataclasses.fields(s.default_factory())]
+            for f in dataclasses.fields(s.default_factory()) if f"{s.name}.{f.name}" not in TABLES]
 
 
 def shown(default: object) -> str:
@@ -151,7 +152,8 @@ def test_impossible_values_are_rejected(argv, expected):
     assert expected in error(argv)
 
 
-NUMBERS = [o for o in OPTIONS.values() if o.type in (int, float)]
+NUMBERS = [o for o in [*OPTIONS.values(), *(o for _, item in TABLES.values() for o in item.values())]
+           if o.type in (int, float)]
 
 
 @pytest.mark.parametrize("o", NUMBERS, ids=[o.key for o in NUMBERS])
@@ -269,6 +271,9 @@ def test_help_lists_every_option_with_default_and_choices(capsys):
         assert line is not None, f"--{section}.{key} missing from help"
         assert f" = {shown(default)}" in line, line
     assert "{foreach, fused, for-loop}" in text
+    for key, (_, options) in TABLES.items():  # the lists of tables: a header, then each field as in TOML
+        assert f"  [[{key}]]  (TOML only) " in text
+        assert all(f"    {o.name} {o.type.__name__} = " in text for o in options.values())
     assert "  --optimizer.beta2 float = 0.95  must be in [0, 1)" in lines
     assert "  --lr_scheduler.decay_ratio float|none = none  must be none or in [0, 1]" in lines
     assert all(" must be " in l for l in lines if l.strip().startswith(tuple(f"--{o.key} " for o in NUMBERS)))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from launch import ROOT, assert_same_curve, losses, train_in_process, train_job
+from launch import ROOT, TINY, assert_same_curve, losses, train_in_process, train_job
 from torchtitan_lite.data.files import stdlib_files
 
 @pytest.fixture(scope="module")
@@ -27,10 +27,17 @@ def data(tmp_path_factory):
     subprocess.run([sys.executable, str(ROOT / "scripts/pretokenize.py"), "--dataset", "jsonl", "--text_field",
                     "content", "--dataset_path", str(folder / "docs.jsonl"), "--tokenizer_path", "",
                     "--output", str(folder / "tokens"), "--workers", "1"], check=True, capture_output=True)
+    # The tests' config on the shards and synthetic data, 3:1 and then 1:1 from step 6 on: a resume at step 4
+    # crosses the phase.
+    (folder / "mixture.toml").write_text(TINY.read_text().replace('dataset = "synthetic"', 'dataset = "mixture"') +
+        f'[[mixture.sources]]\nname = "docs"\ndataset = "tokens"\ndataset_path = "{folder / "tokens"}"\n'
+        f'weight = 3\n[[mixture.sources]]\nname = "synthetic"\ndataset = "synthetic"\n'
+        f'[[mixture.phases]]\nstart_step = 6\nweights = {{docs = 1, synthetic = 1}}\n')
     return {
         "jsonl": ["--training.dataset", "jsonl", "--training.dataset_path", str(folder / "docs.jsonl"),
                   "--training.dataset_text_field", "content"],
         "tokens": ["--training.dataset", "tokens", "--training.dataset_path", str(folder / "tokens")],
+        "mixture": ["--job.config_file", str(folder / "mixture.toml")],
     }
 
 
@@ -58,6 +65,7 @@ def test_jsonl_and_shards_train_on_the_same_stream(straight_runs):
 @pytest.mark.parametrize("name, nproc, tolerance", [
     ("jsonl", 1, 1e-6),  # same layout: the same numbers
     ("tokens", 2, 1e-5),  # dp 1 -> FSDP 2: other reduction order, same samples
+    ("mixture", 2, 1e-5),  # the same, on a mixture across its phase boundary at step 6
 ])
 def test_stopped_run_resumes_with_the_next_samples(data, straight_runs, tmp_path, name, nproc, tolerance):
     # A run stopped after step 4 is the straight run's dump with only its step-4 checkpoint.

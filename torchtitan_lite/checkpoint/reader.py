@@ -118,9 +118,9 @@ def check_fits(state: dict[str, Any], path: str, metadata: Metadata) -> None:
     saved = metadata.state_dict_metadata
     ours = flatten_state(state)
     for key, value in ours.items():
-        if key.startswith(("rng.", "update_guard.", "lr_scheduler.settings.")):
+        if key.startswith(("rng.", "update_guard.", "lr_scheduler.settings.", "dataloader.digest")):
             continue  # a CPU checkpoint has no rng.cuda, nor an fp32 one a loss scale, nor an older one the lr
-            # schedule's settings (optim.LRSchedule): what is there is loaded
+            # schedule's settings (optim.LRSchedule) or the data's digest (data/digest.py): what is there is loaded
         if key not in saved:
             raise ConfigError(f"checkpoint {path} has no {key}: it was saved from another model or setup")
         if isinstance(value, torch.Tensor) and tuple(saved[key].size) != tuple(value.shape):

@@ -5,11 +5,11 @@ imports nothing else of the package, and every layer reads it.
 The one package that re-exports: `from torchtitan_lite.config import JobConfig` is how every layer names its config.
 """
 
-from torchtitan_lite.config.job_config import OPTIONS, SECTIONS, help_text, load_config, to_toml, validate
+from torchtitan_lite.config.job_config import OPTIONS, SECTIONS, TABLES, help_text, load_config, to_toml, validate
 from torchtitan_lite.config.sections import (ActivationCheckpoint, Checkpoint, Comm, Compile, ConfigError, Job,
-                                             JobConfig, LRScheduler, Metrics, Model, Optimizer, Parallelism, Training,
-                                             Validation, opt)
+                                             JobConfig, LRScheduler, Metrics, Mixture, Model, Optimizer, Parallelism,
+                                             Phase, Source, Training, Validation, opt)
 
-__all__ = ["OPTIONS", "SECTIONS", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "ConfigError", "Job",
-           "JobConfig", "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Training", "Validation",
-           "help_text", "load_config", "opt", "to_toml", "validate"]
+__all__ = ["OPTIONS", "SECTIONS", "TABLES", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "ConfigError",
+           "Job", "JobConfig", "LRScheduler", "Metrics", "Mixture", "Model", "Optimizer", "Parallelism", "Phase",
+           "Source", "Training", "Validation", "help_text", "load_config", "opt", "to_toml", "validate"]

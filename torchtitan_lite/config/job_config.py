@@ -35,26 +35,43 @@ class _Opt(NamedTuple):
     path: str  # paths.ONE or LIST: names files; relative on the command line, it is the caller's (paths.py)
 
 
-_KIND = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}  # the supported types
+_KIND = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+         dict: "a table of names to numbers"}  # the supported types; dict: TOML only, in a list's tables
 
 
-def _collect() -> tuple[dict[str, type], dict[str, _Opt]]:
+def _options(prefix: str, cls: type) -> tuple[dict[str, _Opt], dict[str, tuple[type, dict[str, _Opt]]]]:
+    """The options of dataclass `cls` as `prefix.name`, and its lists of tables (list[SomeDataclass] fields, TOML's
+    [[prefix.name]]) with their own options, keyed `prefix.name.field`."""
+    options, tables = {}, {}
     # get_type_hints, not field.type: under `from __future__ import annotations` the latter is just a string.
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, key = hints[f.name], f"{prefix}.{f.name}"
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is list and dataclasses.is_dataclass(args[0]):
+            tables[key] = (args[0], _options(key, args[0])[0])
+            continue
+        base = dict if typing.get_origin(tp) is dict else next((a for a in args if a is not type(None)), tp)
+        assert base in _KIND, f"{key}: parsing {tp} is not implemented"
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        options[key] = _Opt(key, prefix, f.name, base, type(None) in args, default,
+                            *(f.metadata[k] for k in ("help", "choices", "rule", "path")))
+    return options, tables
+
+
+def _collect() -> tuple[dict[str, type], dict[str, _Opt], dict[str, tuple[type, dict[str, _Opt]]]]:
     sections = typing.get_type_hints(JobConfig)
-    options = {}
+    options, tables = {}, {}
     for sec, cls in sections.items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            tp = hints[f.name]
-            args = typing.get_args(tp)
-            base = next((a for a in args if a is not type(None)), tp)
-            assert base in _KIND, f"{sec}.{f.name}: parsing {tp} is not implemented"
-            options[f"{sec}.{f.name}"] = _Opt(f"{sec}.{f.name}", sec, f.name, base, type(None) in args,
-                                              f.default, *(f.metadata[k] for k in ("help", "choices", "rule", "path")))
-    return sections, options
+        found, lists = _options(sec, cls)
+        options.update(found)
+        tables.update(lists)
+    return sections, options, tables
 
 
-SECTIONS, OPTIONS = _collect()  # the one table every loader and checker below walks
+# The one table every loader and checker below walks; TABLES: the lists of tables ([[mixture.sources]]), each item
+# class with its options, which `--section.key` cannot set.
+SECTIONS, OPTIONS, TABLES = _collect()
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 
@@ -85,6 +102,9 @@ def _coerce(o: _Opt, value: Any, where: str = "") -> Any:
         return None
     if o.type is float and type(value) is int:
         return float(value)
+    if o.type is dict and isinstance(value, dict) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
+        return {str(k): float(v) for k, v in value.items()}
     if isinstance(value, o.type) and not (o.type is int and isinstance(value, bool)):  # bool is an int subclass
         return value
     kind = _KIND[o.type] + (" (leave it out for none)" if o.optional else "")
@@ -118,9 +138,30 @@ def _apply_toml(cfg: JobConfig, data: dict[str, Any], source: str) -> None:
         if not isinstance(table, dict):
             raise ConfigError(f"{sec} in {source} must be a table: write [{sec}] and its keys below it")
         for name, value in table.items():
-            if (o := OPTIONS.get(key := f"{sec}.{name}")) is None:
-                raise ConfigError(f"unknown key {key} in {source}{_did_you_mean(key, list(OPTIONS))}")
-            _set(cfg, o, _coerce(o, value, f" in {source}"))
+            key = f"{sec}.{name}"
+            if key in TABLES:
+                setattr(getattr(cfg, sec), name, _tables(key, value, source))
+            elif (o := OPTIONS.get(key)) is not None:
+                _set(cfg, o, _coerce(o, value, f" in {source}"))
+            else:
+                raise ConfigError(f"unknown key {key} in {source}{_did_you_mean(key, [*OPTIONS, *TABLES])}")
+
+
+def _tables(key: str, value: Any, source: str) -> list[Any]:
+    """A TOML list of tables ([[key]] blocks) as a list of its item dataclass."""
+    cls, options = TABLES[key]
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ConfigError(f"{key} in {source} must be a list of tables: write [[{key}]] and its keys below it")
+    items = []
+    for i, table in enumerate(value):
+        item = cls()
+        for name, v in table.items():
+            if (o := options.get(f"{key}.{name}")) is None:
+                raise ConfigError(f"unknown key {name} in [[{key}]] number {i + 1} in {source}"
+                                  f"{_did_you_mean(name, [o.name for o in options.values()])}")
+            setattr(item, name, _coerce(o, v, f" (number {i + 1}) in {source}"))
+        items.append(item)
+    return items
 
 
 def _parse_cli(argv: list[str]) -> list[tuple[_Opt, Any]]:
@@ -134,6 +175,8 @@ def _parse_cli(argv: list[str]) -> list[tuple[_Opt, Any]]:
         name, eq, text = arg[2:].partition("=")
         negated = name.startswith("no-")
         o = OPTIONS.get(name[3:] if negated else name)
+        if name in TABLES or (o and o.type is dict):
+            raise ConfigError(f"--{name} is set in the TOML file only ([[{name}]] tables; docs/configuration.md)")
         if o is None:
             raise ConfigError(f"unknown option --{name}{_did_you_mean(name, list(OPTIONS), '--')}")
         if negated:
@@ -175,12 +218,24 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
 def validate(cfg: JobConfig) -> None:
     """Raises ConfigError on a wrong type, a value outside its choices, or an impossible value."""
     for o in OPTIONS.values():
-        value = _get(cfg, o)
-        _coerce(o, value)  # catches configs built in code, which skipped the TOML/CLI checks
-        if o.choices and value not in o.choices:
-            raise ConfigError(f"{o.key} must be one of {', '.join(o.choices)} (got {value!r})")
-        if o.rule and value is not None and not o.rule.ok(value):
-            raise ConfigError(f"{o.key} must be {_allowed(o)} (got {value!r})")
+        _check(o, _get(cfg, o))
+    for key, (_, options) in TABLES.items():
+        for i, item in enumerate(_get_table(cfg, key)):
+            for o in options.values():
+                _check(o, getattr(item, o.name), f" (number {i + 1})")
+
+
+def _check(o: _Opt, value: Any, where: str = "") -> None:
+    _coerce(o, value, where)  # catches configs built in code, which skipped the TOML/CLI checks
+    if o.choices and value not in o.choices:
+        raise ConfigError(f"{o.key}{where} must be one of {', '.join(o.choices)} (got {value!r})")
+    if o.rule and value is not None and not o.rule.ok(value):
+        raise ConfigError(f"{o.key}{where} must be {_allowed(o)} (got {value!r})")
+
+
+def _get_table(cfg: JobConfig, key: str) -> list[Any]:
+    sec, name = key.split(".")
+    return getattr(getattr(cfg, sec), name)
 
 
 def _allowed(o: _Opt) -> str:
@@ -192,6 +247,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):  # JSON string escapes are a subset of TOML's, except that TOML also bans DEL
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, dict):  # an inline table; JSON-quoted keys are TOML's quoted keys
+        return "{" + ", ".join(f"{_toml_value(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)  # repr round-trips floats exactly (8e-4 -> 0.0008), and TOML reads inf/nan/1e-08
 
 
@@ -204,6 +261,10 @@ def to_toml(cfg: JobConfig) -> str:
             value = _get(cfg, o)
             if value is not None:
                 lines.append(f"{o.name} = {_toml_value(value)}")
+        for key in (k for k in TABLES if k.startswith(sec + ".")):  # after the section's own keys, as TOML needs
+            for item in _get_table(cfg, key):
+                lines += ["", f"[[{key}]]"]
+                lines += [f"{o.name} = {_toml_value(getattr(item, o.name))}" for o in TABLES[key][1].values()]
     return "\n".join(lines) + "\n"
 
 
@@ -217,9 +278,25 @@ def help_text() -> str:
     for sec, cls in SECTIONS.items():
         lines += ["", f"[{sec}]  {cls.__doc__}"]
         for o in (o for o in OPTIONS.values() if o.section == sec):
-            kind = o.type.__name__ + ("|none" if o.optional else "")
-            default = "none" if o.default is None else _toml_value(o.default)
-            choices = f"  {{{', '.join(o.choices)}}}" if o.choices else ""
-            rule = f"  must be {_allowed(o)}" if o.rule else ""
-            lines += [f"  --{o.key} {kind} = {default}{choices}{rule}", f"      {o.help}"]
+            lines += [f"  --{o.key} {_kind(o)} = {_default(o)}{_choices(o)}{_rule(o)}", f"      {o.help}"]
+        for key, (cls, options) in ((k, t) for k, t in TABLES.items() if k.startswith(sec + ".")):
+            lines.append(f"  [[{key}]]  (TOML only) {cls.__doc__}")
+            for o in options.values():
+                lines += [f"    {o.name} {_kind(o)} = {_default(o)}{_choices(o)}{_rule(o)}", f"        {o.help}"]
     return "\n".join(lines)
+
+
+def _kind(o: _Opt) -> str:
+    return o.type.__name__ + ("|none" if o.optional else "")
+
+
+def _default(o: _Opt) -> str:
+    return "none" if o.default is None else _toml_value(o.default)
+
+
+def _choices(o: _Opt) -> str:
+    return f"  {{{', '.join(o.choices)}}}" if o.choices else ""
+
+
+def _rule(o: _Opt) -> str:
+    return f"  must be {_allowed(o)}" if o.rule else ""

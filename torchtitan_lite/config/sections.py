@@ -5,6 +5,7 @@ walks these dataclasses, so adding an option is one line here and nothing else.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -16,7 +17,10 @@ class ConfigError(ValueError):
     """A problem with the user's configuration; the message is one line naming the key and the fix."""
 
 def opt(default: Any, help: str, choices: tuple[str, ...] = (), rule: Rule | None = None, path: str = "") -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "rule": rule, "path": path})
+    metadata = {"help": help, "choices": choices, "rule": rule, "path": path}
+    if isinstance(default, (list, dict)):  # a fresh one per instance: mutable defaults are shared otherwise
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -175,6 +179,36 @@ class Validation:
 
 
 @dataclass
+class Source:
+    """one [[mixture.sources]] table: a dataset and its share of every global batch"""
+    name: str = opt("", "unique; keys the source's order, its metrics (val_loss/NAME) and its checkpoint state")
+    dataset: str = opt("python_stdlib", "any training.dataset kind: synthetic, python_stdlib, text, jsonl, tokens, hf")
+    dataset_path: str = opt("", "local path of the dataset, if it needs one", path=LIST)
+    text_field: str = opt("text", "jsonl and hf datasets: the field that holds a document's text")
+    weight: float = opt(1.0, "share of each global batch until the first phase (weights are normalized)",
+                        rule=finite_at_least(0))
+    max_epochs: float = opt(0.0, "passes over the source training.steps may take at most; 0 = no cap",
+                            rule=finite_at_least(0, "no cap"))
+    validation_path: str = opt("", '"" = the held-out part of the source (as validation.dataset ""); else its files',
+                               path=LIST)
+
+
+@dataclass
+class Phase:
+    """one [[mixture.phases]] table: new weights once start_step steps are done (annealing)"""
+    start_step: int = opt(1, "steps trained before these weights apply", rule=at_least(1))
+    weights: dict[str, float] = opt({}, "NAME = weight for every source (an inline table); missing names weigh 0")
+
+
+@dataclass
+class Mixture:
+    """weighted data sources and phases; training.dataset = "mixture" selects them (docs/data.md: Mixtures)"""
+    sources: list[Source] = opt([], "the sources, one [[mixture.sources]] table each")
+    phases: list[Phase] = opt([], "later weights, one [[mixture.phases]] table each, in step order")
+    weights: str = opt("", '"" = the sources\' weights; else NAME=W,NAME=W replaces them (the command line\'s form)')
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -188,3 +222,4 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    mixture: Mixture = field(default_factory=Mixture)

@@ -29,6 +29,7 @@ import torch
 
 from torchtitan_lite.config import ConfigError, Training, Validation
 from torchtitan_lite.data import files as datasets
+from torchtitan_lite.data.digest import check_digest, digest
 from torchtitan_lite.models.init import key_words, mix32, uniform
 
 logger = logging.getLogger("torchtitan_lite")
@@ -226,44 +227,80 @@ class DataLoader:
         self.shard = shard or (lambda x: x)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.position = 0  # windows of the global order consumed so far
-        self.streaming = getattr(source, "streaming", False)
-        self.stream: Packer | None = None  # opened at the first batch, after a possible load_state_dict
-        self.stream_state = (0, 0, "")  # docs, offset, position (Packer)
+        self.streaming = getattr(source, "streaming", False) is True  # a mixture's is a list: which parts stream
+        # Hugging Face streams, opened at the first batch after a possible load_state_dict: the source's (key None)
+        # or a mixture's (key: the part), with where each resumes: (docs, offset, position) of a Packer.
+        self.streams: dict[int | None, Packer] = {}
+        self.saved: dict[int | None, tuple[int, int, str]] = {}
+        self.stream_state = (0, 0, "")
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         per_rank = self.global_batch // self.dp_size
         if self.streaming:
-            if self.stream is None:
-                self.stream = self.source.open(self.dp_rank, self.dp_size, *self.stream_state)
-            windows = torch.stack([self.stream.next_window() for _ in range(per_rank)])
-            self.stream_state = (self.stream.docs, self.stream.offset, self.stream.position)
+            windows = torch.stack([self._stream(None).next_window() for _ in range(per_rank)])
+            self.stream_state = self._states()[None]
         else:
             first = self.position + self.dp_rank * per_rank
-            windows = self.source.windows(torch.arange(first, first + per_rank))
+            index = torch.arange(first, first + per_rank)
+            # A mixture's Hugging Face streams are read in order, each rank its own shard of each.
+            windows = (self.source.windows(index, self._take) if hasattr(self.source, "positions")
+                       else self.source.windows(index))
         self.position += self.global_batch
         batches = [(self.shard(w[:, :-1]), self.shard(w[:, 1:])) for w in windows.split(self.local_batch)]
         return [(x.pin_memory(), y.pin_memory()) for x, y in batches] if self.pin else batches
 
+    def _stream(self, part: int | None) -> Packer:
+        """This rank's stream of the source (`part` None) or of a mixture's source, opened at its saved place."""
+        if part not in self.streams:
+            source = self.source if part is None else self.source.parts[part]
+            self.streams[part] = source.open(self.dp_rank, self.dp_size, *self.saved.get(part, (0, 0, "")))
+        return self.streams[part]
+
+    def _take(self, part: int, n: int) -> torch.Tensor:
+        stream = self._stream(part)
+        return torch.stack([stream.next_window() for _ in range(n)])
+
+    def _states(self) -> dict[int | None, tuple[int, int, str]]:
+        return {**self.saved, **{k: (s.docs, s.offset, s.position) for k, s in self.streams.items()}}
+
     def state_dict(self) -> dict:
-        if not self.streaming:
-            return {"position": self.position}
+        state = {"position": self.position, "digest": digest(self.source, self.position // self.global_batch)}
+        parts = getattr(self.source, "streaming", [])
+        if self.streaming:
+            docs, offset, position = self.stream_state
+            rank = {"docs": docs, "offset": offset, "stream": position}
+        elif any(parts):  # a mixture with streams: the state of each, by source name
+            states = self._states()
+            rank = {self.source.names[i]: dict(zip(("docs", "offset", "stream"), states.get(i, (0, 0, ""))))
+                    for i, streamed in enumerate(parts) if streamed}
+        else:
+            return state
         # One key per rank (DCP saves each), as torchtitan's loader does; dp_size is the same on every rank.
-        docs, offset, position = self.stream_state
-        return {"position": self.position, "dp_size": self.dp_size,
-                f"dp_rank_{self.dp_rank}": {"docs": docs, "offset": offset, "stream": position}}
+        return {**state, "dp_size": self.dp_size, f"dp_rank_{self.dp_rank}": rank}
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
-        if not self.streaming:
+        # A checkpoint saved before digests existed has none: `state` keeps the template's, this loader's digest of no
+        # steps (which no saved step has: a mixture's lists no quotas, a plain source's is the same at every step).
+        if (saved := state.get("digest")) and saved != digest(self.source, 0):
+            check_digest(saved, self.source, self.position // self.global_batch)
+        if "dp_size" not in state and not self.streaming:
             return
         saved = state.get("dp_size")
         if saved != self.dp_size:
-            raise ConfigError(f"the checkpoint streamed its data on {saved} data-parallel ranks, each its own shard; "
+            what = "its data" if self.streaming else "the mixture's Hugging Face sources"
+            raise ConfigError(f"the checkpoint streamed {what} on {saved} data-parallel ranks, each its own shard; "
                               f"resuming on {self.dp_size} would replay or skip documents: resume with the same "
                               f"data-parallel degree, or use pre-tokenized data (dataset 'tokens'), which reshards")
         rank = state[f"dp_rank_{self.dp_rank}"]
         # A checkpoint written before streams saved their position has no "stream": the documents are counted.
-        self.stream_state, self.stream = (int(rank["docs"]), int(rank["offset"]), str(rank.get("stream", ""))), None
+        if self.streaming:
+            self.saved = {None: (int(rank["docs"]), int(rank["offset"]), str(rank.get("stream", "")))}
+        else:
+            self.saved = {self.source.names.index(n): (int(r["docs"]), int(r["offset"]), str(r["stream"]))
+                          for n, r in rank.items()}
+        self.streams = {}
+        self.stream_state = self.saved.get(None, (0, 0, ""))
 
 
 DATASETS = ("synthetic", "python_stdlib", "text", "jsonl", "tokens", "hf")
@@ -306,16 +343,17 @@ def warn_if_validating_on_training_data(t: Training, v: Validation) -> None:
                        "training data", len(both), both[0], ", ..." if len(both) > 1 else "")
 
 
-def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int, split: str = "train",
-                 text_field: str = "text"):
+def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int | str, split: str = "train",
+                 text_field: str = "text", label: str = ""):
     """The source `name` reads from `path`, for split "train" (training.*) or "validation" (validation.*).
 
     Only python_stdlib (every 50th file is held out), synthetic (a far-away part of its stream) and hf (the split of
     that name) derive a validation split themselves; the others read whatever files `path` names (build_sources
-    holds out a part of them).
+    holds out a part of them). `label` names the config table in errors (a mixture's source), else training.* or
+    validation.* does; `seed` may be a string key (a mixture's sources are keyed by name).
     """
-    section = "training" if split == "train" else "validation"
-    key = f"{section}.dataset_path"
+    section = label or ("training" if split == "train" else "validation")
+    key = f"{section}.{'validation_path' if label and split != 'train' else 'dataset_path'}"
     start = time.perf_counter()
     if name == "synthetic":
         source = SyntheticSource(seq_len, tokenizer.n_words, seed)

@@ -203,8 +203,9 @@ class MetricLogger:
             fields = [f"step: {step}", f"loss: {values['loss']:.4f}"]
             fields += [f"{label}: {fmt.format(values[k])}" for k, label, fmt in _CONSOLE if k in values]
             logger.info("  ".join(fields))
-        if "val_loss" in values:
-            logger.info(f"step: {step}  val_loss: {values['val_loss']:.4f}")
+        if "val_loss" in values:  # a mixture's sources beside it (val_loss/NAME)
+            sources = "".join(f"  {k}: {v:.4f}" for k, v in values.items() if k.startswith("val_loss/"))
+            logger.info(f"step: {step}  val_loss: {values['val_loss']:.4f}{sources}")
         if self._tb is not None:
             for k, v in values.items():
                 self._tb.add_scalar(k, v, step)

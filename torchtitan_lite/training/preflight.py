@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torchtitan_lite.checkpoint.manager import check_config
 from torchtitan_lite.config import JobConfig
-from torchtitan_lite.data.loader import build_sources
+from torchtitan_lite.data.mixture import build_data
 from torchtitan_lite.data.tokenizer import load_tokenizer
 from torchtitan_lite.models.llama import ModelArgs, flavor_args
 from torchtitan_lite.parallel.context_parallel import check_cp
@@ -26,8 +26,9 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> N
 
 
 def preflight(cfg: JobConfig, world_size: int):
-    """The trainer's checks: (dims, model args, global batch, training source, validation source), or a ConfigError
-    that names the problem and the fix."""
+    """The trainer's checks: (dims, model args, global batch, training source, validation sources by name: {"": one}
+    for one dataset, one per source for a mixture, {} with validation off), or a ConfigError that names the problem
+    and the fix."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     model_args = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
@@ -35,5 +36,5 @@ def preflight(cfg: JobConfig, world_size: int):
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
     training = cfg.training
     global_batch = dims.global_batch(training.local_batch_size, training.global_batch_size)
-    source, val_source = build_sources(training, cfg.validation, tokenizer)
-    return dims, model_args, global_batch, source, val_source
+    source, val_sources = build_data(cfg, tokenizer, global_batch)
+    return dims, model_args, global_batch, source, val_sources
