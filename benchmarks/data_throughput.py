@@ -4,9 +4,9 @@ debug run spends waiting for data.
     python benchmarks/data_throughput.py [--seq_len 256] [--run_dir outputs]
 
 Per source: the startup cost (reading and tokenizing; none for synthetic and shards) and windows() throughput over
-the loader's access pattern (consecutive global positions, which the shuffle scatters over the corpus). Then the
-debug run's data wait: DataLoader.next_batch() for one rank (local batch 4, dp 2) against the step time of the
-debug model, measured here in one process or, with --run_dir, read from a finished run's metrics.jsonl.
+the loader's access pattern (consecutive global positions, which the shuffle scatters over the corpus), and three of
+them in a mixture (data/mixture.py) beside one alone. Then the debug run's data wait: DataLoader.next_batch() for one
+rank (local batch 4, dp 2), on one source and on the mixture, against the step time of the debug model, measured here in one process or, with --run_dir, read from a finished run's metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from torchtitan_lite.data import files as datasets
 from torchtitan_lite.data.loader import DataLoader, build_source
+from torchtitan_lite.data.mixture import MixtureSource
 from torchtitan_lite.data.tokenizer import STDLIB_BPE, Tokenizer
 from torchtitan_lite.models.llama import FLAVORS, Transformer
 from torchtitan_lite.runtime.run_history import read_metrics
@@ -94,6 +95,7 @@ def main() -> None:
             "jsonl": ("jsonl", str(tmp / "stdlib.jsonl")),
             "tokens (mmap)": ("tokens", str(tmp / "shards")),
         }
+        parts = {}
         print(f"windows(), {args.batch} per call, stdlib BPE, one process; startup = reading and tokenizing")
         print(f"{'source':<16}{'startup':>10}{f'tokens/s at seq_len {seq_len}':>28}{'at seq_len 2048':>18}")
         for name, (dataset, path) in specs.items():
@@ -103,18 +105,27 @@ def main() -> None:
             print(f"{name:<16}{startup:>9.2f}s{rate:>28.3g}{long_rate:>18.3g}")
             if dataset == "python_stdlib":
                 stdlib = source
+            parts[name] = source
+        # Three of them mixed 5:3:2 (data/mixture.py): what sorting each batch's windows by source costs.
+        mixture = MixtureSource({"code": parts["python_stdlib"], "synthetic": parts["synthetic"],
+                                 "shards": parts["tokens (mmap)"]}, [(0, {"code": 5, "synthetic": 3, "shards": 2})],
+                                global_batch=args.batch)
+        plain_rate = windows_per_second(parts["python_stdlib"], args.batch) * (seq_len + 1)
+        mixed_rate = windows_per_second(mixture, args.batch) * (seq_len + 1)
+        print(f"{'mixture 5:3:2':<16}{'':>10}{mixed_rate:>28.3g}   (python_stdlib alone, side by side: "
+              f"{plain_rate:.3g})")
 
-    # The debug run: per rank, local batch 4 of a global batch of 8 (dp 2).
-    loader = DataLoader(stdlib, global_batch=8, local_batch=4, dp_rank=1, dp_size=2)
-    start = time.perf_counter()
-    for _ in range(200):
-        loader.next_batch()
-    wait = (time.perf_counter() - start) / 200
+    # The debug run: per rank, local batch 4 of a global batch of 8 (dp 2), on one source and on the mixture.
     step = run_step_seconds(args.run_dir) if args.run_dir else step_seconds(bpe, seq_len, local_batch=4)
     where = f"run {args.run_dir}" if args.run_dir else "debug model, local batch 4, one process"
-    print(f"\ndebug run: next_batch() {wait * 1e3:.2f} ms, step {step * 1e3:.0f} ms ({where}): "
-          f"data is {100 * wait / step:.2g}% of the step")
-
+    print(f"\ndebug run: step {step * 1e3:.0f} ms ({where})")
+    for name, source in (("python_stdlib", stdlib), ("mixture 5:3:2", mixture)):
+        loader = DataLoader(source, global_batch=8, local_batch=4, dp_rank=1, dp_size=2)
+        start = time.perf_counter()
+        for _ in range(200):
+            loader.next_batch()
+        wait = (time.perf_counter() - start) / 200
+        print(f"  {name:<14} next_batch() {wait * 1e3:.2f} ms: data is {100 * wait / step:.2g}% of the step")
 
 if __name__ == "__main__":
     main()
