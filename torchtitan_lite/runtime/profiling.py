@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import time
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, record_function
@@ -61,7 +62,7 @@ class StepProfiler:
         # steps a straight run would.
         self._prof = torch.profiler.profile(
             activities=activities, schedule=lambda n: cycle(n + start_step), on_trace_ready=self._write,
-            record_shapes=True, profile_memory=self._memory, with_stack=self._memory)  # what the timeline needs
+            record_shapes=True, profile_memory=self._memory, with_stack=self._memory)  # the timeline's needs
 
     def __enter__(self) -> StepProfiler:
         if self._prof is not None:
@@ -93,6 +94,8 @@ class StepProfiler:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         prof.export_chrome_trace(path)  # gzipped: the name ends in .gz
         if self._memory:
-            prof.export_memory_timeline(trace_path(self.folder, step, self.rank, "memory_timeline"), device="cpu")
+            with warnings.catch_warnings():  # deprecated for GPUs, in favour of memory_snapshot.py's snapshots
+                warnings.simplefilter("ignore", FutureWarning)
+                prof.export_memory_timeline(trace_path(self.folder, step, self.rank, "memory_timeline"), device="cpu")
         logger.info("profiling: step %d traced in %s (%.1fs)", step, os.path.dirname(path),
                     time.perf_counter() - begin)

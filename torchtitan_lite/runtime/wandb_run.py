@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import uuid
 
 from torchtitan_lite.config import ConfigError
 
@@ -52,7 +53,7 @@ class WandbRun:
         tags = [t.strip() for t in env("WANDB_RUN_TAGS", "").split(",") if t.strip()]
         self.run = wandb.init(
             entity=env("WANDB_TEAM"), project=env("WANDB_PROJECT", "torchtitan_lite"), name=env("WANDB_RUN_NAME"),
-            id=run_id(dump_folder, start_step > 0, wandb.util.generate_id), resume="allow", notes=env("WANDB_RUN_NOTES"),
+            id=run_id(dump_folder, start_step > 0, lambda: uuid.uuid4().hex[:8]), resume="allow", notes=env("WANDB_RUN_NOTES"),
             tags=tags or None, group=env("WANDB_RUN_GROUP"), job_type=env("WANDB_RUN_JOB_TYPE"), dir=dump_folder,
             config=config)
         self.run.define_metric("*", step_metric="step")
