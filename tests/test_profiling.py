@@ -3,14 +3,18 @@ against the bytes the trainer holds, and --check's refusal of a cycle too short 
 The multi-process traces (their collectives, a resumed run's numbering) are tests/multiprocess/test_profiling.py's."""
 
 import gzip
+import importlib.util
 import json
 from collections import Counter
 
 import torch.profiler._memory_profiler as memory_profiler
 
 import train
-from launch import TINY, read_metrics, train_in_process
+from launch import ROOT, TINY, read_metrics, train_in_process
 
+_spec = importlib.util.spec_from_file_location("trace_summary", ROOT / "scripts" / "trace_summary.py")
+trace_summary = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(trace_summary)
 PHASES = {"data", "forward_backward", "optimizer", "checkpoint"}
 
 
@@ -30,6 +34,8 @@ def test_cpu_memory_timeline_holds_exactly_the_parameters_gradients_and_optimize
         "iteration_2/rank0_memory_timeline.json.gz", "iteration_2/rank0_trace.json.gz"]
     events = json.load(gzip.open(traces / "iteration_2" / "rank0_trace.json.gz"))["traceEvents"]
     assert PHASES <= {e.get("name") for e in events if e.get("cat") == "user_annotation"}
+    text = trace_summary.summary(str(traces / "iteration_2" / "rank0_trace.json.gz"), top=3)  # scripts/trace_summary.py
+    assert "forward_backward" in text and "c10d::allreduce_" in text and "aten::" in text
     _, sizes = json.load(gzip.open(traces / "iteration_2" / "rank0_memory_timeline.json.gz"))
     held = read_metrics(tmp_path)[0]  # measured at step 1, after backward: the state step 2 starts with
     index = memory_profiler._CATEGORY_TO_INDEX
