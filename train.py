@@ -32,11 +32,15 @@ from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.parallel.pipeline import merge_stages, split_stages
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
-from torchtitan_lite.runtime.metrics import MetricLogger, flops_per_token, held_bytes, memory_gib, peak_flops
+from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
+from torchtitan_lite.runtime.metrics import (MetricLogger, allocator_fields, flops_per_token, held_bytes, memory_gib,
+                                             peak_flops)
 from torchtitan_lite.runtime.precision import NonFiniteError, UpdateGuard, warn_if_slow
 from torchtitan_lite.runtime.process import Env, init_distributed, peer_timeout, set_determinism, set_timeout
+from torchtitan_lite.runtime.profiling import StepProfiler
 from torchtitan_lite.runtime.run_history import start_history
 from torchtitan_lite.runtime.signals import Preemption, exit_code, restore_signals, stop_with_launcher
+from torchtitan_lite.runtime.stragglers import Stragglers
 from torchtitan_lite.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from torchtitan_lite.training.preflight import preflight
 from torchtitan_lite.training.step import Numerics, Step, build_step
@@ -148,12 +152,19 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
         return
 
     metrics = MetricLogger(cfg.job.dump_folder, env.rank, cfg.metrics.log_freq, cfg.metrics.enable_tensorboard,
-                           cfg.metrics.save_tb_folder, start_step=train_state.step, config=to_toml(cfg))
+                           cfg.metrics.save_tb_folder, start_step=train_state.step, config=to_toml(cfg),
+                           enable_wandb=cfg.metrics.enable_wandb)
+    # Traces of chosen steps and, on a GPU, memory snapshots (one written when a step runs out of memory).
+    profiler = exits.enter_context(StepProfiler(cfg.profiling, cfg.job.dump_folder, env.rank, device, train_state.step))
+    snapshots = exits.enter_context(MemorySnapshots(cfg.profiling, cfg.job.dump_folder, env.rank, device,
+                                                    cfg.job.config_file))
     if training.gc_freq > 0:
         gc.disable()  # collect on a schedule instead, so all ranks pause at the same step
     step, start = train_state.step, time.perf_counter()
     # Agreeing on a signal takes a collective: on the CPU, so it overlaps GPU work (gloo is the CPU's default group).
-    preemption = Preemption(dist.new_group(backend="gloo") if device.type == "cuda" else None)
+    # So does the stragglers' gather of step times at logging steps.
+    host_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
+    preemption, stragglers = Preemption(host_group), Stragglers(host_group, cfg.metrics.straggler_factor)
     first_step, held = step + 1, {}  # the bytes held for state, measured at the first step, go in the next record
     last_log_time, last_log_step, stopped = start, step, None
 
@@ -163,11 +174,15 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
         if training.gc_freq > 0 and step % training.gc_freq == 0:
             gc.collect(1)
         preemption.begin_step()
-        loss_sum = model_step.train_step(data.next_batch(), global_tokens)
-        guard.unscale_(optimizer)  # fp16: clipping and the logged norm see the true gradients
-        grad_norm = clip_grad_norm_(params, training.max_norm, env.world_size)
-        lr = scheduler.get_last_lr()[0]
-        guard.step(optimizer, grad_norm, step)  # skipped when a gradient is inf/NaN, decided on the device
+        with profiler.phase("data"):
+            batches = stragglers.timed_data(data.next_batch)
+        with profiler.phase("forward_backward"):
+            loss_sum = model_step.train_step(batches, global_tokens)
+        with profiler.phase("optimizer"):
+            guard.unscale_(optimizer)  # fp16: clipping and the logged norm see the true gradients
+            grad_norm = clip_grad_norm_(params, training.max_norm, env.world_size)
+            lr = scheduler.get_last_lr()[0]
+            guard.step(optimizer, grad_norm, step)  # skipped when a gradient is inf/NaN, decided on the device
         if step == first_step:
             held = held_bytes(model, optimizer)
             set_timeout(cfg.comm.train_timeout_seconds)  # start-up is over: a peer silent this long is hung
@@ -178,8 +193,9 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
         val_losses = {}
         if validation.enable and (step % validation.freq == 0 or step == training.steps):
             val_start = time.perf_counter()
-            val_losses = validate(model_step, {n: DataLoader(v, *loader_args) for n, v in val_sources.items()},
-                                  validation.steps, global_tokens, loss_mesh)
+            with profiler.phase("validation"):
+                val_losses = validate(model_step, {n: DataLoader(v, *loader_args) for n, v in val_sources.items()},
+                                      validation.steps, global_tokens, loss_mesh)
             last_log_time += time.perf_counter() - val_start  # tokens/s and MFU measure training alone
         if metrics.should_log(step, last=step == training.steps) or val_losses:
             guard.check()  # a step since the last log that must stop the run raises here (saves check too)
@@ -191,13 +207,17 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
                 "mfu": 100 * tps * model_flops_per_token / peak, "memory_gib": memory_gib(device),
                 "elapsed_s": train_state.elapsed_s(), "tokens_seen": train_state.tokens_seen,
                 "world_size": env.world_size,  # changes when an elastic job shrinks or grows
-                **guard.metrics(), **held,
+                **guard.metrics(), **held, **allocator_fields(device),
+                **stragglers.fields(now - last_log_time, step - last_log_step),
                 **val_losses,
             })
             last_log_time, last_log_step, held = now, step, {}
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-        checkpoint.maybe_save(step, last=step == training.steps)
+        with profiler.phase("checkpoint"):
+            checkpoint.maybe_save(step, last=step == training.steps)
+        profiler.step()
+        snapshots.step(step)
         if (received := preemption.requested()) and step < training.steps:
             if cfg.checkpoint.enable and step % cfg.checkpoint.interval:
                 checkpoint.save(step)  # the full state, whatever the last save would be: the run goes on elsewhere
@@ -230,6 +250,9 @@ def run(argv: list[str] | None = None, check: bool = False) -> int:
         report(e, env)  # one line for the whole job, printed before any rank exits
         return 2
     except (NonFiniteError, CheckpointSaveError) as e:  # raised on every rank at the same step
+        report(e, env)
+        return 1
+    except OutOfMemory as e:  # its snapshot written (memory_snapshot.py)
         report(e, env)
         return 1
     except RuntimeError as e:

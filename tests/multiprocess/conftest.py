@@ -16,7 +16,7 @@ import torch
 
 # pytest.ini puts tests/multiprocess on the path: the tests here import the shared launcher as a plain module.
 from grad_dump import load_grads, recording
-from launch import (CHECKPOINTED, COMMON, CP2, HSDP, PP2, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,
+from launch import (CHECKPOINTED, COMMON, CP2, HSDP, PP2, PROFILED, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,
                     stopped_after, torchrun_several, train_in_process, train_job)
 from pairs import REFERENCES, generate
 
@@ -26,7 +26,8 @@ SHORT = ("--training.steps", "4")  # after STEPS on the command line, so it wins
 # TP 2 x FSDP 2 too).
 SHARED_RUNS = {
     "single": (1, ()),  # 4 micro-batches of 2
-    "fsdp4": (4, CHECKPOINTED),  # 1 of 2 per rank
+    # 1 of 2 per rank; traced at steps 4 and 8 (test_profiling.py: profiling changes no number the others read).
+    "fsdp4": (4, (*CHECKPOINTED, *PROFILED)),
     # 1 of 4 per rank, each block recomputed in backward: AC leaves the numerics alone (the TP 2 x FSDP 2 reshard leg
     # of test_checkpoint.py runs without it).
     "tp2_fsdp2": (4, TP2_FSDP2),

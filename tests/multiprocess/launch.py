@@ -39,6 +39,8 @@ TP2 = ("--parallelism.tensor_parallel_degree", "2")
 PP2 = ("--parallelism.pipeline_parallel_degree", "2")
 HSDP = ("--parallelism.data_parallel_replicate_degree", "2")
 CP2 = ("--parallelism.context_parallel_degree", "2")
+# A trace of every 4th step, after one step of warmup: steps 4 and 8 of an 8-step run (the shared run "fsdp4").
+PROFILED = ("--profiling.enable_profiling", "--profiling.profile_freq", "4", "--profiling.profiler_warmup", "1")
 TP2_FSDP2 = (*TP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full",
              *CHECKPOINTED)  # the shared run "tp2_fsdp2"
 
@@ -117,7 +119,7 @@ SEVERAL_RUNS = ROOT / "tests" / "multiprocess" / "several_runs.py"
 
 
 def torchrun_several(nproc: int, runs: list[tuple[Path, bool, tuple[str, ...]]], script: Path = SEVERAL_RUNS,
-                     script_args: tuple[str, ...] = ()) -> None:
+                     script_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Several runs of train.py, each (dump folder, record its gradients (grad_dump.py), overrides), one after another
     in one torchrun job (several_runs.py, or `script script_args... RUNS_JSON`, a shim that runs it), which pays the
     start-up of a job once."""
@@ -125,7 +127,7 @@ def torchrun_several(nproc: int, runs: list[tuple[Path, bool, tuple[str, ...]]],
     path = Path(runs[0][0]).with_suffix(".runs.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec))
-    run_job(*torchrun_cmd(nproc, script, *script_args, str(path)))
+    return run_job(*torchrun_cmd(nproc, script, *script_args, str(path)))
 
 
 # Recovery bounds of the multi-agent jobs (README, "Running on a cluster"): a round closes 1 s after its minimum of

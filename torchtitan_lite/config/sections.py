@@ -166,6 +166,23 @@ class Metrics:
     log_freq: int = opt(10, "log every N steps", rule=at_least(1))
     enable_tensorboard: bool = opt(False, "also write TensorBoard events")
     save_tb_folder: str = opt("tb", "TensorBoard folder, under job.dump_folder")
+    enable_wandb: bool = opt(False, "also log to Weights & Biases (pip install wandb; WANDB_* variables: README)")
+    straggler_factor: float = opt(1.5, "warn when a rank's step or data wait runs this many median steps slower "
+                                  "at 3 logging steps in a row", rule=finite_above(1))
+
+
+@dataclass
+class Profiling:
+    """torch.profiler traces and memory snapshots (docs/observability.md)"""
+    enable_profiling: bool = opt(False, "write a torch.profiler trace of each rank every profile_freq steps")
+    save_traces_folder: str = opt("profile_traces", "trace folder, under job.dump_folder")
+    profile_freq: int = opt(10, "steps between traces (and memory snapshots); the traced steps are its multiples",
+                            rule=at_least(1))
+    profiler_warmup: int = opt(3, "steps the profiler runs untraced before each traced window", rule=at_least(0))
+    profiler_active: int = opt(1, "steps traced per window", rule=at_least(1))
+    enable_memory_snapshot: bool = opt(False, "GPU: allocator history, a snapshot every profile_freq steps; CPU: the "
+                                       "traces' memory timeline")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder, under job.dump_folder")
 
 
 @dataclass
@@ -221,5 +238,6 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     mixture: Mixture = field(default_factory=Mixture)

@@ -3,7 +3,7 @@
 The logger writes the two formats docs/configuration.md fixes ("What a run writes"): `metrics.jsonl` (what scripts
 and tests read) and the console line `step: N  loss: X  ...` (torchtitan's shape). TensorBoard is optional and
 imported only when enabled; it gets the run's resolved config as text, and a resumed run continues its curves without
-the stale tail a crash leaves (see MetricLogger).
+the stale tail a crash leaves (see MetricLogger). W&B, optional too, gets the same records (wandb_run.py).
 """
 
 import functools
@@ -13,10 +13,13 @@ import os
 import resource
 import sys
 import time
+import tomllib
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from torchtitan_lite.runtime.wandb_run import WandbRun
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -112,6 +115,17 @@ def memory_gib(device: torch.device) -> float:
         return rss / 2**30 if sys.platform == "darwin" else rss * 1024 / 2**30
 
 
+def allocator_fields(device: torch.device) -> dict[str, float]:
+    """GPU: the caching allocator's peak reserved memory, its retries (a full cache flushed to satisfy an allocation:
+    a step near its memory limit) and its out-of-memory errors, as torchtitan logs them; nothing on the CPU. Read
+    from the host's counters: no device sync."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"max_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+            "alloc_retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0)}
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (DTensors count their local shard; None is skipped).
 
@@ -156,15 +170,16 @@ _CONSOLE = [
 
 
 class MetricLogger:
-    """Writes each logged step to metrics.jsonl, the console and optionally TensorBoard; rank 0 only."""
+    """Writes each logged step to metrics.jsonl, the console and optionally TensorBoard and W&B; rank 0 only."""
 
     def __init__(self, dump_folder: str, rank: int, log_freq: int, enable_tensorboard: bool, tb_folder: str, *,
-                 start_step: int = 0, config: str = ""):
+                 start_step: int = 0, config: str = "", enable_wandb: bool = False):
         """`start_step`: the step this run resumes after (0 for a fresh run); `config`: the resolved config as TOML,
-        shown in TensorBoard's text tab."""
+        shown in TensorBoard's text tab and W&B's config."""
         self.log_freq = log_freq
         self._file = None
         self._tb = None
+        self._wandb = None
         if rank != 0:  # every rank holds the same numbers after the all-reduce; one writer avoids duplicates
             return
         os.makedirs(dump_folder, exist_ok=True)
@@ -188,6 +203,8 @@ class MetricLogger:
                 # At this run's first step, not at 0: a resume with other settings (more steps) shows both configs
                 # on the text tab's step slider, and a resume after a crash replaces the stale one with the scalars.
                 self._tb.add_text("config", f"```toml\n{config}```", start_step + 1)
+        if enable_wandb:
+            self._wandb = WandbRun(dump_folder, tomllib.loads(config), start_step)
 
     def should_log(self, step: int, last: bool = False) -> bool:
         # Same answer on every rank, so the trainer can gate collectives (loss all-reduce) on it.
@@ -209,6 +226,8 @@ class MetricLogger:
         if self._tb is not None:
             for k, v in values.items():
                 self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(step, values)
 
     def close(self) -> None:
         if self._file is not None:
@@ -217,3 +236,6 @@ class MetricLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None

@@ -14,6 +14,8 @@ from torchtitan_lite.models.llama import ModelArgs, flavor_args
 from torchtitan_lite.parallel.context_parallel import check_cp
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import check_pipeline
+from torchtitan_lite.runtime.profiling import check_profiling
+from torchtitan_lite.runtime.wandb_run import check_wandb
 
 
 def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> None:
@@ -34,6 +36,8 @@ def preflight(cfg: JobConfig, world_size: int):
     model_args = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
     check_layout(cfg, dims, model_args)
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
+    check_profiling(cfg.profiling)
+    check_wandb(cfg.metrics.enable_wandb)
     training = cfg.training
     global_batch = dims.global_batch(training.local_batch_size, training.global_batch_size)
     source, val_sources = build_data(cfg, tokenizer, global_batch)
