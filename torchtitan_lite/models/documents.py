@@ -62,6 +62,14 @@ def block_mask(documents: torch.Tensor, dtype: torch.dtype):
     return create_block_mask(mask_mod, batch, None, seq, seq, device=documents.device)
 
 
+def block_mask_bytes(batch: int, seq: int, block: int = 128) -> int:
+    """The bytes of `block_mask` for `batch` windows of `seq` tokens: int32 counts and indices of the partly and the
+    fully unmasked blocks, by rows (forward) and by columns (backward): 4 x 4 x batch x n x (n + 1), n = seq / block
+    rounded up. Megabytes where the explicit mask takes gigabytes (batch x seq^2 in the activations' dtype)."""
+    n = -(-seq // block)
+    return 16 * batch * n * (n + 1)
+
+
 _compiled_flex = None
 
 
