@@ -94,7 +94,6 @@ MASKED_RUNS = {
     # PP 2 (1F1B, 2 micro-batches of 4: the documents reach the second stage beside its hidden states) x CP 2
     # (head-tail chunks under the mask).
     "masked_pp2_cp2": (4, (*MASKED, *PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
-    "masked_hsdp2x2": (4, (*MASKED, *HSDP, *SHORT)),  # 1 micro-batch of 2 per rank
 }
 ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS}
 RECORDED = [name for name in SHARED_RUNS if name != "single"] + ["tp2_compiled_resumed", *MASKED_RUNS]

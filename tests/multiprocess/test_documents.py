@@ -2,8 +2,7 @@
 curve within 1e-5, the grad norm within 1e-5 relative, and every parameter's gradient at step 1.
 
 The runs are conftest.py's MASKED_RUNS, on short documents (tests/assets/documents.jsonl): TP 2 x FSDP 2 compiled
-(aot_eager), PP 2 x CP 2 (the documents reach the second stage; CP's head-tail chunks attend under the mask), HSDP
-2 x 2. What masking computes is proven in one process (tests/test_documents.py); here, that every layout carries it.
+(aot_eager), PP 2 x CP 2 (the documents reach the second stage; CP's head-tail chunks attend under the mask). What masking computes is proven in one process (tests/test_documents.py); here, that every layout carries it.
 """
 
 import pytest
