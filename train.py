@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torchtitan_lite.checkpoint.manager import CheckpointManager, CheckpointSaveError, TrainState
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.data.loader import DataLoader, warn_if_validating_on_training_data
+from torchtitan_lite.models import documents
 from torchtitan_lite.models.llama import ModelArgs, Transformer, count_params
 from torchtitan_lite.parallel.context_parallel import sharder
 from torchtitan_lite.parallel.dims import ParallelDims
@@ -43,7 +44,7 @@ from torchtitan_lite.runtime.signals import Preemption, exit_code, restore_signa
 from torchtitan_lite.runtime.stragglers import Stragglers
 from torchtitan_lite.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from torchtitan_lite.training.preflight import preflight
-from torchtitan_lite.training.step import Numerics, Step, build_step
+from torchtitan_lite.training.step import Inputs, Numerics, Step, build_step
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -104,17 +105,25 @@ def validate(model_step: Step, loaders: dict[str, DataLoader], steps: int, globa
 
 def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     """Trains; `exits` closes what main opens on every way out (run()). Returns the signal that stopped it early."""
-    dims, model_args, global_batch, source, val_sources = preflight(cfg, env.world_size)
+    dims, model_args, bos_id, global_batch, source, val_sources = preflight(cfg, env.world_size)
     training, validation = cfg.training, cfg.validation
     warn_if_validating_on_training_data(training, validation)  # not in preflight: --check is silent on a legal config
 
     device, mesh, dp_mesh, loss_mesh = start_processes(cfg, env, dims)
     seq_share = sharder(mesh["cp"], training.seq_len, cfg.parallelism.context_parallel_load_balancer)
+    # What the model gets beside the tokens (block_causal: document ids, known before CP cuts the windows).
+    inputs, seq_share = Inputs.build(bos_id, seq_share)
     # The training data, and the held-out data read anew from its start at every validation.
     loader_args = (global_batch, training.local_batch_size, dp_mesh.get_local_rank(), dims.dp, seq_share,
                    device.type == "cuda")
     data = DataLoader(source, *loader_args)
     model, parts, n_params, n_embedding = build_model(cfg, model_args, mesh, dims, device)
+    kernel = documents.kernel(device.type, dims.cp)  # FlexAttention's block mask on a GPU, else an explicit mask
+    for part in parts:
+        part.document_mask = documents.KERNELS[kernel]
+    if bos_id is not None and device.type == "cuda" and kernel != "flex":
+        logger.warning("block_causal under context parallelism attends with an explicit mask of the whole window on "
+                       "every rank (seq_len^2 per sequence), not FlexAttention's block mask")
     params = list(model.parameters())
     logger.info(summary(cfg, n_params, mesh, global_batch))
     optimizer = build_optimizer(model, cfg.optimizer, params[0].device.type)  # on the host under CPU offload
@@ -125,7 +134,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     numerics = Numerics.from_config(cfg, dims)
     warn_if_slow(device, numerics.compute_dtype)
     guard = UpdateGuard(device, numerics.compute_dtype, training.skip_nonfinite_steps)
-    model_step = build_step(model, parts, mesh, dims, cfg, device, numerics, guard.scale)
+    model_step = build_step(model, parts, mesh, dims, cfg, device, numerics, guard.scale, inputs)
     model_flops_per_token = flops_per_token(n_params, model_args.n_layers, model_args.n_heads, model_args.head_dim,
                                             training.seq_len, n_embedding)
     peak = peak_flops(device, numerics.compute_dtype if (dims.fsdp or numerics.autocast) else torch.float32)

@@ -63,6 +63,10 @@ def table(e: Estimate, cfg: JobConfig) -> str:
             (f"optimizer state{where}", e.optimizer_bytes), ("activations", e.activation_bytes),
             ("transient buffers", e.transient_bytes), ("peak (device)" if e.host_bytes else "peak", e.peak_bytes)]
     lines += [f"  {name:<24}{value / scale:10.2f}" for name, value in rows]
+    if e.mask_bytes:
+        kernel = "explicit" if e.mesh.get("cp", 1) > 1 else "FlexAttention block"
+        lines.append(f"  (activations hold block_causal's {kernel} mask: {e.mask_bytes / scale:.4f} {unit} a "
+                     "micro-batch)")
     return "\n".join(lines)
 
 

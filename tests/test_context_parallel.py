@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from torchtitan_lite.models import documents
 from torchtitan_lite.models.llama import FLAVORS, apply_rope, attend, rope_table
 from torchtitan_lite.parallel import context_parallel
 from torchtitan_lite.parallel.context_parallel import Attend, chunks, shard
@@ -44,24 +45,30 @@ class FakeMesh:
         return SimpleNamespace(group_name="fake")
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "block_causal"])
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("balancer", ["headtail", "none"])
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_each_rank_attends_as_its_rows_of_whole_sequence_attention(cp, balancer, device_type, monkeypatch):
+def test_each_rank_attends_as_its_rows_of_whole_sequence_attention(cp, balancer, device_type, masked, monkeypatch):
     """Every rank's output is its tokens' rows of attention over the whole sequence: true positions for the rotary
     embeddings, the gathered keys put back in sequence order, each chunk's causal mask (the GPU's, SDPA's lower-right
-    causal bias, run here on the CPU too). Grouped-query heads (8 query, 2 kv) as in Llama 3."""
+    causal bias, run here on the CPU too). Grouped-query heads (8 query, 2 kv) as in Llama 3. block_causal: the
+    documents' mask and each token's position in its document, documents crossing the chunks' borders."""
     seq, args = 48, FLAVORS["debugmodel"].with_(vocab_size=8, max_seq_len=48, dim=64, n_heads=8, n_kv_heads=2)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, seq, heads, args.head_dim, generator=gen) for heads in (8, 2, 2))
-    rope = rope_table(args)
-    whole = attend(q, k, v, rope)
+    rope, mask = rope_table(args), None
+    if masked:
+        starts = torch.rand(2, seq, generator=gen) < 0.15  # a document starts at each True
+        ids = starts.cumsum(1)
+        rope, mask = rope[documents.positions(ids)], documents.explicit_mask(ids, q.dtype)
+    whole = attend(q, k, v, rope, mask)
     kv = torch.cat([apply_rope(k, rope), v], dim=-1)  # what each rank contributes to the gather, in true order
     gathered = torch.cat([shard(kv, chunks(seq, cp, rank, balancer)) for rank in range(cp)])  # in rank order
     monkeypatch.setattr(context_parallel.funcol, "all_gather_single_autograd", lambda x, gather_dim, group: gathered)
     for rank in range(cp):
         attn = Attend(FakeMesh(cp, rank, device_type), seq, balancer)
-        out = attn(*(shard(x, attn.ranges) for x in (q, k, v)), rope)
+        out = attn(*(shard(x, attn.ranges) for x in (q, k, v)), rope, mask)
         torch.testing.assert_close(out, shard(whole, attn.ranges), rtol=0, atol=1e-6)
 
 

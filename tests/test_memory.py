@@ -86,3 +86,19 @@ def test_the_memory_table_lists_the_scripts_rows_and_quotes_the_first_exactly(fi
     assert list(rows) == [row[:3] for row in memory_table.ROWS]
     row, estimate = first_table_row
     assert rows[row[:3]] == memory_table.line(row, estimate), "stale: run python scripts/memory_table.py --check"
+
+
+@pytest.mark.parametrize("world_size, layout", [(1, []), (2, ["--parallelism.context_parallel_degree", "2"])])
+def test_document_mask_is_counted(world_size, layout):
+    """block_causal's cost is in the estimate: on one rank (a GPU's FlexAttention) the block mask, added to what the
+    trace holds, and every token's rotary row; under CP the explicit mask of the whole window, one per micro-batch
+    (local batch 2 x 64 x 64 fp32), which the trace builds and keeps, with no copy per block or chunk."""
+    causal = estimate_memory(load_config([*TINY, *layout]), world_size)
+    masked = estimate_memory(load_config([*TINY, *layout, "--model.attn_mask_type", "block_causal"]), world_size)
+    batch, seq, rope_rows = 2, 64, 2 * 64 * 8 * 8  # complex64 rows of head_dim 16 / 2
+    assert causal.mask_bytes == 0
+    expected = 16 * batch * 1 * 2 if world_size == 1 else batch * seq * seq * 4
+    assert masked.mask_bytes == expected
+    extra = masked.activation_bytes - causal.activation_bytes
+    assert expected + rope_rows <= extra <= expected + rope_rows + 8192, extra  # + ids, positions, CP's rope share
+    assert masked.peak_bytes - causal.peak_bytes >= expected

@@ -8,6 +8,7 @@ the validation test. Tests read these folders and never write into them: a test 
 checkpoint it needs into a folder of its own.
 """
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 
 # pytest.ini puts tests/multiprocess on the path: the tests here import the shared launcher as a plain module.
 from grad_dump import load_grads, recording
-from launch import (CHECKPOINTED, COMMON, CP2, HSDP, PP2, PROFILED, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,
+from launch import (CHECKPOINTED, COMMON, CP2, HSDP, MASKED, PP2, PROFILED, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,
                     stopped_after, torchrun_several, train_in_process, train_job)
 from pairs import REFERENCES, generate
 
@@ -84,8 +85,19 @@ SHARED_RUNS = {
 # The rows that run every pair of options the runs above miss (pairs.py, test_pairs.py), and the single-process
 # runs of each half precision they are compared with; made in the same jobs as the shared runs of their size.
 PAIR_RUNS = generate(SHARED_RUNS)
-ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES}
-RECORDED = [name for name in SHARED_RUNS if name != "single"] + ["tp2_compiled_resumed"]
+# Document masking (block_causal) on every kind of layout, against its own single-process run (test_documents.py),
+# 4 steps each, recording every parameter's gradient at step 1; in the jobs of the shared runs of their size.
+MASKED_RUNS = {
+    "masked_single": (1, (*MASKED, *SHORT)),  # 4 micro-batches of 2
+    # TP 2 x FSDP 2, blocks compiled (aot_eager): 1 micro-batch of 4 per rank.
+    "masked_tp2_fsdp2_compiled": (4, (*MASKED, *TP2, "--training.local_batch_size", "4", "--compile.enable",
+                                      "--compile.backend", "aot_eager", *SHORT)),
+    # PP 2 (1F1B, 2 micro-batches of 4: the documents reach the second stage beside its hidden states) x CP 2
+    # (head-tail chunks under the mask).
+    "masked_pp2_cp2": (4, (*MASKED, *PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
+}
+ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS}
+RECORDED = [name for name in SHARED_RUNS if name != "single"] + ["tp2_compiled_resumed", *MASKED_RUNS]
 PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
 CONTEXT_PARALLEL = [name for name in SHARED_RUNS if "cp" in name]
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
@@ -117,7 +129,9 @@ class SharedRuns:
                     stopped_after(self[run], step, self.root / n)
                 self._make(nproc, batch, {n: RESUMED_RUNS[n][3] for n in batch})
             elif (nproc := ALL_RUNS[name][0]) == 1:
-                train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *ALL_RUNS[name][1])
+                (self.root / name).mkdir(parents=True, exist_ok=True)
+                with recording(self.root / name) if name in RECORDED else contextlib.nullcontext():
+                    train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *ALL_RUNS[name][1])
                 self.done[name] = self.root / name
             else:  # every shared run of this many processes not yet made, in one job (several_runs.py)
                 batch = [n for n, (p, _) in ALL_RUNS.items() if p == nproc and n not in self.done]

@@ -43,6 +43,9 @@ CP2 = ("--parallelism.context_parallel_degree", "2")
 PROFILED = ("--profiling.enable_profiling", "--profiling.profile_freq", "4", "--profiling.profiler_warmup", "1")
 TP2_FSDP2 = (*TP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full",
              *CHECKPOINTED)  # the shared run "tp2_fsdp2"
+# Document masking on short documents (tests/assets/documents.jsonl: 1 to 12 words each, several to a window).
+MASKED = ("--model.attn_mask_type", "block_causal", "--training.dataset", "jsonl", "--training.dataset_path",
+          str(ROOT / "tests" / "assets" / "documents.jsonl"))
 
 
 def descendants(pid: int) -> list[int]:

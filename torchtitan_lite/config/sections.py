@@ -38,6 +38,8 @@ class Model:
     name: str = opt("llama3", "model family", choices=("llama3",))
     flavor: str = opt("debugmodel", "size preset: a key of the model's flavor table (checked by the trainer)")
     tokenizer_path: str = opt("", '"" = byte-level tokenizer needing no file; else a tiktoken BPE file', path=ONE)
+    attn_mask_type: str = opt("causal", "block_causal = attention and positions stop at document boundaries (BOS) "
+                              "inside a packed window", choices=("causal", "block_causal"))
 
 
 @dataclass

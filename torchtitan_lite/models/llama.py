@@ -6,6 +6,9 @@ shard. Layers live in a ModuleDict keyed "0".."n-1" so parameter names (and chec
 Attention is the one thing the layouts and decoding change, so it is swappable and the rest of the forward exists
 once: context parallelism replaces a block's `attend` (context_parallel.Attend), and decoding passes a KV cache
 through the forward (generation.KVCache), whose layer cache attends over the positions it holds.
+
+Document masking (documents.py) enters as the forward's `documents`, the document id of every token of the window:
+the forward turns them once into each token's rotary row and the mask every block attends under.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_lite.config import ConfigError
+from torchtitan_lite.models import documents as docs
 from torchtitan_lite.models.init import trunc_normal_
 
 
@@ -97,11 +101,14 @@ def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Ten
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """`rope`: the table, whose first rows are positions 0..seq-1, or (bs, seq, head_dim/2) rows of each token's own
+    position (document masking)."""
     # Meta's layout: consecutive pairs (x[2i], x[2i+1]) rotate together. x: (bs, seq, heads, head_dim).
     # One complex multiplication (a kernel forward, one backward) instead of ~10 real element-wise ops and a stack,
     # which cost a share of the debug model's CPU step (benchmarks/model_step.py; docs/performance.md).
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rope[: x.shape[1], None]).flatten(-2).type_as(x)
+    rows = rope[: x.shape[1], None] if rope.dim() == 2 else rope[:, :, None]
+    return torch.view_as_real(pairs * rows).flatten(-2).type_as(x)
 
 
 class RMSNorm(nn.Module):
@@ -129,14 +136,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.attend = attend  # context parallelism swaps in its own (context_parallel.py)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None) -> torch.Tensor:
-        """`cache`: this layer's KV cache when decoding (generation.py), which attends in place of `attend`."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache=None) -> torch.Tensor:
+        """`mask`: None (causal) or the documents' mask (documents.py). `cache`: this layer's KV cache when decoding
+        (generation.py), which attends in place of `attend`."""
         bs, seq, _ = x.shape
         q = self.wq(x).view(bs, seq, -1, self.head_dim)
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
-        attend = self.attend if cache is None else cache.attend
-        return self.wo(attend(q, k, v, rope).reshape(bs, seq, -1))
+        out = self.attend(q, k, v, rope, mask) if cache is None else cache.attend(q, k, v, rope)
+        return self.wo(out.reshape(bs, seq, -1))
 
     def init_weights(self, init, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -144,12 +152,16 @@ class Attention(nn.Module):
         init(self.wo.weight, out_std)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Causal self-attention over whole sequences, (bs, seq, heads, head_dim) in and out, at positions 0..seq-1."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
+    """Self-attention over whole sequences, (bs, seq, heads, head_dim) in and out: causal at positions 0..seq-1, or
+    under the documents' `mask` at the positions `rope` holds (an explicit mask for SDPA, or FlexAttention's)."""
     q, k = apply_rope(q, rope), apply_rope(k, rope)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return docs.flex_attend(q, k, v, mask).transpose(1, 2)
     # Grouped-query attention: each kv head serves several query heads, inside SDPA, without copies of K and V.
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                         enable_gqa=q.shape[2] != k.shape[2])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                         enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 
 
@@ -179,9 +191,9 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache=None) -> torch.Tensor:
         # The cache as a keyword: TP's PrepareModuleInput lays out the positional inputs alone.
-        h = x + self.attention(self.attention_norm(x), rope, cache=cache)
+        h = x + self.attention(self.attention_norm(x), rope, mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, init) -> None:
@@ -202,17 +214,25 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Not persistent: derived from the args, recomputed by init_weights (to_empty leaves it garbage).
         self.register_buffer("rope", rope_table(args), persistent=False)
+        # How a block_causal forward masks: documents.explicit_mask, or .block_mask (FlexAttention), chosen once at
+        # start-up (train.py), like `attend`.
+        self.document_mask = docs.explicit_mask
 
-    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
-        """Logits of `tokens`; with a KV cache (generation.KVCache), of the positions right after the cached ones."""
+    def forward(self, tokens: torch.Tensor, cache=None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of `tokens`; with a KV cache (generation.KVCache), of the positions right after the cached ones.
+        `documents` (block_causal): (bs, seq) document ids of the whole window (documents.document_ids), also where
+        `tokens` is a context-parallel share of it or a pipeline stage's hidden states."""
         # A pipeline stage (pipeline.py) lacks the pieces other stages own: it takes and gives hidden states.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope, mask = self.rope, None
+        if documents is not None:  # once per micro-batch, shared by every block
+            rope, mask = self.rope[docs.positions(documents)], self.document_mask(documents, h.dtype)
         if cache is not None:  # decoding: one process, eager, no wrappers
             for name, layer in self.layers.items():
                 h = layer(h, self.rope, cache=cache.layer(int(name)))
         else:  # training calls its wrapped blocks (checkpointed, compiled, sharded) with positional inputs alone
             for layer in self.layers.values():
-                h = layer(h, self.rope)
+                h = layer(h, rope, mask)
         return self.output(self.norm(h)) if self.output is not None else h
 
     @torch.no_grad()

@@ -7,7 +7,7 @@ with its own queries. The all-gather's backward is a reduce-scatter of dK and dV
 through torch's `context_parallel`) overlaps the exchange with compute but needs attention kernels torch registers
 for CUDA alone; the all-gather runs anywhere on plain SDPA, and is exactly testable on a CPU.
 
-Design. The model never learns about meshes: its Attention calls `self.attend(q, k, v, rope)` (model.attend:
+Design. The model never learns about meshes: its Attention calls `self.attend(q, k, v, rope, mask)` (model.attend:
 rotary embeddings from the table's first rows, causal SDPA over the whole sequence) and `apply_cp` swaps in
 `Attend`, which knows this rank's positions and the cp group. The data loader hands each rank its share of every
 sequence (`shard`, inputs and labels alike), so everything but attention (norms, FFN, the loss) is token-wise and
@@ -20,6 +20,11 @@ chunks and gives rank i chunks i and 2 x cp - 1 - i, so every rank does the same
 of cp contiguous chunks (the last rank then does 2 - 1/cp times the average). Each chunk's queries attend to the
 gathered keys up to the chunk's end under SDPA's lower-right causal bias: on the GPU, the flash kernel's own causal
 mask; elsewhere a float mask per chunk, built once (`lower_right_masks`).
+
+Document masking (block_causal, models/documents.py): the step computes the document ids of the whole window before
+it cuts the sequence (step.py), so every rank knows where each of the gathered keys' documents starts; the model
+builds the window's explicit mask and every token's rotary row from them, and each chunk attends with the mask's rows
+of its queries over the keys up to its end, which already hold the causal part. The load balance is the causal one.
 """
 
 from __future__ import annotations
@@ -87,16 +92,20 @@ class Attend:
         self.order = [where for _, *where in sorted(held)]
         self.masks = lower_right_masks(self.ranges, cp_mesh.device_type)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        rope = shard(rope, self.ranges, dim=0)  # the table's rows at this rank's positions
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask` (block_causal): the explicit mask of the whole window, of which each chunk attends with its rows;
+        `rope` then holds every token's row, of which this rank takes its own."""
+        rope = shard(rope, self.ranges, dim=0 if mask is None else 1)  # the rows at this rank's positions
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         kv = self.gather(torch.cat([k, v], dim=-1))  # one collective for both
         k, v = kv.transpose(1, 2).chunk(2, dim=-1)
         q = q.transpose(1, 2)
         outs, start = [], 0
-        for (_, stop), size, mask in zip(self.ranges, self.local, self.masks):
+        for (first, stop), size, causal in zip(self.ranges, self.local, self.masks):
+            chunk = causal if mask is None else mask[:, :, first:stop, :stop]
             outs.append(F.scaled_dot_product_attention(q[:, :, start:start + size], k[:, :, :stop], v[:, :, :stop],
-                                                       attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]))
+                                                       attn_mask=chunk, enable_gqa=q.shape[1] != k.shape[1]))
             start += size
         return torch.cat(outs, dim=2).transpose(1, 2)
 

@@ -179,17 +179,21 @@ class Pipeline:
         self.losses.append(self.loss_value(loss))
         return self.scale(loss)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
-        """The schedule's forward and backward: gradients added to the stages' parameters."""
-        return self._run(self.schedule.step, inputs, labels, tokens)
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict, tokens: int) -> torch.Tensor:
+        """The schedule's forward and backward: gradients added to the stages' parameters. `kwargs` (the documents
+        of block_causal) are cut into micro-batches like the inputs and reach every stage, whose forward takes them
+        beside the hidden states it receives."""
+        return self._run(self.schedule.step, inputs, labels, kwargs, tokens)
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict, tokens: int) -> torch.Tensor:
         """The schedule's forwards alone (validation)."""
-        return self._run(self.schedule.eval, inputs, labels, tokens)
+        return self._run(self.schedule.eval, inputs, labels, kwargs, tokens)
 
-    def _run(self, schedule_call: Callable, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+    def _run(self, schedule_call: Callable, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict,
+             tokens: int) -> torch.Tensor:
         self.tokens, self.losses = tokens, []
-        schedule_call(to_device(inputs, self.device), target=to_device(labels, self.device), return_outputs=False)
+        schedule_call(to_device(inputs, self.device), target=to_device(labels, self.device), return_outputs=False,
+                      **kwargs)
         if not self.is_last:
             return torch.zeros((), device=self.device)
         # The last m: at the first step, the stage's shape inference computes one loss of its own before them.

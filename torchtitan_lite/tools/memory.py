@@ -33,6 +33,12 @@ blocks under TP) and every block gathers the whole sequence's keys and values, w
 backward. The GPU's flash kernel applies the chunks' causal masks itself and keeps none, so the trace attends
 unmasked (the same tensors saved), where the CPU would materialize a mask.
 
+Document masking (`model.attn_mask_type = "block_causal"`) runs the trainer's masked step: the window's document ids
+and every token's rotary row. On a GPU without CP the mask is FlexAttention's block mask, whose kernel keeps the same
+tensors for backward as flash attention: the trace attends causally and `mask_bytes`, the block mask's, is added to
+the activations and the peak. Under CP the mask is explicit on every device (models/documents.py): the trace builds
+and keeps it (one per micro-batch, shared by every block), and `mask_bytes` is its size.
+
 Under pipeline parallelism rank 0 holds the first stage(s), which keep the most micro-batches' activations alive:
 the trace runs rank 0's stages on micro-batches in the schedule's order on that rank, as many forwards ahead of
 their backwards as the schedule runs there (GPipe all m, 1F1B p, LoopedBFS all v*m, Interleaved1F1B its warmup), with
@@ -56,6 +62,7 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
+from torchtitan_lite.models import documents
 from torchtitan_lite.models.llama import ModelArgs, Transformer, flavor_args
 from torchtitan_lite.parallel import context_parallel
 from torchtitan_lite.parallel.dims import ParallelDims
@@ -65,7 +72,7 @@ from torchtitan_lite.runtime.metrics import held_bytes
 from torchtitan_lite.runtime.precision import UpdateGuard
 from torchtitan_lite.training.optim import build_optimizer, clip_grad_norm_
 from torchtitan_lite.training.preflight import check_layout
-from torchtitan_lite.training.step import Numerics, Step
+from torchtitan_lite.training.step import Inputs, Numerics, Step
 
 LLAMA3_VOCAB = LLAMA3_N_RANKS + len(LLAMA3_SPECIALS)  # 128256: the vocabulary the 8B/70B/405B configs are made for
 
@@ -84,6 +91,7 @@ class Estimate:
     transient_bytes: int
     peak_bytes: int
     host_bytes: int
+    mask_bytes: int = 0  # block_causal: the document mask of one micro-batch (already in activations and peak)
 
 
 def model_args(cfg: JobConfig) -> tuple[ModelArgs, str]:
@@ -217,6 +225,9 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
         tracker_class = _FSDPTracker if isinstance(model, FSDPModule) and dims.pp == 1 else _Tracker
         numerics = Numerics.from_config(cfg, dims)
         guard = UpdateGuard(torch.device("cpu"), numerics.compute_dtype)  # fp16's loss scale, a real scalar
+        mask, added = _document_mask(cfg, dims, numerics.compute_dtype)
+        for part in parts:
+            part.document_mask = documents.explicit_mask if dims.cp > 1 else lambda ids, dtype: None
         with fake, tracker_class(model, optimizer, host) as tracker:
             activations, held = _two_steps(parts, optimizer, cfg, dims, args, numerics, guard, tracker)
     finally:
@@ -226,8 +237,21 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
     at_peak_state = snap["SHARDED_PARAM"] + snap["BUFFER"] + snap["SHARDED_GRAD"] + snap["OPT"]
     transient = tracker.device_peak - (0 if offload else at_peak_state) - snap["ACT"]
     return Estimate(cfg.model.flavor, args.vocab_size, vocab_note, dict(zip(mesh.mesh_dim_names, mesh.shape)),
-                    **held, activation_bytes=activations, transient_bytes=transient,
-                    peak_bytes=tracker.device_peak, host_bytes=state if offload else 0)
+                    **held, activation_bytes=activations + added, transient_bytes=transient,
+                    peak_bytes=tracker.device_peak + added, host_bytes=state if offload else 0, mask_bytes=mask)
+
+
+def _document_mask(cfg: JobConfig, dims: ParallelDims, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of one micro-batch's document mask, bytes the trace leaves out and the estimate adds): FlexAttention's
+    block mask on a GPU, which the trace cannot build; under CP the explicit mask, which it builds and counts."""
+    if cfg.model.attn_mask_type == "causal":
+        return 0, 0
+    t = cfg.training
+    batch = t.local_batch_size // (microbatches(cfg.parallelism, t.local_batch_size) if dims.pp > 1 else 1)
+    if dims.cp > 1:
+        return batch * t.seq_len**2 * dtype.itemsize, 0
+    mask = documents.block_mask_bytes(batch, t.seq_len)
+    return mask, mask
 
 
 def _two_steps(parts: list[Transformer], optimizer: torch.optim.Optimizer, cfg: JobConfig, dims: ParallelDims,
@@ -272,14 +296,30 @@ def _model_step(model: nn.Module, cfg: JobConfig, dims: ParallelDims, args: Mode
                 guard: UpdateGuard, tracker: _DevicePeak) -> int:
     """One micro-batch of rank 0's tokens through the trainer's step; returns the activation bytes."""
     training = cfg.training
+    inputs, seq_share = Inputs.build(_bos(cfg, args), _rank0_share(cfg, dims))
     step = _MeasuredStep(model, torch.device("cpu"), numerics, guard.scale,
-                         defer_reduce=dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce, tracker=tracker)
+                         defer_reduce=dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce, tracker=tracker,
+                         inputs=inputs)
     tokens = dims.global_batch(training.local_batch_size, training.global_batch_size) * training.seq_len
     before = tracker.now()["ACT"]
-    shape = (training.local_batch_size, training.seq_len // dims.cp)
+    # What the loader hands rank 0: its CP share of the windows, or whole windows that the masked step cuts.
+    shape = (training.local_batch_size, training.seq_len // (1 if seq_share is None else dims.cp))
     batch = torch.randint(0, args.vocab_size, shape), torch.randint(0, args.vocab_size, shape)
     step.train_step([batch], tokens)
     return step.after_forward - before
+
+
+def _bos(cfg: JobConfig, args: ModelArgs) -> int | None:
+    """A document-start id for block_causal (any id: random tokens hold documents of ~vocab tokens), None if causal."""
+    return None if cfg.model.attn_mask_type == "causal" else args.vocab_size - 1
+
+
+def _rank0_share(cfg: JobConfig, dims: ParallelDims):
+    """Rank 0's CP share of a sequence (context_parallel.sharder's, without a mesh), None without CP."""
+    if dims.cp == 1:
+        return None
+    ranges = context_parallel.chunks(cfg.training.seq_len, dims.cp, 0, cfg.parallelism.context_parallel_load_balancer)
+    return lambda x: context_parallel.shard(x, ranges)
 
 
 def _first_rank_stages(parts: list[Transformer], cfg: JobConfig, dims: ParallelDims, args: ModelArgs,
@@ -290,8 +330,9 @@ def _first_rank_stages(parts: list[Transformer], cfg: JobConfig, dims: ParallelD
     micro = microbatches(cfg.parallelism, training.local_batch_size)
     order = _first_rank_order(cfg.parallelism.pipeline_parallel_schedule, dims.pp, len(parts), micro)
     before = tracker.now()["ACT"]
-    outputs = [_stage_forward(parts[stage], training.local_batch_size // micro, training.seq_len // dims.cp, args,
-                              dims, dtype)
+    inputs, _ = Inputs.build(_bos(cfg, args), _rank0_share(cfg, dims))
+    outputs = [_stage_forward(parts[stage], training.local_batch_size // micro, training.seq_len, args, dims, dtype,
+                              inputs)
                for stage in order]
     activations = tracker.now()["ACT"] - before
     last = {stage: i for i, stage in enumerate(order)}
@@ -319,12 +360,13 @@ def _first_rank_order(schedule: str, pp: int, v: int, m: int) -> list[int]:
 
 
 def _stage_forward(part: Transformer, batch: int, seq_len: int, args: ModelArgs, dims: ParallelDims,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """One micro-batch of rank 0's `seq_len` tokens a sequence through one of its stages, which never holds the last
-    (stage s runs on rank s % pp): its output hidden states. The first stage takes tokens; a later one, hidden states
-    as the previous stage sends them, sequence-sharded under TP."""
+                   dtype: torch.dtype, inputs: Inputs) -> torch.Tensor:
+    """One micro-batch of rank 0's share of `seq_len`-token windows through one of its stages, which never holds the
+    last (stage s runs on rank s % pp): its output hidden states. The first stage takes tokens; a later one, hidden
+    states as the previous stage sends them, sequence-sharded under TP (and CP), and block_causal's document ids."""
+    tokens = torch.randint(0, args.vocab_size, (batch, seq_len if inputs.bos_id is not None else seq_len // dims.cp))
+    tokens, _, kwargs = inputs(tokens, tokens)
     if part.tok_embeddings is not None:
-        x = torch.randint(0, args.vocab_size, (batch, seq_len))
-    else:
-        x = torch.randn(batch, seq_len // dims.tp, args.dim, dtype=dtype, requires_grad=True)
-    return part(x)
+        return part(tokens, **kwargs)
+    x = torch.randn(batch, seq_len // dims.cp // dims.tp, args.dim, dtype=dtype, requires_grad=True)
+    return part(x, **kwargs)

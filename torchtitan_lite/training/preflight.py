@@ -7,7 +7,7 @@ exactly the layouts the trainer refuses.
 from __future__ import annotations
 
 from torchtitan_lite.checkpoint.manager import check_config
-from torchtitan_lite.config import JobConfig
+from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.mixture import build_data
 from torchtitan_lite.data.tokenizer import load_tokenizer
 from torchtitan_lite.models.llama import ModelArgs, flavor_args
@@ -27,10 +27,22 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> N
         check_cp(cfg.training.seq_len, dims.cp, dims.tp, cfg.parallelism.context_parallel_load_balancer)
 
 
+def document_start(cfg: JobConfig, tokenizer) -> int | None:
+    """The token that starts a document under block_causal (the tokenizer's BOS), None when causal; refuses data
+    that has no documents."""
+    if cfg.model.attn_mask_type == "causal":
+        return None
+    mixed = [s.dataset for s in cfg.mixture.sources] if cfg.training.dataset == "mixture" else []
+    if set(mixed or [cfg.training.dataset]) == {"synthetic"}:  # in a mixture beside text, its windows are causal
+        raise ConfigError("model.attn_mask_type block_causal masks at document starts (BOS), and synthetic data has "
+                          "no documents: train on text (e.g. training.dataset python_stdlib) or use causal")
+    return tokenizer.bos_id
+
+
 def preflight(cfg: JobConfig, world_size: int):
-    """The trainer's checks: (dims, model args, global batch, training source, validation sources by name: {"": one}
-    for one dataset, one per source for a mixture, {} with validation off), or a ConfigError that names the problem
-    and the fix."""
+    """The trainer's checks: (dims, model args, the token that starts a document under block_causal or None, global
+    batch, training source, validation sources by name: {"": one} for one dataset, one per source for a mixture, {}
+    with validation off), or a ConfigError that names the problem and the fix."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     model_args = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
@@ -38,7 +50,8 @@ def preflight(cfg: JobConfig, world_size: int):
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
     check_profiling(cfg.profiling)
     check_wandb(cfg.metrics.enable_wandb)
+    bos_id = document_start(cfg, tokenizer)
     training = cfg.training
     global_batch = dims.global_batch(training.local_batch_size, training.global_batch_size)
     source, val_sources = build_data(cfg, tokenizer, global_batch)
-    return dims, model_args, global_batch, source, val_sources
+    return dims, model_args, bos_id, global_batch, source, val_sources

@@ -11,6 +11,10 @@ autocast runs only without it (one process, TP alone).
 
 A pipeline schedule is a second implementation of the same call (`PipelineStep`, chosen once at start-up by
 `build_step`): the loop never asks which one it runs.
+
+What the model gets beside a micro-batch's tokens is decided once too (`Inputs`): nothing (causal), or under
+block_causal the document ids of each window (models/documents.py), computed from the whole windows before context
+parallelism cuts them, since a rank's queries must know the documents of every gathered key.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan_lite.config import JobConfig
 from torchtitan_lite.data.loader import to_device
+from torchtitan_lite.models.documents import document_ids
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import Pipeline
 from torchtitan_lite.runtime.precision import DTYPES
@@ -68,13 +73,37 @@ class Numerics:
         return stack
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What the model gets from a micro-batch (inputs, labels) on the device: (inputs, labels, model keywords).
+    Causal: the loader's batch as it is. block_causal (`bos_id` set): each window's document ids too; under context
+    parallelism the loader then hands whole windows and `shard` cuts them here, after the ids are known."""
+    bos_id: int | None = None
+    shard: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @classmethod
+    def build(cls, bos_id: int | None, seq_share: Callable | None) -> tuple[Inputs, Callable | None]:
+        """(the step's Inputs, the loader's shard) for the document-start id `bos_id` (None: causal) and context
+        parallelism's `seq_share` (None without it)."""
+        return (cls(), seq_share) if bos_id is None else (cls(bos_id, seq_share), None)
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        if self.bos_id is None:
+            return inputs, labels, {}
+        documents = document_ids(inputs, self.bos_id)
+        if self.shard is not None:
+            inputs, labels = self.shard(inputs), self.shard(labels)
+        return inputs, labels, {"documents": documents}
+
+
 class Step:
     """The step of one rank: `train_step` adds a local batch's gradients to the parameters' .grad, `eval_step` only
     measures; both return the summed loss of their micro-batches (detached). The optimizer's update is the loop's."""
 
     def __init__(self, model: nn.Module, device: torch.device, numerics: Numerics,
-                 scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss, defer_reduce: bool = False):
-        self.model, self.device, self.numerics = model, device, numerics
+                 scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss, defer_reduce: bool = False,
+                 inputs: Inputs = Inputs()):
+        self.model, self.device, self.numerics, self.inputs = model, device, numerics, inputs
         self.scale = scale  # fp16's loss scaling (precision.UpdateGuard.scale)
         # Reduce gradients after the last micro-batch only: FSDP accumulates unsharded gradients until then.
         self.defer_reduce = defer_reduce
@@ -100,7 +129,8 @@ class Step:
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         """One local batch's loss, with its graph for backward."""
-        return token_loss(self.model(to_device(inputs, self.device)), to_device(labels, self.device), tokens)
+        inputs, labels, kwargs = self.inputs(to_device(inputs, self.device), to_device(labels, self.device))
+        return token_loss(self.model(inputs, **kwargs), labels, tokens)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         loss = self.loss(inputs, labels, tokens)
@@ -116,20 +146,25 @@ class PipelineStep(Step):
     its loss is this rank's share, the value on the ranks holding the last stage and 0 elsewhere."""
 
     def __init__(self, parts: list[nn.Module], pp_mesh: DeviceMesh, device: torch.device, numerics: Numerics,
-                 scale: Callable[[torch.Tensor], torch.Tensor], cfg: JobConfig):
-        super().__init__(None, device, numerics, scale)  # a schedule reduces once per local batch itself
+                 scale: Callable[[torch.Tensor], torch.Tensor], cfg: JobConfig, inputs: Inputs = Inputs()):
+        super().__init__(None, device, numerics, scale, inputs=inputs)  # a schedule reduces per local batch itself
         self.pipeline = Pipeline(parts, pp_mesh, device, cfg, token_loss, loss_value, scale)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
-        return self.pipeline.forward_backward(inputs, labels, tokens)
+        return self.pipeline.forward_backward(*self._prepared(inputs, labels), tokens)
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
-        return self.pipeline.forward(inputs, labels, tokens)
+        return self.pipeline.forward(*self._prepared(inputs, labels), tokens)
+
+    def _prepared(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        return self.inputs(to_device(inputs, self.device), to_device(labels, self.device))
 
 
 def build_step(model: nn.Module, parts: list[nn.Module], mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig,
-               device: torch.device, numerics: Numerics, scale: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+               device: torch.device, numerics: Numerics, scale: Callable[[torch.Tensor], torch.Tensor],
+               inputs: Inputs = Inputs()) -> Step:
     """The step this rank runs: the pipeline's under PP, else the plain forward and backward of `model`."""
     if dims.pp > 1:
-        return PipelineStep(parts, mesh["pp"], device, numerics, scale, cfg)
-    return Step(model, device, numerics, scale, defer_reduce=dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce)
+        return PipelineStep(parts, mesh["pp"], device, numerics, scale, cfg, inputs)
+    return Step(model, device, numerics, scale, defer_reduce=dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce,
+                inputs=inputs)

@@ -1,0 +1,96 @@
+"""Document masking (`model.attn_mask_type = "block_causal"`, torchtitan's name): inside a packed window a token
+attends only to the earlier tokens of its own document, and rotary positions restart at each document's start, so
+each document is computed exactly as if it were run alone (tests/test_documents.py proves it per token).
+
+Documents are packed as BOS + tokens + EOS (data/), so where they start is in the tokens themselves: a document
+starts at each BOS, and a window that starts inside a document holds a fragment whose positions start at the window
+start. The loader therefore stays as it is; the step derives document ids from a micro-batch's inputs
+(`document_ids`) and hands them to the model, which derives the rest (`positions`, the mask) once per micro-batch.
+The ids are of the whole window: context parallelism computes them before it cuts the sequence, and every pipeline
+stage gets them beside its hidden states (step.py, pipeline.py); the model itself never learns about meshes.
+
+Two kernels, chosen once at start-up (`Transformer.document_mask`):
+- `explicit_mask`: an additive float mask (0 or -inf) for SDPA, (batch, 1, seq, seq) in the activations' dtype, so
+  neither FSDP's input cast nor SDPA copies it. The CPU's path (FlexAttention has no CPU backward in torch 2.13) and
+  context parallelism's, whose ranks attend with the mask's rows of their chunks.
+- `block_mask`: FlexAttention's BlockMask, as torchtitan uses on GPUs: blocks of 128 x 128 keys that are all masked
+  are skipped, and no seq x seq tensor exists. Its forward is checked on the CPU against the explicit mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
+    """(batch, seq) ids of the document each token belongs to: 0 for a fragment before the window's first BOS, then
+    one more at each BOS. Only equality between ids of one row means anything."""
+    return (tokens == bos_id).cumsum(dim=1)
+
+
+def positions(documents: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) each token's position in its document (in its fragment, for one cut by the window's start)."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+
+
+def allowed(documents: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) bool: query i may see key j (same document, j <= i)."""
+    seq = documents.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
+
+
+def explicit_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive SDPA mask of `documents`, in `dtype`. Built once per micro-batch and shared by every block: a
+    bool mask would be turned into a new float one by SDPA at every call, and kept by each block for backward."""
+    mask = torch.zeros(documents.shape[0], 1, documents.shape[1], documents.shape[1], dtype=dtype,
+                       device=documents.device)
+    return mask.masked_fill_(~allowed(documents), float("-inf"))
+
+
+def block_mask(documents: torch.Tensor, dtype: torch.dtype):
+    """FlexAttention's BlockMask of `documents` (`dtype` unused: a block mask holds block indices, not scores)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q, kv):
+        return (documents[b, q] == documents[b, kv]) & (q >= kv)
+
+    batch, seq = documents.shape
+    return create_block_mask(mask_mod, batch, None, seq, seq, device=documents.device)
+
+
+def block_mask_bytes(batch: int, seq: int, block: int = 128) -> int:
+    """The bytes of `block_mask` for `batch` windows of `seq` tokens: int32 counts and indices of the partly and the
+    fully unmasked blocks, by rows (forward) and by columns (backward): 4 x 4 x batch x n x (n + 1), n = seq / block
+    rounded up. Megabytes where the explicit mask takes gigabytes (batch x seq^2 in the activations' dtype)."""
+    n = -(-seq // block)
+    return 16 * batch * n * (n + 1)
+
+
+_compiled_flex = None
+
+
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    """FlexAttention of (batch, heads, seq, head_dim) under a BlockMask. Compiled, as torchtitan runs it: eager flex
+    attention is a reference implementation that materializes the scores (inside a compiled block this call is
+    traced into the block's graph)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type == "cpu":  # the CPU suite's check of the GPU path: forward only, eager
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+KERNELS = {"sdpa": explicit_mask, "flex": block_mask}
+
+
+def kernel(device_type: str, cp: int) -> str:
+    """The masked kernel a run uses: FlexAttention on a GPU, SDPA with the explicit mask on the CPU and under context
+    parallelism (whose chunks attend with rows of the mask)."""
+    return "flex" if device_type == "cuda" and cp == 1 else "sdpa"
