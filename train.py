@@ -44,6 +44,7 @@ from torchtitan_lite.runtime.signals import Preemption, exit_code, restore_signa
 from torchtitan_lite.runtime.stragglers import Stragglers
 from torchtitan_lite.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from torchtitan_lite.training.preflight import preflight
+from torchtitan_lite.training.source_losses import SourceLosses
 from torchtitan_lite.training.step import Inputs, Numerics, Step, build_step
 
 logger = logging.getLogger("torchtitan_lite")
@@ -174,6 +175,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     # So does the stragglers' gather of step times at logging steps.
     host_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
     preemption, stragglers = Preemption(host_group), Stragglers(host_group, cfg.metrics.straggler_factor)
+    per_source = SourceLosses(data, model_step, training.seq_len)
     first_step, held = step + 1, {}  # the bytes held for state, measured at the first step, go in the next record
     last_log_time, last_log_step, stopped = start, step, None
 
@@ -186,7 +188,9 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
         with profiler.phase("data"):
             batches = stragglers.timed_data(data.next_batch)
         with profiler.phase("forward_backward"):
-            loss_sum = model_step.train_step(batches, global_tokens)
+            per_source.begin(logging=metrics.should_log(step, last=step == training.steps))
+            # The step's loss, then a mixture's per-source sums at logging steps: one all-reduce for all of them.
+            losses = per_source.totals(model_step.train_step(batches, global_tokens))
         with profiler.phase("optimizer"):
             guard.unscale_(optimizer)  # fp16: clipping and the logged norm see the true gradients
             grad_norm = clip_grad_norm_(params, training.max_norm, env.world_size)
@@ -208,17 +212,18 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
             last_log_time += time.perf_counter() - val_start  # tokens/s and MFU measure training alone
         if metrics.should_log(step, last=step == training.steps) or val_losses:
             guard.check()  # a step since the last log that must stop the run raises here (saves check too)
-            dist.all_reduce(loss_sum, group=loss_mesh.get_group())
+            dist.all_reduce(losses, group=loss_mesh.get_group())
+            losses = losses.tolist()
             now = time.perf_counter()
             tps = global_tokens * (step - last_log_step) / env.world_size / (now - last_log_time)
             metrics.log(step, {
-                "loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr, "tps": tps,
+                "loss": losses[0], "grad_norm": grad_norm.item(), "lr": lr, "tps": tps,
                 "mfu": 100 * tps * model_flops_per_token / peak, "memory_gib": memory_gib(device),
                 "elapsed_s": train_state.elapsed_s(), "tokens_seen": train_state.tokens_seen,
                 "world_size": env.world_size,  # changes when an elastic job shrinks or grows
                 **guard.metrics(), **held, **allocator_fields(device),
                 **stragglers.fields(now - last_log_time, step - last_log_step),
-                **val_losses,
+                **val_losses, **per_source.fields(losses, step),
             })
             last_log_time, last_log_step, held = now, step, {}
             if device.type == "cuda":

@@ -44,7 +44,8 @@ def read_curve(path: str | os.PathLike, key: str = "loss") -> dict[int, float]:
 
 
 def read_curves(path: str | os.PathLike, keys: tuple[str, ...]) -> dict[str, dict[int, float]]:
-    """read_curve of several keys, reading the file once: {key: {step: value}}."""
+    """read_curve of several keys, reading the file once: {key: {step: value}}. A key ending in "/" stands for every
+    key it begins (a mixture's "loss/" is loss/NAME of each source)."""
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
@@ -54,12 +55,14 @@ def read_curves(path: str | os.PathLike, keys: tuple[str, ...]) -> dict[str, dic
         records = read_metrics(path)
     except HistoryError as e:
         raise InputError(str(e)) from None
-    curves: dict[str, dict[int, float]] = {key: {} for key in keys}
+    curves: dict[str, dict[int, float]] = {key: {} for key in keys if not key.endswith("/")}
+    prefixes = tuple(key for key in keys if key.endswith("/"))
     for record in records:
         # A record may lack a key (val_loss is logged every validation.freq steps): that step is not on its curve.
-        for key in (k for k in keys if record.get(k) is not None):
+        found = [k for k in record if k in curves or (prefixes and k.startswith(prefixes))]
+        for key in (k for k in found if record[k] is not None):
             try:
-                curves[key][record["step"]] = float(record[key])
+                curves.setdefault(key, {})[record["step"]] = float(record[key])
             except (TypeError, ValueError):
                 raise InputError(f"{path}: step {record['step']}: {key} is not a number") from None
     return curves

@@ -1,4 +1,5 @@
-"""Training curves of one or more runs as one picture: loss (and val_loss), lr, grad norm and tokens/s.
+"""Training curves of one or more runs as one picture: loss (and val_loss), lr, grad norm and tokens/s, and for a
+data mixture each source's loss (and val_loss) in a panel of its own.
 
     python scripts/plot_metrics.py outputs/run_a outputs/run_b --out curves.png [--log_loss]
 
@@ -30,7 +31,7 @@ from loss_compare import InputError, read_curves
 # (metrics.jsonl key, panel title); val_loss shares the loss panel.
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm (before clipping)"),
           ("tps", "tokens/s per device")]
-KEYS = ("loss", "val_loss", "lr", "grad_norm", "tps")
+KEYS = ("loss", "val_loss", "lr", "grad_norm", "tps", "loss/", "val_loss/")  # and a mixture's per source
 
 
 @dataclass
@@ -82,8 +83,12 @@ def draw(runs: list[Run], out: str, log_loss: bool = False) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.ticker import LogFormatter
 
-    fig, axes = plt.subplots(2, 2, sharex=True, figsize=(12, 8))
-    panels = dict(zip((key for key, _ in PANELS), axes.flat))
+    # A mixture's runs add a panel per source: its training loss, and its validation loss dashed.
+    sources = sorted({key.split("/", 1)[1] for run in runs for key in run.series if "/" in key})
+    rows = 2 + (len(sources) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, sharex=True, figsize=(12, 4 * rows), squeeze=False)
+    titles = PANELS + [(f"loss/{name}", f"source {name}: loss") for name in sources]
+    panels = dict(zip((key for key, _ in titles), axes.flat))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
         color = colors[i % len(colors)]
@@ -92,11 +97,14 @@ def draw(runs: list[Run], out: str, log_loss: bool = False) -> None:
                 steps, values = run.series[key]
                 # A lone point draws no line: give it a marker so a one-step run still shows.
                 ax.plot(steps, values, color=color, label=run.name, marker="o" if len(steps) == 1 else None)
-        if "val_loss" in run.series:
-            steps, values = run.series["val_loss"]
-            # Few points, far apart: markers, and dashed so it is not mistaken for the training loss.
-            panels["loss"].plot(steps, values, color=color, linestyle="--", marker="o", markersize=4)
-    for (key, title), ax in zip(PANELS, axes.flat):
+        for val, key in [("val_loss", "loss"), *((f"val_loss/{name}", f"loss/{name}") for name in sources)]:
+            if val in run.series:
+                steps, values = run.series[val]
+                # Few points, far apart: markers, and dashed so it is not mistaken for the training loss.
+                panels[key].plot(steps, values, color=color, linestyle="--", marker="o", markersize=4)
+    for ax in list(axes.flat)[len(titles):]:
+        ax.set_visible(False)  # an odd number of sources leaves one cell empty
+    for (key, title), ax in zip(titles, axes.flat):
         ax.set_title(title)
         ax.grid(alpha=0.3)
         if not ax.lines:
@@ -112,7 +120,7 @@ def draw(runs: list[Run], out: str, log_loss: bool = False) -> None:
     if any("val_loss" in run.series for run in runs):
         handles.append(Line2D([], [], color="gray", linestyle="--", marker="o", markersize=4, label="val_loss"))
     panels["loss"].legend(handles=handles, loc="best", fontsize="small")
-    for ax in axes[1]:
+    for ax in axes[-1]:
         ax.set_xlabel("step")
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -127,3 +127,24 @@ def test_bad_input_is_one_error_line_and_exit_2(tmp_path):
         assert r.returncode == 2, r.stdout + r.stderr
         assert r.stderr.startswith("error: ") and expected in r.stderr and len(r.stderr.splitlines()) == 1
     assert not (tmp_path / "out.png").exists()
+
+
+def test_a_mixture_gets_a_panel_per_source_with_its_validation_dashed(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib import colors, image
+
+    records = [{**r, "loss/code": r["loss"] + 1, "loss/web": r["loss"] - 1, "tokens/code": 64 * r["step"]}
+               for r in falling(12)]
+    records[-1].update({"val_loss": 2.0, "val_loss/code": 2.5, "val_loss/web": 1.5})
+    run = plot_metrics.load_run(write_metrics(tmp_path / "mix" / "metrics.jsonl", records), "mix")
+    assert {"loss/code", "loss/web", "val_loss/code", "val_loss/web"} <= run.series.keys()
+    assert run.series["loss/web"] == (list(range(1, 13)), [r["loss/web"] for r in records])
+    assert "tokens/code" not in run.series  # counts are not curves to draw
+    out = tmp_path / "mix.png"
+    assert plot_metrics.main([str(tmp_path / "mix"), "--out", str(out)]) == 0
+    pixels = image.imread(out)[..., :3]
+    assert pixels.shape[:2] == (1200, 1200)  # a third row: one panel for each of the two sources
+    # The sources' row is painted in the run's colour: both panels hold its curves.
+    bottom = pixels[800:]
+    for half in (bottom[:, :600], bottom[:, 600:]):
+        assert (abs(half - colors.to_rgb("tab:blue")).max(axis=-1) < 0.05).sum() > 100

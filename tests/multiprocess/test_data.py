@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from launch import ROOT, TINY, assert_same_curve, losses, train_in_process, train_job
+from launch import ROOT, TINY, assert_same_curve, losses, read_metrics, train_in_process, train_job
 from torchtitan_lite.data.files import stdlib_files
 
 @pytest.fixture(scope="module")
@@ -74,3 +74,19 @@ def test_stopped_run_resumes_with_the_next_samples(data, straight_runs, tmp_path
     train_job(nproc, tmp_path, *args)
     assert sorted(losses(tmp_path)) == [5, 6, 7, 8]
     assert_same_curve(tmp_path, straight_runs[name], tolerance)
+    if name == "mixture":  # each source's loss too, measured where the sequences are, not where they were on 1 rank
+        straight = {m["step"]: m for m in read_metrics(straight_runs[name])}
+        for m in read_metrics(tmp_path):
+            for key in ("loss/docs", "loss/synthetic", "tokens/docs", "epochs/docs"):
+                assert abs(m[key] - straight[m["step"]][key]) <= tolerance * abs(m[key]), (m["step"], key)
+
+
+def test_a_mixtures_source_losses_add_up_to_its_loss(straight_runs):
+    # Global batch 4: docs and synthetic 3:1 (quotas 3 and 1) up to step 6, then 1:1 (2 and 2); 64 tokens a window.
+    for m in read_metrics(straight_runs["mixture"]):
+        quotas = (3, 1) if m["step"] <= 6 else (2, 2)
+        mixed = (quotas[0] * m["loss/docs"] + quotas[1] * m["loss/synthetic"]) / 4
+        assert abs(mixed - m["loss"]) <= 1e-6 * m["loss"], m
+        taken = 3 * min(m["step"], 6) + 2 * max(0, m["step"] - 6)
+        assert m["tokens/docs"] == taken * 64 and m["tokens/synthetic"] == (m["step"] * 4 - taken) * 64
+        assert "epochs/synthetic" not in m  # endless

@@ -233,6 +233,7 @@ class DataLoader:
         self.streams: dict[int | None, Packer] = {}
         self.saved: dict[int | None, tuple[int, int, str]] = {}
         self.stream_state = (0, 0, "")
+        self.sources: list[int] = []  # a mixture's: the source of each window of this rank's last batch
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         per_rank = self.global_batch // self.dp_size
@@ -243,8 +244,11 @@ class DataLoader:
             first = self.position + self.dp_rank * per_rank
             index = torch.arange(first, first + per_rank)
             # A mixture's Hugging Face streams are read in order, each rank its own shard of each.
-            windows = (self.source.windows(index, self._take) if hasattr(self.source, "positions")
-                       else self.source.windows(index))
+            if hasattr(self.source, "positions"):
+                windows = self.source.windows(index, self._take)
+                self.sources = [i for i, _ in self.source.positions(index.tolist())]
+            else:
+                windows = self.source.windows(index)
         self.position += self.global_batch
         batches = [(self.shard(w[:, :-1]), self.shard(w[:, 1:])) for w in windows.split(self.local_batch)]
         return [(x.pin_memory(), y.pin_memory()) for x, y in batches] if self.pin else batches

@@ -45,6 +45,14 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / tokens
 
 
+@torch.no_grad()
+def row_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each sequence's summed token losses, detached: what a mixture's per-source loss adds up (source_losses.py).
+    Computed beside token_loss, never instead of it, so the step's loss and gradients keep their bits."""
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+    return loss_value(losses).view(labels.shape).sum(1)
+
+
 def loss_value(loss: torch.Tensor) -> torch.Tensor:
     """A loss as a plain detached tensor, for summing and logging (loss parallel leaves a DTensor)."""
     return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
@@ -105,6 +113,8 @@ class Step:
                  inputs: Inputs = Inputs()):
         self.model, self.device, self.numerics, self.inputs = model, device, numerics, inputs
         self.scale = scale  # fp16's loss scaling (precision.UpdateGuard.scale)
+        # When a list (at a mixture's logging steps, source_losses.py), each micro-batch's row_losses go in it.
+        self.rows: list[torch.Tensor] | None = None
         # Reduce gradients after the last micro-batch only: FSDP accumulates unsharded gradients until then.
         self.defer_reduce = defer_reduce
 
@@ -130,7 +140,12 @@ class Step:
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         """One local batch's loss, with its graph for backward."""
         inputs, labels, kwargs = self.inputs(to_device(inputs, self.device), to_device(labels, self.device))
-        return token_loss(self.model(inputs, **kwargs), labels, tokens)
+        return self.token_loss(self.model(inputs, **kwargs), labels, tokens)
+
+    def token_loss(self, logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+        if self.rows is not None:
+            self.rows.append(row_losses(logits, labels))
+        return token_loss(logits, labels, tokens)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         loss = self.loss(inputs, labels, tokens)
@@ -148,7 +163,7 @@ class PipelineStep(Step):
     def __init__(self, parts: list[nn.Module], pp_mesh: DeviceMesh, device: torch.device, numerics: Numerics,
                  scale: Callable[[torch.Tensor], torch.Tensor], cfg: JobConfig, inputs: Inputs = Inputs()):
         super().__init__(None, device, numerics, scale, inputs=inputs)  # a schedule reduces per local batch itself
-        self.pipeline = Pipeline(parts, pp_mesh, device, cfg, token_loss, loss_value, scale)
+        self.pipeline = Pipeline(parts, pp_mesh, device, cfg, self.token_loss, loss_value, scale)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         return self.pipeline.forward_backward(*self._prepared(inputs, labels), tokens)
