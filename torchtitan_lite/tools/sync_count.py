@@ -3,8 +3,8 @@ benchmarks/sync_count.py and the tests run train.py under).
 
     main(train.run, [OUT_DIR, TRAIN_ARGS...])   ->   OUT_DIR/syncs-RANK.json: {step: ["file:function@device", ...]}
 
-A sync is an op whose result the host must wait for: reading a tensor's value (`.item()`, `bool(t)`, `if t:`), or an
-op whose output shape depends on values (nonzero). A TorchDispatchMode sees each one as it is dispatched, on any
+A sync is an op whose result the host must wait for: reading a tensor's values (`.item()`, `.tolist()`, `bool(t)`,
+`if t:`), or an op whose output shape depends on values (nonzero). A TorchDispatchMode sees each one as it is dispatched, on any
 device; on a GPU device-to-host copies (`.cpu()`, `.tolist()`) sync too, and the trainer's step makes none. So does
 a copy to the GPU from pageable host memory (the host first waits for the device's queued work): recorded as
 `file:function:copy@cuda`; batches come pinned and are copied with non_blocking, so a GPU step makes none.
@@ -53,6 +53,23 @@ class SyncRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.step, self.syncs = 0, defaultdict(list)
+        self._tolist = torch.Tensor.tolist
+
+    def __enter__(self):
+        # `.tolist()` reads a tensor's values without dispatching an op on the CPU: seen here, as on a GPU it syncs.
+        recorder, tolist = self, self._tolist
+
+        def recorded_tolist(t):
+            if not isinstance(t, DTensor):
+                recorder.syncs[recorder.step].append(f"{call_site()}@{t.device.type}")
+            return tolist(t)
+
+        torch.Tensor.tolist = recorded_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if DTensor in types:
