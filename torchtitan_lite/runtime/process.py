@@ -148,8 +148,9 @@ def peer_timeout(error: RuntimeError) -> RuntimeError | None:
     at = min((message.index(m) for m in _GLOO_TIMEOUTS if m in message), default=None)
     if at is None:
         return None
+    said = message[at:].splitlines()[0].split(". ")[0]  # without gloo's advice to read the other ranks' logs
     return RuntimeError(f"a collective waited longer than {_timeout} s: a peer rank is hung, stopped or dead "
-                        f"(gloo: {message[at:].splitlines()[0].split(". ")[0]})")
+                        f"(gloo: {said})")
 
 
 def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:
