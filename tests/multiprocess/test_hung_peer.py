@@ -13,6 +13,7 @@ import os
 import pickle
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,13 +32,10 @@ def stopped_state(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("nproc, layout, stopped, point, store_env, said", [
-    (4, (), 2, "the forward of block 1", {},
-     "rank 2 did not join all_gather #"),
-    (2, PP2, 1, "a pipeline send/receive", {},
-     "rank 1 did not join a pipeline send/receive, which rank 0 waited on in a pipeline send/receive"),
+    (4, (), 2, "the forward of block 1", {}, "rank 2 did not join all_gather #"),
     (2, PP2, 0, "a pipeline send/receive", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
      "rank 0 did not join a pipeline send/receive, which rank 1 waited on in a pipeline send/receive"),
-], ids=["fsdp4-forward", "pp2-p2p", "pp2-rank0"])
+], ids=["fsdp4-forward", "pp2-rank0-p2p"])
 def test_stopped_rank_ends_the_job_naming_it(tmp_path, nproc, layout, stopped, point, store_env, said):
     cmd, env = torchrun_cmd(nproc, STOP_AT, str(stopped), point, "--job.config_file", str(TINY), "--job.dump_folder",
                             str(tmp_path), *COMMON, "--training.steps", "1000", "--comm.train_timeout_seconds",
@@ -61,7 +59,6 @@ def test_stopped_rank_ends_the_job_naming_it(tmp_path, nproc, layout, stopped, p
             time.sleep(0.1)
         os.kill(workers[stopped], signal.SIGKILL)  # what torchrun does to a stopped worker 30 s after its SIGTERM
         out = proc.communicate(timeout=TIMEOUT_S)[0]
-        Path("/tmp/hang/out.txt").write_text(out)
     finally:
         for pid in workers:
             for sig in (signal.SIGCONT, signal.SIGKILL):
@@ -82,3 +79,6 @@ def test_stopped_rank_ends_the_job_naming_it(tmp_path, nproc, layout, stopped, p
     traces = Path(tmp_path, "comm_traces")
     assert sorted(p.name for p in traces.iterdir()) == [f"rank_{r}" for r in range(nproc) if r != stopped]
     assert all(pickle.loads(p.read_bytes())["entries"] for p in traces.iterdir())
+    analyzed = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(traces),
+                               "--prefix", "rank_", "--allow-incomplete-ranks"], capture_output=True, text=True)
+    assert analyzed.returncode == 0, analyzed.stderr[-2000:]

@@ -69,15 +69,17 @@ def _last_collective() -> dict:
         return {}
     from torch._C._distributed_c10d import _dump_fr_trace
 
-    trace = _dump_fr_trace()
+    trace = pickle.loads(_dump_fr_trace())
+    groups = {name: group for group, name in dist.distributed_c10d._world.pg_names.items()}
+    # gloo's record leaves out the groups' ranks, which torch's analyzer (flight_recorder.fr_trace) needs: ours
+    trace["pg_config"] = {name: {"name": name, "desc": group.group_desc,
+                                 "ranks": str(dist.get_process_group_ranks(group))} for name, group in groups.items()}
     os.makedirs(_folder, exist_ok=True)
     with open(os.path.join(_folder, f"{PREFIX}{dist.get_rank()}"), "wb") as f:
-        f.write(trace)
-    entries = pickle.loads(trace)["entries"]
-    if not entries:
+        pickle.dump(trace, f)
+    if not trace["entries"]:
         return {}
-    last = max(entries, key=lambda e: e["time_created_ns"])
-    groups = {name: group for group, name in dist.distributed_c10d._world.pg_names.items()}
+    last = max(trace["entries"], key=lambda e: e["time_created_ns"])
     name, desc = last["process_group"]
     ranks = dist.get_process_group_ranks(groups[name]) if name in groups else []
     return {"op": last["profiling_name"].split(":")[-1], "seq": last["collective_seq_id"],
@@ -109,7 +111,8 @@ def diagnosis(posts: dict[int, dict], me: int, world_size: int, folder: str) -> 
         silent = [rank for rank in silent if not mine["ranks"] or rank in mine["ranks"]] or silent
     said = f"; {'ranks' if len(silent) > 1 else 'rank'} {_ranks(silent)} did not join {what}, which rank {me} waited " \
            f"on in {point}"
-    return said + (f"; flight records of ranks {_ranks(sorted(posts))}: {folder}" if folder else "")
+    records = f"; flight records of rank{'s' * (len(posts) > 1)} {_ranks(sorted(posts))} in {folder}"
+    return said + (records if folder else "")
 
 
 def _ranks(ranks: list[int]) -> str:
