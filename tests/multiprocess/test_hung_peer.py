@@ -38,7 +38,7 @@ def stopped_state(pid: int) -> bool:
 ], ids=["fsdp4-forward", "pp2-rank0-p2p"])
 def test_stopped_rank_ends_the_job_naming_it(tmp_path, nproc, layout, stopped, point, store_env, said):
     cmd, env = torchrun_cmd(nproc, STOP_AT, str(stopped), point, "--job.config_file", str(TINY), "--job.dump_folder",
-                            str(tmp_path), *COMMON, "--training.steps", "1000", "--comm.train_timeout_seconds",
+                            str(tmp_path), *COMMON, "--training.steps", "20", "--comm.train_timeout_seconds",
                             str(TRAIN_TIMEOUT_S), *layout)
     env.update(store_env)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
