@@ -90,3 +90,17 @@ def test_a_gloo_collective_is_recorded_and_written_for_torchs_analyzer(tmp_path,
     trace = pickle.loads((tmp_path / "comm_traces" / "rank_0").read_bytes())
     assert trace["entries"][-1]["profiling_name"] == "gloo:all_reduce"
     assert {c["ranks"] for c in trace["pg_config"].values()} == {"[0]"}
+
+
+def test_blocks_name_their_forward_and_backward(monkeypatch):
+    points = []
+    monkeypatch.setattr(flight_recorder, "at", points.append)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2), "1": torch.nn.Linear(2, 2)})
+    flight_recorder.mark_blocks([model])
+    model.layers["1"](model.layers["0"](torch.ones(1, 2))).sum().backward()
+    assert points == ["the forward of block 0", "the forward of block 1", "the backward of block 1",
+                      "the backward of block 0"]
+    with torch.no_grad():  # validation: no gradient, no hook on its output
+        model.layers["0"](torch.ones(1, 2))
+    assert points[-1] == "the forward of block 0"

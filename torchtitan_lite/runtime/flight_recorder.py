@@ -18,6 +18,7 @@ import os
 import pickle
 from functools import partial
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -51,15 +52,26 @@ def enable(size: int, dump_folder: str) -> None:
 
 
 def mark_blocks(parts: list[nn.Module]) -> None:
-    """Each transformer block names its forward before FSDP's hook all-gathers its weights. (Not under compile: a
-    compiled block traces its hooks into the graph, and a side effect there runs after the block, not before.)"""
+    """Each transformer block names its forward, and its backward once its output's gradient arrives, before FSDP's
+    hooks all-gather its weights: ours come first. (Not under compile: a compiled block traces its hooks into the
+    graph, where a side effect runs after the block, not before.)"""
     for part in parts:
         for name, block in part.layers.items():
             block.register_forward_pre_hook(partial(_enter, f"the forward of block {name}"), prepend=True)
+            block.register_forward_hook(partial(_leave, f"the backward of block {name}"), prepend=True)
 
 
 def _enter(point: str, module: nn.Module, args: tuple) -> None:
     at(point)
+
+
+def _leave(point: str, module: nn.Module, args: tuple, output) -> None:
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        output.register_hook(partial(_backward, point))
+
+
+def _backward(point: str, grad: torch.Tensor) -> None:
+    at(point)  # and the gradient goes on unchanged
 
 
 def _last_collective() -> dict:
