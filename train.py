@@ -32,6 +32,7 @@ from torchtitan_lite.parallel.context_parallel import sharder
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.parallel.pipeline import merge_stages, split_stages
+from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
 from torchtitan_lite.runtime.metrics import (MetricLogger, allocator_fields, flops_per_token, held_bytes, memory_gib,
@@ -63,6 +64,7 @@ def summary(cfg: JobConfig, n_params: int, mesh, global_batch: int) -> str:
 def start_processes(cfg: JobConfig, env: Env, dims: ParallelDims):
     """The process group, this rank's device and the mesh: (device, mesh, dp mesh, loss mesh)."""
     checks_passed(env)  # from here on, errors are decided on rank 0 and raised on every rank
+    flight_recorder.enable(cfg.comm.trace_buf_size, cfg.job.dump_folder)
     device = init_distributed(env, cfg.comm.init_timeout_seconds)
     group_formed(env)  # a line can now be said for a hung rank 0
     set_determinism(cfg.training.seed, cfg.training.deterministic, device)
@@ -122,6 +124,8 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     kernel = documents.kernel(device.type, dims.cp)  # FlexAttention's block mask on a GPU, else an explicit mask
     for part in parts:
         part.document_mask = documents.KERNELS[kernel]
+    if not cfg.compile.enable:
+        flight_recorder.mark_blocks(parts)  # a hang then names the block whose forward it stalled in
     if bos_id is not None and device.type == "cuda" and kernel != "flex":
         logger.warning("block_causal under context parallelism attends with an explicit mask of the whole window on "
                        "every rank (seq_len^2 per sequence), not FlexAttention's block mask")
@@ -192,6 +196,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
             # The step's loss, then a mixture's per-source sums at logging steps: one all-reduce for all of them.
             losses = per_source.totals(model_step.train_step(batches, global_tokens))
         with profiler.phase("optimizer"):
+            flight_recorder.at("the gradient norm's all-reduce")
             guard.unscale_(optimizer)  # fp16: clipping and the logged norm see the true gradients
             grad_norm = clip_grad_norm_(params, training.max_norm, env.world_size)
             lr = scheduler.get_last_lr()[0]
@@ -206,12 +211,14 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
         val_losses = {}
         if validation.enable and (step % validation.freq == 0 or step == training.steps):
             val_start = time.perf_counter()
+            flight_recorder.at("validation")
             with profiler.phase("validation"):
                 val_losses = validate(model_step, {n: DataLoader(v, *loader_args) for n, v in val_sources.items()},
                                       validation.steps, global_tokens, loss_mesh)
             last_log_time += time.perf_counter() - val_start  # tokens/s and MFU measure training alone
         if metrics.should_log(step, last=step == training.steps) or val_losses:
             guard.check()  # a step since the last log that must stop the run raises here (saves check too)
+            flight_recorder.at("the loss all-reduce of a logging step")
             dist.all_reduce(losses, group=loss_mesh.get_group())
             losses = losses.tolist()
             now = time.perf_counter()
@@ -229,9 +236,11 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
         with profiler.phase("checkpoint"):
+            flight_recorder.at("a checkpoint save")
             checkpoint.maybe_save(step, last=step == training.steps)
         profiler.step()
         snapshots.step(step)
+        flight_recorder.at("the end of step agreement on signals")
         if (received := preemption.requested()) and step < training.steps:
             if cfg.checkpoint.enable and step % cfg.checkpoint.interval:
                 checkpoint.save(step)  # the full state, whatever the last save would be: the run goes on elsewhere
@@ -272,7 +281,7 @@ def run(argv: list[str] | None = None, check: bool = False) -> int:
     except RuntimeError as e:
         if (timeout := peer_timeout(e)) is None:
             raise
-        report(timeout, env)
+        report(flight_recorder.explain(timeout, env), env)
         return 1
     finally:
         gc.enable()  # main() may have turned automatic collection off; a caller in this process gets it back

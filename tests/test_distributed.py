@@ -9,6 +9,9 @@ from torchtitan_lite.runtime.process import Env, job_store, peer_timeout
      "Timed out waiting 3000ms for recv operation"),
     # the same timeout, met on a connection to the peer
     ("Application timeout caused pair closure", "Application timeout caused pair closure"),
+    # in a group of more than two: a peer that timed out first closed its connections (gloo's advice left out)
+    ("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:16605. This is typically caused by a "
+     "remote worker crashing. Check the logs", "Connection closed by peer [127.0.0.1]:16605"),
 ])
 def test_gloo_timeouts_become_one_line_naming_the_bound(gloo, cause, monkeypatch):
     monkeypatch.setattr(distributed, "_timeout", "comm.train_timeout_seconds = 3")  # as set_timeout(3) leaves it

@@ -34,6 +34,8 @@ NOT_CHECKED = {  # a command's first words -> why this test leaves it alone
     "pip install": "installs packages from an index (the set-up line; CI runs it on a fresh machine)",
     "python -m pytest": "the suite itself",
     "sbatch": "needs a Slurm cluster",
+    "python -m torch.distributed.flight_recorder.fr_trace": "reads a hung run's comm_traces/ "
+                                                            "(tests/multiprocess/test_hung_peer.py runs it on one)",
     "tensorboard": "a server, and an optional package",
     "export": "only sets a variable for the commands after it",
 }

@@ -126,6 +126,8 @@ class Comm:
     init_timeout_seconds: int = opt(600, "collective timeout from start-up through the first step (which may compile)",
                                     rule=within(1, WEEK))
     train_timeout_seconds: int = opt(100, "collective timeout once training is under way", rule=within(1, WEEK))
+    trace_buf_size: int = opt(20000, "flight-recorder entries per rank (torch's record of each collective, written "
+                              "to comm_traces/ when one times out); 0 = off", rule=at_least(0, "0 = off"))
 
 
 @dataclass

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan_lite.config import ConfigError, JobConfig, Parallelism
 from torchtitan_lite.data.loader import to_device
 from torchtitan_lite.models.llama import Transformer
+from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.process import wait
 
 # torch's schedule names -> whether the schedule runs several stages per rank. torch.distributed.pipelining itself
@@ -149,6 +150,11 @@ def merge_stages(parts: list[Transformer]) -> Transformer:
     return merged
 
 
+def _wait(works: list) -> None:
+    flight_recorder.at(flight_recorder.P2P)  # gloo's flight recorder does not record point-to-point ops
+    wait(works)
+
+
 class Pipeline:
     """The pipelined forward and backward of one local batch: step.PipelineStep's implementation of the step.
 
@@ -167,7 +173,7 @@ class Pipeline:
         self.loss_fn, self.loss_value, self.scale = loss_fn, loss_value, scale
         self.device, self.tokens, self.losses = device, 1, []
         # torch 2.13's schedules wait on their sends and receives with no timeout: ours (distributed.wait).
-        schedules._wait_batch_p2p = wait
+        schedules._wait_batch_p2p = _wait
         name = schedule_name(p.pipeline_parallel_schedule)
         cls = schedules.get_schedule_class(name)
         stages = self.stages if SCHEDULES[name] else self.stages[0]

@@ -117,6 +117,28 @@ def _ask(call, *args):
     return answer[0] if answer else _SILENT
 
 
+def gather(env: Env, name: str, value: str, wait_s: float) -> dict[int, str]:
+    """Posts `value` as this rank's `name` in the store a line goes through, then returns every rank's `name` posted
+    within `wait_s` (all ranks', or sooner when every rank posted): what surviving ranks know about a hang, pooled
+    without a collective. Only this rank's without such a store."""
+    witness = _witness(env) if dist.is_initialized() else None
+    if witness is None or _ask(witness.set, _key(f"{name}/{env.rank}"), value) is _SILENT:
+        return {env.rank: value}
+    deadline = time.monotonic() + wait_s
+    posted = _ask(witness.add, _key(f"{name}/count"), 1)
+    while posted is not _SILENT and posted < env.world_size and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        posted = _ask(witness.add, _key(f"{name}/count"), 0)
+    got = {}
+    for rank in range(env.world_size):
+        key = _key(f"{name}/{rank}")
+        if (there := _ask(witness.check, [key])) is _SILENT or (there and (v := _ask(witness.get, key)) is _SILENT):
+            break
+        if there:
+            got[rank] = v.decode()
+    return got
+
+
 def report(error: Exception, env: Env) -> None:
     """Prints `error: <message>` once for the whole job: on rank 0, or on this rank when rank 0 has nothing to say.
     Returns only once the line is out, so the caller may exit."""

@@ -136,8 +136,9 @@ def wait(works: list[dist.Work]) -> None:
         work.wait(_train_timeout) if _train_timeout else work.wait()
 
 
-# gloo's words for a collective that ran out of time: a wait on the whole operation, or one on a connection to a peer
-_GLOO_TIMEOUTS = ("Timed out", "Application timeout caused pair closure")
+# gloo's words for a collective that ran out of time: a wait on the whole operation, or one on a connection to a peer;
+# or, in a group of more than two, a peer that ran out of time first and closed its connections to this rank
+_GLOO_TIMEOUTS = ("Timed out", "Application timeout caused pair closure", "Connection closed by peer")
 
 
 def peer_timeout(error: RuntimeError) -> RuntimeError | None:
@@ -147,8 +148,9 @@ def peer_timeout(error: RuntimeError) -> RuntimeError | None:
     at = min((message.index(m) for m in _GLOO_TIMEOUTS if m in message), default=None)
     if at is None:
         return None
+    said = message[at:].splitlines()[0].split(". ")[0]  # without gloo's advice to read the other ranks' logs
     return RuntimeError(f"a collective waited longer than {_timeout} s: a peer rank is hung, stopped or dead "
-                        f"(gloo: {message[at:].splitlines()[0]})")
+                        f"(gloo: {said})")
 
 
 def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:

@@ -35,6 +35,7 @@ from torchtitan_lite.data.loader import to_device
 from torchtitan_lite.models.documents import document_ids
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import Pipeline
+from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.precision import DTYPES
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels) of one local batch
@@ -139,6 +140,7 @@ class Step:
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         """One local batch's loss, with its graph for backward."""
+        flight_recorder.at("the forward")
         inputs, labels, kwargs = self.inputs(to_device(inputs, self.device), to_device(labels, self.device))
         return self.token_loss(self.model(inputs, **kwargs), labels, tokens)
 
@@ -149,6 +151,7 @@ class Step:
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         loss = self.loss(inputs, labels, tokens)
+        flight_recorder.at("the backward")
         self.scale(loss).backward()
         return loss_value(loss)
 
