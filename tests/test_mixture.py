@@ -13,10 +13,10 @@ from torchtitan_lite.data.loader import DataLoader, Packer, TokenSource
 from torchtitan_lite.data.mixture import MixtureSource, build_data, quotas, spread
 
 
-def mixture(phases=((0, {"a": 3, "b": 1}),), global_batch: int = 8, n=(1003, 777)) -> MixtureSource:
+def mixture(phases=((0, {"a": 3, "b": 1}),), global_batch: int = 8, n=(1003, 777), dp: int = 1) -> MixtureSource:
     """Two sources whose tokens are unique: a window's first token names the source and the window."""
     return MixtureSource({"a": arange_source(n[0] * 10, 9), "b": arange_source(n[1] * 10, 9, seed=1)},
-                         list(phases), global_batch)
+                         list(phases), global_batch, dp)
 
 
 def config(*sources: Source, phases=(), **training) -> JobConfig:
@@ -44,11 +44,21 @@ def test_every_dp_slice_holds_each_source_near_its_share(counts):
     assert [slots.count(i) for i in range(len(counts))] == counts
     for m in range(g + 1):  # every prefix within one window of proportional
         assert all(abs(slots[:m].count(i) - Fraction(m * q, g)) < 1 for i, q in enumerate(counts))
-    bound = 1 if len(counts) == 2 else 2  # two sources: within one window on every slice; more: within two
-    for dp in (d for d in range(1, g + 1) if g % d == 0):
+    for dp in (d for d in range(1, g + 1) if g % d == 0):  # spread for dp ranks: each slice within one window
+        slots = spread(counts, dp)
+        assert [slots.count(i) for i in range(len(counts))] == counts
         for r in range(dp):
             part = slots[r * g // dp:(r + 1) * g // dp]
-            assert all(abs(part.count(i) - Fraction(q, dp)) < bound for i, q in enumerate(counts)), (dp, r)
+            assert all(abs(part.count(i) - Fraction(q, dp)) < 1 for i, q in enumerate(counts)), (dp, r)
+
+
+def test_the_dp_degree_moves_windows_between_slices_never_in_or_out_of_a_batch():
+    phases = [(0, {"a": 5, "b": 3}), (3, {"a": 1, "b": 1})]
+    one = global_batches(mixture(phases), 1, 6)[0]
+    for dp in (2, 4, 8):
+        batches, _ = global_batches(mixture(phases, dp=dp), dp, 6)
+        for (ref, _), (got, _) in zip(one, batches):
+            assert sorted(ref[:, 0].tolist()) == sorted(got[:, 0].tolist())  # a window's first token names it
 
 
 def test_each_batch_holds_exactly_the_phase_quotas():

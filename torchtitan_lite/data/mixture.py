@@ -2,9 +2,9 @@
 
 The loader's order stays a pure function of the global position p (loader.py): step s = p // G reads slots
 [0, G) of its batch, G the global batch. A phase's weights become integer quotas per batch (largest remainder,
-summing to G), and the batch's slots are dealt to the sources by a fixed sequence (`spread`): each slot goes to the
-source furthest behind its share so far, so every prefix of the batch, and hence every data-parallel rank's
-contiguous slice, holds each source close to its proportion whatever the dp degree. A source's own position is the
+summing to G), and the batch's slots are dealt to the sources (`spread`) so that every data-parallel rank's slice
+holds each source within one window of its share. Where a window lands among the slices depends on the dp degree, what
+the batch holds never does: a source's own position is the
 windows it consumed before step s (quota x steps, summed over the phases: O(#phases)) plus the slot's rank among its
 slots in the batch, and the source reads that position of its own seeded order. So the state is still the position,
 a resume on any layout and across a phase boundary continues the exact sequence, each source's positions are
@@ -52,9 +52,21 @@ def quotas(weights: dict[str, float], global_batch: int, where: str) -> dict[str
     return out
 
 
-def spread(counts: list[int]) -> list[int]:
-    """The source of each of the batch's slots: slot j goes to the source furthest behind (j+1) x its share (ties to
-    the bigger quota, then the first), so every prefix holds each source within one window of proportional."""
+def spread(counts: list[int], slices: int = 1) -> list[int]:
+    """The source of each of the batch's slots, for a batch cut into `slices` equal data-parallel slices: each slice
+    holds each source's share to within one window (q // slices of it, and one of its q % slices extra windows, dealt
+    round-robin over the slices: fewer than `slices` of them, so never two in one slice), and inside a slice every
+    prefix does too (`_prefix_spread`). Which slice a window lands in never changes what the batch holds."""
+    extras = [i for i, q in enumerate(counts) for _ in range(q % slices)]
+    shares = [[q // slices for q in counts] for _ in range(slices)]
+    for j, i in enumerate(extras):
+        shares[j % slices][i] += 1
+    return [i for share in shares for i in _prefix_spread(share)]
+
+
+def _prefix_spread(counts: list[int]) -> list[int]:
+    """Slot j goes to the source furthest behind (j+1) x its share (ties to the bigger count, then the first), so
+    every prefix holds each source within one window of proportional."""
     g, taken, out = sum(counts), [0] * len(counts), []
     for j in range(g):
         i = max(range(len(counts)), key=lambda i: ((j + 1) * counts[i] - taken[i] * g, counts[i], -i))
@@ -67,7 +79,9 @@ class MixtureSource:
     """Sources (name -> source of windows) in one global order; `phases` are (start_step, {name: weight}) in step
     order, the first at step 0."""
 
-    def __init__(self, parts: dict[str, Any], phases: list[tuple[int, dict[str, float]]], global_batch: int):
+    def __init__(self, parts: dict[str, Any], phases: list[tuple[int, dict[str, float]]], global_batch: int,
+                 slices: int = 1):
+        """`slices`: the data-parallel degree, whose ranks' slices spread() balances."""
         self.names = sorted(parts)  # by name, not list order: reordering the config changes nothing
         self.parts, self.global_batch = [parts[n] for n in self.names], global_batch
         self.starts = [start for start, _ in phases]
@@ -81,7 +95,7 @@ class MixtureSource:
         for q in self.quotas:
             seen = [0] * len(q)
             slots = []
-            for i in spread(q):
+            for i in spread(q, slices):
                 slots.append((i, seen[i]))
                 seen[i] += 1
             self.slots.append(slots)
@@ -159,7 +173,7 @@ class MixtureSource:
 # ---- Building a mixture from the config
 
 
-def build_data(cfg: JobConfig, tokenizer, global_batch: int) -> tuple[Any, dict[str, Any]]:
+def build_data(cfg: JobConfig, tokenizer, global_batch: int, dp: int = 1) -> tuple[Any, dict[str, Any]]:
     """The training source and the validation sources by name ({"": source} for one dataset, {} with validation
     off): [mixture]'s sources when training.dataset is "mixture", else training.dataset as always."""
     t, v, m = cfg.training, cfg.validation, cfg.mixture
@@ -186,7 +200,7 @@ def build_data(cfg: JobConfig, tokenizer, global_batch: int) -> tuple[Any, dict[
         parts[s.name], val = _source(s, t.seq_len, tokenizer, seed, v.enable)
         if val is not None:
             vals[s.name] = val
-    mixture = MixtureSource(parts, phases, global_batch)
+    mixture = MixtureSource(parts, phases, global_batch, dp)
     check_caps(mixture, m.sources, t.steps)
     log_plan(mixture, m.sources, t.steps, global_batch)
     return mixture, vals

@@ -53,5 +53,5 @@ def preflight(cfg: JobConfig, world_size: int):
     bos_id = document_start(cfg, tokenizer)
     training = cfg.training
     global_batch = dims.global_batch(training.local_batch_size, training.global_batch_size)
-    source, val_sources = build_data(cfg, tokenizer, global_batch)
+    source, val_sources = build_data(cfg, tokenizer, global_batch, dims.dp)
     return dims, model_args, bos_id, global_batch, source, val_sources
