@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from torchtitan_lite.config import load_config  # noqa: E402
 from torchtitan_lite.parallel.dims import ParallelDims  # noqa: E402
 from torchtitan_lite.runtime.run_history import read_metrics  # noqa: E402
+from torchtitan_lite.tools.sync_count import HOST_READS  # noqa: E402
 
 # torchtitan's published Llama 3 figures (H100, bf16, FSDP, selective AC): (flavor, world, tp, seq_len, local batch)
 PUBLISHED = {
@@ -129,8 +130,8 @@ def main() -> None:
     if published:
         print(f"published: {published['source']}")
 
-    def device(sites: list[str]) -> int:  # a host tensor's read waits for no device (the preemption flag)
-        return sum(1 for s in sites if (s.endswith("@cuda") if on_gpu else s != "signals.py:requested@cpu"))
+    def device(sites: list[str]) -> int:  # a host tensor's read waits for no device (sync_count.HOST_READS)
+        return sum(1 for s in sites if (s.endswith("@cuda") if on_gpu else s not in HOST_READS))
 
     print(f"\ndevice syncs: steps that only train {[device(syncs[s]) for s in ('2', '4', '5')]}, "
           f"a logging step {device(syncs['3'])}")

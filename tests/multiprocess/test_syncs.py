@@ -11,12 +11,11 @@ import json
 import pytest
 
 from launch import COMMON, ROOT, TP2, torchrun
+from torchtitan_lite.tools.sync_count import HOST_READS
 
 COUNTED = ROOT / "tests" / "multiprocess" / "counted.py"  # train.py under tools/sync_count.py
 LOGGED = {1, 3, 6}
-HOST = "signals.py:requested@cpu"
-# Reads of host tensors by design (on a GPU machine too: gloo's): the stragglers' step times, at logging steps.
-HOST_AT_LOGGING = "stragglers.py:<genexpr>@cpu"
+HOST, HOST_AT_LOGGING = HOST_READS  # the preemption flag every step; the stragglers' step times at logging steps
 # A logging step reads the loss (with a mixture's per-source sums: one .tolist()) and grad norm it logs, the guard's stop latch and skip count (check), and the skip
 # count it records (metrics): 5 device syncs, once per log_freq steps.
 LOGGING_STEP_SYNCS = sorted(f"{site}@cpu" for site in ["train.py:main", "train.py:main", "precision.py:check",

@@ -28,6 +28,9 @@ OURS = (str(ROOT / "train.py"), str(ROOT / "torchtitan_lite"))
 aten = torch.ops.aten
 SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default, aten.equal.default}
 COPIES = {aten._to_copy.default, aten.copy_.default}
+# Reads of host tensors by design, which wait for no device on a GPU machine either (gloo's): the preemption flag
+# every step, the stragglers' step times at logging steps. On the CPU they look like any other read.
+HOST_READS = ("signals.py:requested@cpu", "stragglers.py:<genexpr>@cpu")
 
 
 def waiting_upload(func, args, kwargs) -> bool:
