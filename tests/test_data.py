@@ -221,9 +221,8 @@ def test_the_trainer_validates_a_run_on_the_users_files_on_their_held_out_part(t
     cfg = load_config(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path / "run"), "--training.seq_len",
                        "15", "--training.dataset", "jsonl", "--training.dataset_path", corpus, "--validation.enable"])
     *_, source, val_sources = train.preflight(cfg, 1)
-    val_source = val_sources[""]
-    assert (source.part, val_source.part) == ("train", "validation")
-    assert val_source.chunks[0] is source.chunks[0]  # the same tokens: the files are read once
+    assert (source.part, val_sources[""].part) == ("train", "validation")
+    assert val_sources[""].chunks[0] is source.chunks[0]  # the same tokens: the files are read once
 
 
 def test_python_stdlib_validation_is_unchanged_every_50th_file(monkeypatch):
