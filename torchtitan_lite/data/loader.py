@@ -245,8 +245,9 @@ class DataLoader:
             index = torch.arange(first, first + per_rank)
             # A mixture's Hugging Face streams are read in order, each rank its own shard of each.
             if hasattr(self.source, "positions"):
-                windows = self.source.windows(index, self._take)
-                self.sources = [i for i, _ in self.source.positions(index.tolist())]
+                where = self.source.positions(index.tolist())  # once: the windows, and their sources' losses
+                windows = self.source.windows(index, self._take, where)
+                self.sources = [i for i, _ in where]
             else:
                 windows = self.source.windows(index)
         self.position += self.global_batch

@@ -125,10 +125,12 @@ class MixtureSource:
             out.append((i, consumed[i] + rank))
         return out
 
-    def windows(self, index: torch.Tensor, take: Callable[[int, int], torch.Tensor] | None = None) -> torch.Tensor:
-        """The windows at global positions `index`; `take(source, n)` gives this rank's next n windows of a
-        streaming source (a Hugging Face stream is read in order per rank, not at positions)."""
-        where = self.positions(index.view(-1).tolist())
+    def windows(self, index: torch.Tensor, take: Callable[[int, int], torch.Tensor] | None = None,
+                where: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """The windows at global positions `index` (`where`: their positions(), if the caller has them already);
+        `take(source, n)` gives this rank's next n windows of a streaming source (a Hugging Face stream is read in
+        order per rank, not at positions)."""
+        where = where if where is not None else self.positions(index.view(-1).tolist())
         rows: list[torch.Tensor | None] = [None] * len(where)
         for i, part in enumerate(self.parts):
             mine = [r for r, (src, _) in enumerate(where) if src == i]
