@@ -32,6 +32,7 @@ from torchtitan_lite.parallel.context_parallel import sharder
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.parallel.pipeline import merge_stages, split_stages
+from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
@@ -86,6 +87,8 @@ def build_model(cfg: JobConfig, model_args: ModelArgs, mesh, dims: ParallelDims,
     parts = split_stages(model_args, mesh["pp"].get_local_rank(), cfg.parallelism) if dims.pp > 1 else [model]
     warn_ignored_options(cfg, dims)
     for part in parts:
+        if float8.enabled(cfg):
+            float8.convert(part, cfg, dims.fsdp)
         parallelize(part, mesh, dims, cfg)
         part.to_empty(device=init_device)
         part.init_weights(seed=cfg.training.seed, buffer_device=device)
@@ -172,6 +175,9 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     profiler = exits.enter_context(StepProfiler(cfg.profiling, cfg.job.dump_folder, env.rank, device, train_state.step))
     snapshots = exits.enter_context(MemorySnapshots(cfg.profiling, cfg.job.dump_folder, env.rank, device,
                                                     cfg.job.config_file))
+    # FSDP's float8 all-gather with precomputed scales: the weights' scales, before the first step and each later one.
+    float8_scales = float8.ScalePrecompute(cfg, dims.fsdp, parts)
+    float8_scales()
     if training.gc_freq > 0:
         gc.disable()  # collect on a schedule instead, so all ranks pause at the same step
     step, start = train_state.step, time.perf_counter()
@@ -201,6 +207,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
             grad_norm = clip_grad_norm_(params, training.max_norm, env.world_size)
             lr = scheduler.get_last_lr()[0]
             guard.step(optimizer, grad_norm, step)  # skipped when a gradient is inf/NaN, decided on the device
+            float8_scales()
         if step == first_step:
             held = held_bytes(model, optimizer)
             set_timeout(cfg.comm.train_timeout_seconds)  # start-up is over: a peer silent this long is hung
