@@ -124,14 +124,10 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
                    device.type == "cuda")
     data = DataLoader(source, *loader_args)
     model, parts, n_params, n_embedding = build_model(cfg, model_args, mesh, dims, device)
-    kernel = documents.kernel(device.type, dims.cp)  # FlexAttention's block mask on a GPU, else an explicit mask
-    for part in parts:
-        part.document_mask = documents.KERNELS[kernel]
+    # block_causal: FlexAttention's block mask on a GPU, else an explicit mask.
+    documents.use_kernel(parts, device.type, dims.cp, masked=bos_id is not None)
     if not cfg.compile.enable:
         flight_recorder.mark_blocks(parts)  # a hang then names the block whose forward it stalled in
-    if bos_id is not None and device.type == "cuda" and kernel != "flex":
-        logger.warning("block_causal under context parallelism attends with an explicit mask of the whole window on "
-                       "every rank (seq_len^2 per sequence), not FlexAttention's block mask")
     params = list(model.parameters())
     logger.info(summary(cfg, n_params, mesh, global_batch))
     optimizer = build_optimizer(model, cfg.optimizer, params[0].device.type)  # on the host under CPU offload

@@ -53,7 +53,8 @@ def _options(prefix: str, cls: type) -> tuple[dict[str, _Opt], dict[str, tuple[t
             continue
         base = typing.get_origin(tp) if typing.get_origin(tp) in (dict, list) else next(
             (a for a in args if a is not type(None)), tp)
-        assert base in _KIND and (base is not list or args == (str,)), f"{key}: parsing {tp} is not implemented"
+        assert base in _KIND and (base is not list or (args == (str,) and not f.metadata["choices"])), \
+            f"{key}: parsing {tp} is not implemented"
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         options[key] = _Opt(key, prefix, f.name, base, type(None) in args, default,
                             *(f.metadata[k] for k in ("help", "choices", "rule", "path")))
@@ -232,10 +233,8 @@ def validate(cfg: JobConfig) -> None:
 
 def _check(o: _Opt, value: Any, where: str = "") -> None:
     _coerce(o, value, where)  # catches configs built in code, which skipped the TOML/CLI checks
-    for item in (value if o.type is list else [value]):
-        if o.choices and item not in o.choices:
-            raise ConfigError(f"{o.key}{where} must {'hold only' if o.type is list else 'be one of'} "
-                              f"{', '.join(o.choices)} (got {item!r})")
+    if o.choices and value not in o.choices:
+        raise ConfigError(f"{o.key}{where} must be one of {', '.join(o.choices)} (got {value!r})")
     if o.rule and value is not None and not o.rule.ok(value):
         raise ConfigError(f"{o.key}{where} must be {_allowed(o)} (got {value!r})")
 

@@ -40,8 +40,6 @@ class Model:
     tokenizer_path: str = opt("", '"" = byte-level tokenizer needing no file; else a tiktoken BPE file', path=ONE)
     attn_mask_type: str = opt("causal", "block_causal = attention and positions stop at document boundaries (BOS) "
                               "inside a packed window", choices=("causal", "block_causal"))
-    converters: list[str] = opt([], 'swaps applied to the model before parallelism: "float8" (see [float8]); on the '
-                                "command line NAME,NAME", choices=("float8",))
 
 
 @dataclass
@@ -168,7 +166,8 @@ class Compile:
 
 @dataclass
 class Float8:
-    """float8 matmuls through torchao, with model.converters = ["float8"] (docs/float8.md)"""
+    """float8 matmuls through torchao (docs/float8.md)"""
+    enable_float8_linear: bool = opt(False, "the blocks' linears multiply in float8 (torchao: pip install torchao)")
     recipe_name: str = opt("tensorwise", "scaling: tensorwise (one scale a tensor: fastest, float8 all-gathers), "
                            "rowwise (a scale a row), rowwise_with_gw_hp (weight gradients in high precision)",
                            choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))

@@ -34,7 +34,7 @@ NEVER = "output"  # the logits' projection: its error reaches the loss undamped 
 
 
 def enabled(cfg: JobConfig) -> bool:
-    return "float8" in cfg.model.converters
+    return cfg.float8.enable_float8_linear
 
 
 def tensorwise(cfg: JobConfig) -> bool:
@@ -67,7 +67,7 @@ def check(cfg: JobConfig, model: nn.Module, dims) -> None:
     if not enabled(cfg):
         return
     if importlib.util.find_spec("torchao") is None:
-        raise ConfigError('model.converters "float8" needs torchao: pip install torchao (requirements-dev.txt has it)')
+        raise ConfigError("float8.enable_float8_linear needs torchao: pip install torchao (requirements-dev.txt has it)")
     if cfg.training.mixed_precision_param == "float16":
         raise ConfigError("float8 with training.mixed_precision_param float16 is refused: float8's scales and fp16's "
                           "loss scale would fight over the same range; train float8 in bfloat16")
@@ -94,8 +94,9 @@ def ignored_options(cfg: JobConfig, fsdp: bool) -> list[str]:
     """[float8] options set away from their defaults that this run never reads (parallelize.warn_ignored_options)."""
     f8 = cfg.float8
     if not enabled(cfg):
-        changed = [f"float8.{f.name}" for f in dataclasses.fields(f8) if getattr(f8, f.name) != f.default]
-        return [f"model.converters does not hold float8: {', '.join(changed)} ignored"] if changed else []
+        default = type(f8)()
+        changed = [f"float8.{f.name}" for f in dataclasses.fields(f8) if getattr(f8, f.name) != getattr(default, f.name)]
+        return [f"float8.enable_float8_linear is off: {', '.join(changed)} ignored"] if changed else []
     reasons = []
     if not fsdp and f8.enable_fsdp_float8_all_gather:
         reasons.append("no FSDP in this layout: float8.enable_fsdp_float8_all_gather ignored")
@@ -140,6 +141,11 @@ def convert(model: nn.Module, cfg: JobConfig, fsdp: bool) -> None:
     from torchao.float8 import convert_to_float8_training
 
     _install_byte_gather()
+    if cfg.float8.recipe_name == "rowwise" and cfg.compile.enable:
+        import torch._inductor.config  # noqa: PLC0415 - inductor's import costs seconds: compiled rowwise runs only
+
+        # Inductor's fused casts must round as eager's do, or the power-of-two scales part (pytorch#150859).
+        torch._inductor.config.emulate_precision_casts = True
     convert_to_float8_training(model, config=torchao_config(cfg, fsdp),
                                module_filter_fn=functools.partial(_filter, filter_fqns=cfg.float8.filter_fqns))
 
