@@ -18,6 +18,7 @@ import tomllib
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtitan_lite.runtime.wandb_run import WandbRun
 
@@ -135,11 +136,22 @@ def storage_bytes(tensors) -> int:
     tensor (memory.py's estimate counts fake ones) and would merge them all."""
     seen = {}
     for t in tensors:
-        if t is None:
-            continue
-        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-        seen[storage._cdata] = storage.nbytes()
+        for inner in () if t is None else _inner_tensors(t):
+            storage = inner.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
+
+
+def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding `t`'s data. A wrapper subclass has an empty storage of its own and its data in
+    tensor attributes: a DTensor its local shard, torchao's weight for FSDP's float8 all-gather (quantization/float8.py)
+    the high-precision weight and its precomputed scale. Read from the attributes, not `__tensor_flatten__`, which that
+    weight answers by testing its scale's value: a device read on a GPU, an error on the estimate's fake tensors."""
+    if isinstance(t, DTensor):
+        return _inner_tensors(t._local_tensor)  # to_local() makes a view, without the float8 weight's scale
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    return [plain for x in vars(t).values() if isinstance(x, torch.Tensor) for plain in _inner_tensors(x)]
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
