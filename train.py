@@ -36,8 +36,8 @@ from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
-from torchtitan_lite.runtime.metrics import (MetricLogger, allocator_fields, flops_per_token, held_bytes, memory_gib,
-                                             peak_flops)
+from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, allocator_fields, flops_per_token, held_bytes,
+                                             memory_gib, peak_flops)
 from torchtitan_lite.runtime.precision import NonFiniteError, UpdateGuard, warn_if_slow
 from torchtitan_lite.runtime.process import Env, init_distributed, peer_timeout, set_determinism, set_timeout
 from torchtitan_lite.runtime.profiling import StepProfiler
@@ -141,7 +141,10 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     model_step = build_step(model, parts, mesh, dims, cfg, device, numerics, guard.scale, inputs)
     model_flops_per_token = flops_per_token(n_params, model_args.n_layers, model_args.n_heads, model_args.head_dim,
                                             training.seq_len, n_embedding)
-    peak = peak_flops(device, numerics.compute_dtype if (dims.fsdp or numerics.autocast) else torch.float32)
+    # MFU against the peak of the units the blocks' matmuls run on: float8's when converted and not emulated, its
+    # attention and output layer counted against it too (torchtitan reports none under float8; docs/float8.md).
+    matmuls = numerics.compute_dtype if (dims.fsdp or numerics.autocast) else torch.float32
+    peak = peak_flops(device, FLOAT8 if float8.enabled(cfg) and not cfg.float8.emulate else matmuls)
 
     # ---- Checkpoint: resume from the newest complete checkpoint in the folder, or start from
     # checkpoint.initial_load_path.

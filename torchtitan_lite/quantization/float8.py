@@ -94,8 +94,9 @@ def ignored_options(cfg: JobConfig, fsdp: bool) -> list[str]:
     """[float8] options set away from their defaults that this run never reads (parallelize.warn_ignored_options)."""
     f8 = cfg.float8
     if not enabled(cfg):
-        default = type(f8)()
-        changed = [f"float8.{f.name}" for f in dataclasses.fields(f8) if getattr(f8, f.name) != getattr(default, f.name)]
+        default = type(f8)()  # not the fields' .default: a list option has a default_factory instead
+        changed = [f"float8.{f.name}" for f in dataclasses.fields(f8)
+                   if getattr(f8, f.name) != getattr(default, f.name)]
         return [f"float8.enable_float8_linear is off: {', '.join(changed)} ignored"] if changed else []
     reasons = []
     if not fsdp and f8.enable_fsdp_float8_all_gather:
