@@ -75,7 +75,8 @@ class ScaleRecorder:
         forward = _ToFloat8ConstrFunc.forward
 
         def recording_forward(ctx, tensor, scale, float8_dtype, linear_mm_config, gemm_input_role, *args):
-            if first_step() and not self.inferring:
+            # Not while torch.compile traces it: compiled blocks run their graph, not this function (unrecorded).
+            if first_step() and not self.inferring and not torch.compiler.is_compiling():
                 whole = scale.full_tensor() if isinstance(scale, DTensor) else scale
                 self.scales.append((gemm_input_role.value, whole.detach().clone().reshape(-1)))
             return forward(ctx, tensor, scale, float8_dtype, linear_mm_config, gemm_input_role, *args)
