@@ -4,6 +4,8 @@ and the configurations refused in one line. The layouts' parity is tests/multipr
 import copy
 import importlib.util
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -123,3 +125,12 @@ def test_float8_options_a_run_ignores_are_warned(caplog, world, overrides, warni
     with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
         warn_ignored_options(cfg, ParallelDims.from_config(cfg.parallelism, world))
     assert [r.getMessage() for r in caplog.records] == [warning]
+
+
+def test_a_tensor_parallel_run_without_float8_needs_no_torchao():
+    """torchao is optional: the TP plan asks each block for float8 styles, which must not import it."""
+    code = ("import sys; sys.modules['torchao'] = None  # as if not installed\n"
+            "from torchtitan_lite.models.llama import FLAVORS, TransformerBlock\n"
+            "from torchtitan_lite.quantization import float8\n"
+            "assert float8.tp_styles(TransformerBlock(0, FLAVORS['debugmodel'].with_(vocab_size=64))) is None")
+    subprocess.run([sys.executable, "-c", code], check=True)

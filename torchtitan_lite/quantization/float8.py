@@ -13,7 +13,7 @@ the numbers: a shard's max is not the tensor's. So every scale is taken over the
 - context parallelism splits each sequence, and its shards' maxima are no sequence's: refused (check()).
 
 gloo has no float8 type, so a float8 all-gather is made to move the same bytes as uint8 on every backend
-(`_gather_bytes`): the CPU tests run the GPU's path, and NCCL moves bytes alike whatever their dtype. torchao is an
+(`_install_byte_gather`): the CPU tests run the GPU's path, and NCCL moves bytes alike whatever their dtype. torchao is an
 optional dependency; it is imported only where float8 is on.
 """
 
@@ -35,11 +35,6 @@ NEVER = "output"  # the logits' projection: its error reaches the loss undamped 
 
 def enabled(cfg: JobConfig) -> bool:
     return cfg.float8.enable_float8_linear
-
-
-def tensorwise(cfg: JobConfig) -> bool:
-    """Whether the float8 TP styles and FSDP's float8 all-gather apply (torchao supports them for this recipe only)."""
-    return enabled(cfg) and cfg.float8.recipe_name == "tensorwise"
 
 
 def all_gathers_float8(cfg: JobConfig, fsdp: bool) -> bool:
@@ -163,14 +158,15 @@ def is_float8(module: nn.Module) -> bool:
 def tp_styles(module: nn.Module):
     """(colwise, rowwise, prepare-input) TP styles for the linears of `module` (a block): torchao's float8 ones, which
     cast before communicating, when every linear of the block is a tensorwise Float8Linear; else None."""
-    from torchao.float8.config import ScalingGranularity
-
     linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-    if not linears or not all(is_float8(m) and m.config.cast_config_input.scaling_granularity is
-                              ScalingGranularity.TENSORWISE for m in linears):
+    if not linears or not all(is_float8(m) for m in linears):  # first: without float8, torchao may be absent
         return None
+    from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
                                                        PrepareFloat8ModuleInput)
+
+    if any(m.config.cast_config_input.scaling_granularity is not ScalingGranularity.TENSORWISE for m in linears):
+        return None
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 
