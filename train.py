@@ -32,11 +32,12 @@ from torchtitan_lite.parallel.context_parallel import sharder
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.parallel.pipeline import merge_stages, split_stages
+from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
-from torchtitan_lite.runtime.metrics import (MetricLogger, allocator_fields, flops_per_token, held_bytes, memory_gib,
-                                             peak_flops)
+from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, allocator_fields, flops_per_token, held_bytes,
+                                             memory_gib, peak_flops)
 from torchtitan_lite.runtime.precision import NonFiniteError, UpdateGuard, warn_if_slow
 from torchtitan_lite.runtime.process import Env, init_distributed, peer_timeout, set_determinism, set_timeout
 from torchtitan_lite.runtime.profiling import StepProfiler
@@ -86,6 +87,8 @@ def build_model(cfg: JobConfig, model_args: ModelArgs, mesh, dims: ParallelDims,
     parts = split_stages(model_args, mesh["pp"].get_local_rank(), cfg.parallelism) if dims.pp > 1 else [model]
     warn_ignored_options(cfg, dims)
     for part in parts:
+        if float8.enabled(cfg):
+            float8.convert(part, cfg, dims.fsdp)
         parallelize(part, mesh, dims, cfg)
         part.to_empty(device=init_device)
         part.init_weights(seed=cfg.training.seed, buffer_device=device)
@@ -121,14 +124,10 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
                    device.type == "cuda")
     data = DataLoader(source, *loader_args)
     model, parts, n_params, n_embedding = build_model(cfg, model_args, mesh, dims, device)
-    kernel = documents.kernel(device.type, dims.cp)  # FlexAttention's block mask on a GPU, else an explicit mask
-    for part in parts:
-        part.document_mask = documents.KERNELS[kernel]
+    # block_causal: FlexAttention's block mask on a GPU, else an explicit mask.
+    documents.use_kernel(parts, device.type, dims.cp, masked=bos_id is not None)
     if not cfg.compile.enable:
         flight_recorder.mark_blocks(parts)  # a hang then names the block whose forward it stalled in
-    if bos_id is not None and device.type == "cuda" and kernel != "flex":
-        logger.warning("block_causal under context parallelism attends with an explicit mask of the whole window on "
-                       "every rank (seq_len^2 per sequence), not FlexAttention's block mask")
     params = list(model.parameters())
     logger.info(summary(cfg, n_params, mesh, global_batch))
     optimizer = build_optimizer(model, cfg.optimizer, params[0].device.type)  # on the host under CPU offload
@@ -142,7 +141,10 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     model_step = build_step(model, parts, mesh, dims, cfg, device, numerics, guard.scale, inputs)
     model_flops_per_token = flops_per_token(n_params, model_args.n_layers, model_args.n_heads, model_args.head_dim,
                                             training.seq_len, n_embedding)
-    peak = peak_flops(device, numerics.compute_dtype if (dims.fsdp or numerics.autocast) else torch.float32)
+    # MFU against the peak of the units the blocks' matmuls run on: float8's when converted and not emulated, its
+    # attention and output layer counted against it too (torchtitan reports none under float8; docs/float8.md).
+    matmuls = numerics.compute_dtype if (dims.fsdp or numerics.autocast) else torch.float32
+    peak = peak_flops(device, FLOAT8 if float8.enabled(cfg) and not cfg.float8.emulate else matmuls)
 
     # ---- Checkpoint: resume from the newest complete checkpoint in the folder, or start from
     # checkpoint.initial_load_path.
@@ -172,6 +174,9 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     profiler = exits.enter_context(StepProfiler(cfg.profiling, cfg.job.dump_folder, env.rank, device, train_state.step))
     snapshots = exits.enter_context(MemorySnapshots(cfg.profiling, cfg.job.dump_folder, env.rank, device,
                                                     cfg.job.config_file))
+    # FSDP's float8 all-gather with precomputed scales: the weights' scales, before the first step and each later one.
+    float8_scales = float8.ScalePrecompute(cfg, dims.fsdp, parts)
+    float8_scales()
     if training.gc_freq > 0:
         gc.disable()  # collect on a schedule instead, so all ranks pause at the same step
     step, start = train_state.step, time.perf_counter()
@@ -201,6 +206,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
             grad_norm = clip_grad_norm_(params, training.max_norm, env.world_size)
             lr = scheduler.get_last_lr()[0]
             guard.step(optimizer, grad_norm, step)  # skipped when a gradient is inf/NaN, decided on the device
+            float8_scales()
         if step == first_step:
             held = held_bytes(model, optimizer)
             set_timeout(cfg.comm.train_timeout_seconds)  # start-up is over: a peer silent this long is hung

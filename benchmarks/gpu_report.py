@@ -12,7 +12,10 @@ torchrun job of train.py with the overrides given, validation and checkpoints of
   resident set also holds torch's code and the data, so the two are not comparable);
 - host-device syncs of a step that only trains (0 expected: benchmarks/sync_count.py) and of a logging step;
 - the collectives of one step, by kind and mesh dimension, with their bytes (benchmarks/comm_count.py);
-- torchtitan's published figures beside ours where the config matches one of theirs.
+- torchtitan's published figures beside ours where the config matches one of theirs (their float8 row too: the
+  8B config with `-- --float8.enable_float8_linear --training.local_batch_size 2` on 8 GPUs).
+Float8 (float8.enable_float8_linear) is passed to every job like any override; its MFU is against the fp8 peak
+(docs/float8.md), and on a CPU it needs --float8.emulate.
 """
 
 from __future__ import annotations
@@ -31,14 +34,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from torchtitan_lite.config import load_config  # noqa: E402
 from torchtitan_lite.parallel.dims import ParallelDims  # noqa: E402
+from torchtitan_lite.quantization import float8  # noqa: E402
 from torchtitan_lite.runtime.run_history import read_metrics  # noqa: E402
 from torchtitan_lite.tools.sync_count import HOST_READS  # noqa: E402
 
-# torchtitan's published Llama 3 figures (H100, bf16, FSDP, selective AC): (flavor, world, tp, seq_len, local batch)
+# torchtitan's published Llama 3 figures (benchmarks/llama3_h100_202412_torchtitan.md: H100, bf16, FSDP, selective
+# AC): (flavor, world, tp, seq_len, local batch, float8 recipe or None) -> figures. Their float8 row is compiled only
+# and has no MFU (two kinds of tensor cores at work: they call it ill-defined; ours is against the fp8 peak).
 PUBLISHED = {
-    ("8B", 8, 1, 8192, 2): {"source": "torchtitan, 8 x H100 (96 GB), FSDP 8", "eager tokens/s": 5762,
-                            "compiled tokens/s": 6667, "eager MFU %": 33.7, "compiled MFU %": 39.0,
-                            "peak GiB": 82.4},
+    ("8B", 8, 1, 8192, 2, None): {"source": "torchtitan, 8 x H100 (96 GB), FSDP 8", "eager tokens/s": 5762,
+                                  "compiled tokens/s": 6667, "eager MFU %": 33.7, "compiled MFU %": 39.0,
+                                  "eager peak GiB": 82.4, "compiled peak GiB": 77.0},
+    ("8B", 8, 1, 8192, 2, "tensorwise"): {
+        "source": "torchtitan, 8 x H100 (96 GB), FSDP 8, compiled, float8 tensorwise (launched, per their float8 "
+                  "docs of the time, with the float8 all-gather and the scale precompute); their compiled bf16 run: "
+                  "6,667 tokens/s, float8 x1.28",
+        "compiled tokens/s": 8532, "compiled peak GiB": 76.8},
 }
 COMMON = ("--metrics.log_freq", "1", "--no-validation.enable", "--no-checkpoint.enable")
 
@@ -63,10 +74,27 @@ def torchrun(nproc: int, config: str, dump: str, args: list[str], script: str = 
     return read_metrics(metrics) if metrics.exists() else []
 
 
+def published(cfg, nproc: int) -> dict | None:
+    """torchtitan's figures for this config and world size, if it is one they published."""
+    t = cfg.training
+    recipe = cfg.float8.recipe_name if float8.enabled(cfg) else None
+    return PUBLISHED.get((cfg.model.flavor, nproc, cfg.parallelism.tensor_parallel_degree, t.seq_len,
+                          t.local_batch_size, recipe))
+
+
 def speed(records: list[dict], warmup: int) -> dict[str, float]:
     timed = [r for r in records if r["step"] > warmup] or records[-1:]
     return {"tokens/s": statistics.median(r["tps"] for r in timed), "MFU %": statistics.median(r["mfu"] for r in timed),
             "peak GiB": max(r["memory_gib"] for r in records)}
+
+
+def float8_summary(cfg, fsdp: bool) -> str:
+    """The float8 part of the header line: what decides its speed and its all-gather bytes."""
+    if not float8.enabled(cfg):
+        return ""
+    f8 = cfg.float8
+    return (f", float8 {f8.recipe_name}{', float8 all-gather' if float8.all_gathers_float8(cfg, fsdp) else ''}"
+            f"{', emulated' if f8.emulate else ''}")
 
 
 def group_names(dims: ParallelDims) -> dict[tuple[int, ...], str]:
@@ -102,7 +130,7 @@ def main() -> None:
     print(f"config {a.config}: {cfg.model.flavor}, {a.nproc} {'GPUs' if on_gpu else 'CPU processes'}, "
           f"seq {t.seq_len} x local batch {t.local_batch_size}, {t.mixed_precision_param}, "
           f"AC {cfg.activation_checkpoint.mode}, TP {par.tensor_parallel_degree}, CP {par.context_parallel_degree}, "
-          f"PP {par.pipeline_parallel_degree}")
+          f"PP {par.pipeline_parallel_degree}{float8_summary(cfg, ParallelDims.from_config(par, a.nproc).fsdp)}")
 
     from torchtitan_lite.tools.memory import estimate_memory  # noqa: PLC0415 - imports torch: after the cheap checks
 
@@ -119,16 +147,15 @@ def main() -> None:
                  "benchmarks/comm_count.py", (f"{tmp}/comms", json.dumps({"step": []})))
         comms = json.loads(Path(f"{tmp}/comms/step.json").read_text())
 
-    published = PUBLISHED.get((cfg.model.flavor, a.nproc, par.tensor_parallel_degree, t.seq_len, t.local_batch_size))
-    print(f"\n{'':<22}{'ours':>12}{'published' if published else '':>12}")
+    theirs = published(cfg, a.nproc) or {}
+    print(f"\n{'':<22}{'ours':>12}{'published' if theirs else '':>12}")
     for mode in ("eager", "compiled"):
         for key in ("tokens/s", "MFU %", "peak GiB"):
-            theirs = published.get(f"{mode} {key}", published.get(key) if key == "peak GiB" else None) \
-                if published else None
-            print(f"{mode + ' ' + key:<22}{ours[mode][key]:>12,.1f}{'' if theirs is None else f'{theirs:>12,.1f}'}")
+            figure = theirs.get(f"{mode} {key}")
+            print(f"{mode + ' ' + key:<22}{ours[mode][key]:>12,.1f}{'' if figure is None else f'{figure:>12,.1f}'}")
     print(f"{'estimated peak GiB':<22}{estimate:>12,.1f}")
-    if published:
-        print(f"published: {published['source']}")
+    if theirs:
+        print(f"published: {theirs['source']}")
 
     def device(sites: list[str]) -> int:  # a host tensor's read waits for no device (sync_count.HOST_READS)
         return sum(1 for s in sites if (s.endswith("@cuda") if on_gpu else s not in HOST_READS))

@@ -15,6 +15,7 @@ import os
 import sys
 
 from torchtitan_lite.config import ConfigError, JobConfig, load_config
+from torchtitan_lite.quantization import float8
 from torchtitan_lite.tools.memory import Estimate, estimate_memory
 
 # torchtitan's usual cluster per flavor; any other flavor: one 8-GPU node.
@@ -52,8 +53,12 @@ def table(e: Estimate, cfg: JobConfig) -> str:
     unit, scale = ("GiB", 2**30) if e.peak_bytes >= 2**30 else ("MiB", 2**20)
     mesh = " x ".join(f"{name} {size}" for name, size in e.mesh.items())
     t = cfg.training
+    compute = t.mixed_precision_param
+    if float8.enabled(cfg):  # what tools/memory.py counts for it: its module docstring
+        gathered = float8.all_gathers_float8(cfg, e.mesh["dp_replicate"] * e.mesh["dp_shard"] * e.mesh["cp"] > 1)
+        compute += f" + float8 {cfg.float8.recipe_name}{' (float8 all-gather)' if gathered else ''}"
     header = (f"{cfg.model.name} {e.flavor} (vocab {e.vocab_size}), {t.local_batch_size} x {t.seq_len} tokens, "
-              f"{t.mixed_precision_param} compute, AC {cfg.activation_checkpoint.mode}, mesh {mesh} "
+              f"{compute} compute, AC {cfg.activation_checkpoint.mode}, mesh {mesh} "
               f"({math.prod(e.mesh.values())} ranks); per rank, {unit}")
     lines = [header]
     if e.vocab_note:

@@ -9,8 +9,9 @@ from torchtitan_lite.config import OPTIONS, TABLES, ConfigError, JobConfig, help
 def all_keys() -> list[tuple[str, str, object]]:
     """(section, key, default) for every option, read from the dataclasses so new options are covered too; the
     lists of tables ([[mixture.sources]]) have their own help lines."""
-    return [(s.name, f.name, f.default) for s in dataclasses.fields(JobConfig)
-            for f in dataclasses.fields(s.default_factory()) if f"{s.name}.{f.name}" not in TABLES]
+    return [(s.name, f.name, f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
+            for s in dataclasses.fields(JobConfig) for f in dataclasses.fields(s.default_factory())
+            if f"{s.name}.{f.name}" not in TABLES]
 
 
 def shown(default: object) -> str:
@@ -19,6 +20,8 @@ def shown(default: object) -> str:
         return "none"
     if isinstance(default, bool):
         return str(default).lower()
+    if isinstance(default, list):
+        return "[" + ", ".join(shown(v) for v in default) + "]"
     return f'"{default}"' if isinstance(default, str) else repr(default)
 
 
@@ -255,6 +258,21 @@ def test_to_toml_round_trips_exactly(tmp_path):
     again = load_config(["--job.config_file", write(tmp_path, to_toml(cfg), "again.toml")])
     again.job.config_file = cfg.job.config_file  # the only field that names where it was read from
     assert again == cfg
+
+
+def test_list_options_take_a_toml_array_or_a_comma_list_and_check_each_item(tmp_path):
+    path = write(tmp_path, '[float8]\nfilter_fqns = ["attention.wk", "w3"]\n')
+    cfg = load_config(["--job.config_file", path])
+    assert cfg.float8.filter_fqns == ["attention.wk", "w3"]
+    assert load_config(["--float8.filter_fqns", " wq, w2,"]).float8.filter_fqns == ["wq", "w2"]
+    assert load_config(["--job.config_file", path, "--float8.filter_fqns", ""]).float8.filter_fqns == []
+    assert error(["--job.config_file", write(tmp_path, '[float8]\nfilter_fqns = "w3"\n', "s.toml")]) == (
+        f"float8.filter_fqns in {tmp_path / 's.toml'} must be a list of strings (got str 'w3')")
+    assert error(["--job.config_file", write(tmp_path, '[float8]\nfilter_fqns = ["w3", 1]\n', "i.toml")]) == (
+        f"float8.filter_fqns in {tmp_path / 'i.toml'} must be a list of strings (got list ['w3', 1])")
+    assert "filter_fqns = [\"attention.wk\", \"w3\"]" in to_toml(cfg)
+    again = load_config(["--job.config_file", write(tmp_path, to_toml(cfg), "again.toml")])
+    assert again.float8.filter_fqns == ["attention.wk", "w3"]
 
 
 def test_to_toml_omits_none_and_it_reloads_as_default(tmp_path):

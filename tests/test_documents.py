@@ -112,5 +112,16 @@ def test_flex_attention_forward_matches_the_explicit_mask():
     assert documents.kernel("cuda", cp=2) == "sdpa"
 
 
+@pytest.mark.parametrize("device, cp, masked, kernel, warned", [
+    ("cuda", 1, True, documents.block_mask, False), ("cuda", 2, True, documents.explicit_mask, True),
+    ("cuda", 2, False, documents.explicit_mask, False), ("cpu", 1, True, documents.explicit_mask, False)])
+def test_every_stage_masks_with_the_runs_kernel_and_a_gpu_hears_of_the_explicit_one(caplog, device, cp, masked,
+                                                                                     kernel, warned):
+    parts = [torch.nn.Module(), torch.nn.Module()]
+    documents.use_kernel(parts, device, cp, masked)
+    assert all(part.document_mask is kernel for part in parts)
+    assert ("explicit mask of the whole window" in caplog.text) == warned
+
+
 def test_synthetic_data_has_no_documents_to_mask(error_line):
     assert "synthetic data has no documents" in error_line(1, ["--model.attn_mask_type", "block_causal"])

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "torchtitan_lite"
-LAYERS = ("config", "runtime", "models", "data", "parallel", "checkpoint", "training", "tools")  # bottom to top
+LAYERS = ("config", "runtime", "models", "quantization", "data", "parallel", "checkpoint", "training", "tools")  # bottom to top
 
 
 def module_name(path: Path) -> str:

@@ -102,3 +102,29 @@ def test_document_mask_is_counted(world_size, layout):
     extra = masked.activation_bytes - causal.activation_bytes
     assert expected + rope_rows <= extra <= expected + rope_rows + 8192, extra  # + ids, positions, CP's rope share
     assert masked.peak_bytes - causal.peak_bytes >= expected
+
+
+def test_float8_keeps_the_state_and_gathers_converted_weights_at_one_byte(monkeypatch):
+    """A float8 run holds what an nn.Linear run holds (fp32 weights, gradients, AdamW state: float8 changes only the
+    matmuls) and saves the same activations (torchao keeps the high-precision input for backward); with FSDP's float8
+    all-gather each block arrives at 1 byte a converted weight element, its two norms at their own 4 bytes, and the
+    root (embedding, final norm, output: never converted) at 4. Debug model on FSDP 2 (no padding: every dim even)."""
+    gathered = []
+    all_gather = torch.distributed.all_gather_single  # FSDP2's all-gather (its DefaultAllGather)
+
+    def recording(output, *args, **kwargs):
+        gathered.append(output.numel() * output.element_size())
+        return all_gather(output, *args, **kwargs)
+
+    plain = estimate_memory(load_config(TINY), 2)
+    monkeypatch.setattr(torch.distributed, "all_gather_single", recording)
+    f8 = estimate_memory(load_config([*TINY, "--float8.enable_float8_linear", "--float8.enable_fsdp_float8_all_gather"]),
+                         2)
+    for key in (*STATE, "activation_bytes"):
+        assert getattr(f8, key) == getattr(plain, key), key
+    converted, norms = 4 * 256 * 256 + 3 * 256 * 768, 2 * 256  # wq wk wv wo, w1 w2 w3; attention and FFN norms
+    root = 4 * (2 * 258 * 256 + 256)
+    # Two steps of forward (7 groups: the blocks, then the root) and backward (the blocks but the last, re-gathered).
+    step = [root, *[converted + 4 * norms] * 6, *[converted + 4 * norms] * 5]
+    assert gathered == 2 * step
+    assert f8.transient_bytes < plain.transient_bytes and f8.peak_bytes < plain.peak_bytes

@@ -10,11 +10,12 @@ import torch
 from torch.utils.flop_counter import (FlopCounterMode, bmm_flop, register_flop_formula, sdpa_backward_flop_count,
                                       sdpa_flop_count)
 
-from tests.multiprocess.launch import ckpt, losses, read_metrics, resumes, train_in_process
+from tests.multiprocess.launch import TINY, ckpt, losses, read_metrics, resumes, train_in_process
 from torchtitan_lite.models.llama import FLAVORS, Transformer, TransformerBlock, count_params, rope_table
 from torchtitan_lite.parallel.parallelize import apply_ac
+from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import metrics
-from torchtitan_lite.runtime.metrics import MetricLogger, _cpu_peak, flops_per_token, memory_gib, peak_flops
+from torchtitan_lite.runtime.metrics import FLOAT8, MetricLogger, _cpu_peak, flops_per_token, memory_gib, peak_flops
 
 CPU = torch.device("cpu")
 
@@ -42,6 +43,39 @@ def test_peak_flops_gpu_table(monkeypatch):
     assert not metrics._tf32_allowed()
     monkeypatch.setattr(metrics, "_tf32_allowed", lambda: True)
     assert peak_flops(torch.device("cuda"), torch.float32) == 989e12 / 2
+
+
+@pytest.mark.parametrize("name, fp8, bf16", [
+    ("NVIDIA H100 80GB HBM3", 1979e12, 989e12), ("NVIDIA H100 PCIe", 1513e12, 756e12),
+    ("NVIDIA H100 NVL", 1670e12, 835e12), ("NVIDIA H200", 1979e12, 989e12), ("NVIDIA H200 NVL", 1670e12, 835e12),
+    ("NVIDIA B200", 4500e12, 2250e12), ("NVIDIA L40S", 733e12, 362e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12, 312e12),  # no fp8 units: float8 runs only emulated there, at bf16's peak
+])
+def test_float8_peak_is_the_datasheets_dense_fp8_figure(monkeypatch, name, fp8, bf16):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
+    assert peak_flops(torch.device("cuda"), FLOAT8) == fp8
+    assert peak_flops(torch.device("cuda"), torch.bfloat16) == bf16
+
+
+def test_a_float8_run_measures_mfu_against_the_fp8_peak_unless_emulated(tmp_path, monkeypatch):
+    """train.py asks for the fp8 peak when the converted linears multiply in float8, and for its compute dtype's when
+    torchao emulates them in high precision. Stopped at that call: an unemulated CPU step would take minutes
+    (torch._scaled_mm's reference kernel)."""
+    import train  # noqa: PLC0415 - the trainer, only for this test
+
+    class Asked(Exception):
+        pass
+
+    def asked(device, dtype):
+        raise Asked(dtype)
+
+    monkeypatch.setattr(train, "peak_flops", asked)
+    monkeypatch.setattr(float8, "has_float8_matmul", lambda: True)  # what an H100 answers
+    for emulate, expected in (("--no-float8.emulate", FLOAT8), ("--float8.emulate", torch.float32)):
+        with pytest.raises(Asked) as peak:
+            train.run(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path),
+                       "--float8.enable_float8_linear", emulate])
+        assert peak.value.args[0] == expected
 
 
 def test_unknown_gpu_warns_and_uses_h100(monkeypatch, caplog):

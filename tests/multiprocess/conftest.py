@@ -17,8 +17,8 @@ import torch
 
 # pytest.ini puts tests/multiprocess on the path: the tests here import the shared launcher as a plain module.
 from grad_dump import load_grads, recording
-from launch import (CHECKPOINTED, COMMON, CP2, HSDP, MASKED, PP2, PROFILED, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,
-                    stopped_after, torchrun_several, train_in_process, train_job)
+from launch import (CHECKPOINTED, COMMON, CP2, FLOAT8, HSDP, MASKED, PP2, PROFILED, STEPS, TP2, TP2_FSDP2, ckpt,
+                    snapshot, stopped_after, torchrun_several, train_in_process, train_job)
 from pairs import REFERENCES, generate
 
 SHORT = ("--training.steps", "4")  # after STEPS on the command line, so it wins
@@ -96,8 +96,28 @@ MASKED_RUNS = {
     # (head-tail chunks under the mask).
     "masked_pp2_cp2": (4, (*MASKED, *PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
 }
-ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS}
-RECORDED = [name for name in SHARED_RUNS if name != "single"] + ["tp2_compiled_resumed", *MASKED_RUNS]
+# Float8 (test_float8.py): each layout against the single-process float8 run of its recipe, every micro-batch 2
+# sequences as there (a tensorwise scale is the max of a whole micro-batch's activations), recording every parameter's
+# gradient and every float8 scale at step 1. The references train 8 steps, like "single", whose fp32 curve they
+# are compared with too; the layouts 4.
+ALL_GATHER, PRECOMPUTE = "--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"
+ROWWISE = ("--float8.recipe_name", "rowwise")
+FLOAT8_RUNS = {
+    "float8_single": (1, FLOAT8),
+    "float8_rowwise_single": (1, (*FLOAT8, *ROWWISE)),
+    # Weights gathered in float8, each weight's max all-reduced before its gather; saving every 2 steps (resumed).
+    "float8_fsdp4_ag": (4, (*FLOAT8, ALL_GATHER, *CHECKPOINTED, *SHORT)),
+    "float8_fsdp4": (4, (*FLOAT8, *SHORT)),  # weights gathered in fp32 and cast after: the same numbers, bitwise
+    "float8_pp2_fsdp2": (4, (*FLOAT8, *PP2, "--training.local_batch_size", "4", *SHORT)),  # 1F1B, 2 micro-batches
+    # torchao's float8 TP styles, which gather activations in float8; every weight's scale from one all-reduce after
+    # each optimizer step. 2 micro-batches a rank.
+    "float8_tp2_fsdp2_ag_pre": (4, (*FLOAT8, *TP2, "--training.local_batch_size", "2", ALL_GATHER, PRECOMPUTE,
+                                    *SHORT)),
+    "float8_rowwise_tp2_fsdp2": (4, (*FLOAT8, *ROWWISE, *TP2, "--training.local_batch_size", "2", *SHORT)),
+}
+ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **FLOAT8_RUNS}
+RECORDED = [name for name in SHARED_RUNS if name != "single"] + ["tp2_compiled_resumed", *MASKED_RUNS,
+                                                                  *(n for n in FLOAT8_RUNS if n != "float8_fsdp4")]
 PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
 CONTEXT_PARALLEL = [name for name in SHARED_RUNS if "cp" in name]
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
@@ -111,6 +131,8 @@ RESUMED_RUNS = {
                                               "--checkpoint.keep_latest_k", "2")),
     "cp2_resumed": ("cp2", 6, 2, SHARED_RUNS["cp2"][1]),
     "tp2_compiled_resumed": ("tp2_compiled", 2, 2, SHARED_RUNS["tp2_compiled"][1]),  # recording its graph counts
+    # Float8 weights in FSDP's state: a DTensor of torchao's float8-casting subclass, saved and loaded by DCP.
+    "float8_fsdp4_ag_resumed": ("float8_fsdp4_ag", 2, 4, FLOAT8_RUNS["float8_fsdp4_ag"][1]),
 }
 
 

@@ -4,6 +4,8 @@ graphs torch.compile has built by each step.
     grad_dump.py OUT_DIR TRAIN_ARGS...  ->  OUT_DIR/grads.R.pt (rank R: canonical name -> full gradient before
                                             clipping, of R's pipeline stages' parameters: `load_grads` joins them)
                                             OUT_DIR/graphs.json (rank 0: graphs built by each step's clipping)
+                                            OUT_DIR/scales.R.pt (float8 runs: rank R's casts to float8 in step 1,
+                                            each [role, its scale whole]: `load_scales`)
 
 The gradients are read where train.py clips them, after every micro-batch's backward: a parameter that autograd
 never reached has no gradient there, or a zero one, and the test sees it. `recording(out)` does the same for a run
@@ -28,11 +30,12 @@ GRAD_DUMP = Path(__file__)
 
 @contextlib.contextmanager
 def recording(out: Path):
-    models, graphs = [], []
+    models, graphs, scales = [], [], ScaleRecorder(out)
     parallelize, clip = train.parallelize, train.clip_grad_norm_
 
     def recording_parallelize(model, *args, **kwargs):
         models.append(model)
+        scales.start(lambda: not graphs)  # float8 linears are converted by now
         return parallelize(model, *args, **kwargs)
 
     def recording_clip(params, *args, **kwargs):
@@ -49,8 +52,64 @@ def recording(out: Path):
         yield
     finally:
         train.parallelize, train.clip_grad_norm_ = parallelize, clip
+        scales.stop()
         if int(os.environ.get("RANK", "0")) == 0:
             (out / "graphs.json").write_text(json.dumps(graphs))
+
+
+class ScaleRecorder:
+    """Every scale torchao casts a tensor to float8 with in step 1, whole (a DTensor's gathered), with the cast's
+    role (input, weight, grad_output): where a layout scaled a shard by its own max, its scales are not one
+    process's. Not the casts of a pipeline stage's shape inference, which runs it on stand-in tensors. A run without
+    float8 records nothing."""
+
+    def __init__(self, out: Path):
+        self.out, self.scales, self.patched, self.inferring = out, [], [], False
+
+    def start(self, first_step) -> None:
+        if self.patched or "torchao.float8" not in sys.modules:
+            return
+        from torch.distributed.pipelining.stage import PipelineStage
+        from torchao.float8.float8_training_tensor import _ToFloat8ConstrFunc
+
+        forward = _ToFloat8ConstrFunc.forward
+
+        def recording_forward(ctx, tensor, scale, float8_dtype, linear_mm_config, gemm_input_role, *args):
+            # Not while torch.compile traces it: compiled blocks run their graph, not this function (unrecorded).
+            if first_step() and not self.inferring and not torch.compiler.is_compiling():
+                whole = scale.full_tensor() if isinstance(scale, DTensor) else scale
+                self.scales.append((gemm_input_role.value, whole.detach().clone().reshape(-1)))
+            return forward(ctx, tensor, scale, float8_dtype, linear_mm_config, gemm_input_role, *args)
+
+        def inferring(method):
+            def run(*args, **kwargs):
+                self.inferring = True
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    self.inferring = False
+            return run
+
+        self.patched = [(_ToFloat8ConstrFunc, "forward", staticmethod(forward))]
+        _ToFloat8ConstrFunc.forward = staticmethod(recording_forward)
+        for name in ("_forward_metadata_inference", "_backward_metadata_inference"):
+            self.patched.append((PipelineStage, name, getattr(PipelineStage, name)))
+            setattr(PipelineStage, name, inferring(getattr(PipelineStage, name)))
+
+    def stop(self) -> None:
+        for owner, name, original in self.patched:
+            setattr(owner, name, original)
+        if self.patched:
+            torch.save(self.scales, self.out / f"scales.{os.environ.get('RANK', '0')}.pt")
+
+
+def load_scales(out: Path) -> dict[str, list[torch.Tensor]]:
+    """role -> the scales of every rank's recorded casts."""
+    found = {}
+    for f in sorted(out.glob("scales.*.pt")):
+        for role, scale in torch.load(f):
+            found.setdefault(role, []).append(scale)
+    return found
 
 
 def load_grads(out: Path) -> dict[str, torch.Tensor | None]:

@@ -47,6 +47,9 @@ TP2_FSDP2 = (*TP2, "--training.local_batch_size", "4", "--activation_checkpoint.
 MASKED = ("--model.attn_mask_type", "block_causal", "--training.dataset", "jsonl", "--training.dataset_path",
           str(ROOT / "tests" / "assets" / "documents.jsonl"))
 
+# Float8 as the CPU runs it (torchao's emulated float8 matmuls: the numerics, not the speed).
+FLOAT8 = ("--float8.enable_float8_linear", "--float8.emulate")
+
 
 def descendants(pid: int) -> list[int]:
     """pid's child processes, recursively: torchrun starts each worker in a session of its own, so killing torchrun's

@@ -20,7 +20,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Optional
 
-from launch import COMMON, train_argv
+from launch import COMMON, FLOAT8, train_argv
 from torchtitan_lite.config import load_config
 from torchtitan_lite.parallel.dims import ParallelDims
 
@@ -42,15 +42,19 @@ FACTORS = {  # factor -> levels; the first is the default, what a run that does 
     "async_checkpoint": ("off", "on"),  # checkpoint.async_mode async, with checkpoint.enable
     "validation": ("off", "on"),  # validation.enable
     "skip_nonfinite": ("off", "on"),  # training.skip_nonfinite_steps > 0
+    "float8": ("off", "tensorwise", "rowwise"),  # float8.enable_float8_linear, float8.recipe_name
+    "float8_all_gather": ("off", "on"),  # float8.enable_fsdp_float8_all_gather (with its scale precompute)
 }
 LAYOUT = ("pp", "cp", "tp", "dp")
-FSDP_OPTIONS = ("reduce", "offload", "defer_reduce", "hpz", "prefetch")
+FSDP_OPTIONS = ("reduce", "offload", "defer_reduce", "hpz", "prefetch", "float8_all_gather")
 # (levels, the factors that layout ignores, why): a pair of such a factor's non-default level with these levels is
 # not applicable, and a run's ignored options count at their default (what the step computes).
 NOT_APPLICABLE = (
     ({"dp": "none"}, FSDP_OPTIONS, "no data or context parallelism, so no FSDP: its options and the reduce dtype "
                                    "are ignored (warned at start-up)"),
     ({"pp": "on"}, ("defer_reduce",), "a pipeline schedule reduces once per local batch itself (warned at start-up)"),
+    ({"float8": "off"}, ("float8_all_gather",), "no float8 linears, so no float8 weights to gather (warned at "
+                                                "start-up)"),
 )
 # Levels that name no layout, and why.
 IMPOSSIBLE = (
@@ -59,10 +63,29 @@ IMPOSSIBLE = (
 )
 # Pairs train.py --check refuses: (factor, level), (factor, level) -> (processes, overrides, what the line says).
 REFUSED: dict[tuple[tuple[str, str], tuple[str, str]], tuple[int, tuple[str, ...], str]] = {
-    # None today: fp16 under PP, once refused (its first stages never scaled the loss), takes the job's one loss scale
-    # now (precision.LossScaler) and runs in a generated row.
+    # fp16 under PP, once refused (its first stages never scaled the loss), takes the job's one loss scale now
+    # (precision.LossScaler) and runs in a generated row. Float8 (quantization/float8.py says why):
+    **{(("cp", "on"), ("float8", recipe)): (2, ("--parallelism.context_parallel_degree", "2", *FLOAT8,
+                                                "--float8.recipe_name", recipe), "float8 under context parallelism")
+       for recipe in ("tensorwise", "rowwise")},
+    **{(("precision", "float16"), ("float8", recipe)): (1, ("--training.mixed_precision_param", "float16", *FLOAT8,
+                                                            "--float8.recipe_name", recipe), "float8 with training."
+                                                            "mixed_precision_param float16")
+       for recipe in ("tensorwise", "rowwise")},
+    (("float8", "rowwise"), ("float8_all_gather", "on")): (2, (*FLOAT8, "--float8.recipe_name", "rowwise",
+                                                               "--float8.enable_fsdp_float8_all_gather"),
+                                                           "float8.enable_fsdp_float8_all_gather needs recipe_name "
+                                                           "tensorwise"),
+    # The float8 all-gather gathers float8 linears' weights: refused where float8 is.
+    (("cp", "on"), ("float8_all_gather", "on")): (2, ("--parallelism.context_parallel_degree", "2", *FLOAT8,
+                                                      "--float8.enable_fsdp_float8_all_gather"),
+                                                  "float8 under context parallelism"),
+    (("precision", "float16"), ("float8_all_gather", "on")): (2, ("--training.mixed_precision_param", "float16",
+                                                                  *FLOAT8, "--float8.enable_fsdp_float8_all_gather"),
+                                                              "float8 with training.mixed_precision_param float16"),
 }
 MAX_WORLD = 4  # processes of a row; 8 only for the pairs that need them (HSDP's 4 ranks beside PP or TP)
+FLOAT8_MICRO_BATCH = 2  # sequences: tests/assets/tiny.toml's local batch, the single-process references' micro-batch
 
 
 def layout(row: dict[str, str]) -> tuple[int, int, int, int, int, int]:
@@ -98,6 +121,9 @@ def allowed(row: dict[str, str], max_world: int = 8) -> bool:
         return False
     if world > MAX_WORLD and any(row.get(f, levels[0]) != levels[0] for f, levels in FACTORS.items() if f not in LAYOUT):
         return False  # 8 ranks start slowly on a few cores: such a row runs its layout and nothing else
+    if row.get("float8", "off") != "off" and all(f in row for f in ("pp", "dp", "accumulation")) and \
+            local_batch(row) != FLOAT8_MICRO_BATCH * pp:
+        return False  # a float8 row's micro-batches are its reference's: a tensorwise scale spans a micro-batch
     # A pipeline cuts each local batch into pp micro-batches.
     return local_batch(row) >= 1 and local_batch(row) % pp == 0
 
@@ -172,6 +198,8 @@ def levels_of(nproc: int, overrides: tuple[str, ...]) -> dict[str, str]:
         "prefetch": on(p.fsdp_prefetch > 0), "async_checkpoint": on(cfg.checkpoint.enable and
                                                                       cfg.checkpoint.async_mode == "async"),
         "validation": on(cfg.validation.enable), "skip_nonfinite": on(t.skip_nonfinite_steps > 0),
+        "float8": cfg.float8.recipe_name if cfg.float8.enable_float8_linear else "off",
+        "float8_all_gather": on(cfg.float8.enable_fsdp_float8_all_gather),
     }
     for levels, ignored, _ in NOT_APPLICABLE:
         if matches(row, levels):
@@ -196,14 +224,31 @@ ARGS = {  # (factor, level) -> overrides, for the levels whose overrides do not 
                                  "async"),
     ("validation", "on"): ("--validation.enable", "--validation.freq", "2", "--validation.steps", "1"),
     ("skip_nonfinite", "on"): ("--training.skip_nonfinite_steps", "1"),
+    ("float8", "tensorwise"): FLOAT8,
+    ("float8", "rowwise"): (*FLOAT8, "--float8.recipe_name", "rowwise"),
+    # The scales' precompute too: under TP the float8 all-gather needs it (--check refuses it alone there).
+    ("float8_all_gather", "on"): ("--float8.enable_fsdp_float8_all_gather",
+                                  "--float8.precompute_float8_dynamic_scale_for_fsdp"),
 }
 # Steps a generated row trains, enough to show the update and the optimizer state at work, and on what: half
 # precision is slow on a CPU (one process autocasts fp16 at seconds a step), so its rows train on sequences of 16.
 STEPS = {"float32": 3, "bfloat16": 2, "float16": 2}
 SIZE = {"float32": (), "bfloat16": ("--training.seq_len", "16"), "float16": ("--training.seq_len", "16")}
-# The single-process runs each half-precision row is compared with ("single", a shared run, is float32's).
+# The single-process runs each half-precision row is compared with ("single", a shared run, is float32's; the
+# float8 ones, conftest.FLOAT8_RUNS, are float32 float8's).
 REFERENCES = {f"single_{p}": (1, ("--training.mixed_precision_param", p, "--training.steps", str(STEPS[p]), *SIZE[p]))
               for p in ("bfloat16", "float16")}
+REFERENCES |= {f"single_bfloat16_float8{'_rowwise' * (recipe == 'rowwise')}": (
+    1, (*REFERENCES["single_bfloat16"][1], *ARGS[("float8", recipe)])) for recipe in ("tensorwise", "rowwise")}
+
+
+def reference(levels: dict[str, str]) -> str:
+    """The shared run a row of these levels is compared with: the single process of its precision and float8."""
+    precision, float8 = levels["precision"], levels["float8"]
+    if float8 == "off":
+        return "single" if precision == "float32" else f"single_{precision}"
+    rowwise = "_rowwise" * (float8 == "rowwise")
+    return f"float8{rowwise}_single" if precision == "float32" else f"single_{precision}_float8{rowwise}"
 
 
 def args_of(row: dict[str, str]) -> tuple[int, tuple[str, ...]]:

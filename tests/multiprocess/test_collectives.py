@@ -26,8 +26,9 @@ from collections import Counter
 import pytest
 import torch
 
-from launch import ROOT, torchrun
+from launch import FLOAT8, ROOT, torchrun
 from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.quantization.float8 import converted_names
 
 COUNTED = ROOT / "tests" / "multiprocess" / "counted.py"  # train.py under tools/comm_count.py
 ARGS = FLAVORS["debugmodel"].with_(vocab_size=258, max_seq_len=64)  # tests/assets/tiny.toml: bytes, seq 64
@@ -48,6 +49,8 @@ LAYOUTS = {
                    {WORLD: "world", (0, 1): "shard", (0, 2): "replicate"}),
     "TP 2 x FSDP 2": (["--parallelism.tensor_parallel_degree", "2"], {WORLD: "world", (0, 2): "shard", (0, 1): "tp"}),
     "CP 2 x FSDP 2": (["--parallelism.context_parallel_degree", "2"], {WORLD: "world", (0, 1): "cp"}),
+    "FSDP 4, float8 all-gather": ([*FLOAT8, "--float8.enable_fsdp_float8_all_gather",
+                                   "--float8.precompute_float8_dynamic_scale_for_fsdp"], {WORLD: "world"}),
 }
 STEP = Counter({("all_reduce", "world"): 2})  # the grad norm, the preemption agreement
 
@@ -72,6 +75,8 @@ EXPECTED = {
     # FSDP over dp_shard x cp (the world); each block all-gathers its keys and values over cp, and reduce-scatters
     # their gradient in backward.
     "CP 2 x FSDP 2": STEP + fsdp("world", L - 1) + Counter({("all_gather", "cp"): L, ("reduce_scatter", "cp"): L}),
+    # The float8 weights' scales: one all-reduce of their maxima after the optimizer step (the precompute).
+    "FSDP 4, float8 all-gather": STEP + fsdp("world", L - 1) + Counter({("all_reduce", "world"): 1}),
 }
 
 
@@ -123,6 +128,23 @@ def test_fsdp_moves_three_times_the_parameter_bytes(calls):
     assert bytes_of(never, "all_gather", "world") == pytest.approx(p, rel=1e-3)  # ZeRO-2: no gather in backward
     hsdp = calls["HSDP 2 x 2"]
     assert bytes_of(hsdp, "all_reduce", "replicate") == pytest.approx(p / 2, rel=1e-3)  # the half each shard holds
+
+
+def test_float8_all_gather_moves_one_byte_per_float8_weight_element(calls):
+    """Each block's gather: its float8 linears at 1 byte an element, its norms at their own 4 (packed as bytes in one
+    buffer); the root's (embedding, final norm, output, never converted) stays float32."""
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    float8 = {f"{name}.weight" for name in converted_names(model, [])}
+    padded = {n: -(-p.shape[0] // len(WORLD)) * len(WORLD) * p[0].numel() for n, p in model.named_parameters()}
+    block = {n: padded[n] for n, _ in model.layers["0"].named_parameters(prefix="layers.0")}  # FSDP's even shards
+    block_bytes = sum(n * (1 if name in float8 else 4) for name, n in block.items())
+    root = 4 * sum(n for name, n in padded.items() if not name.startswith("layers."))
+    gathers = [n for k, _, n in calls["FSDP 4, float8 all-gather"] if k == "all_gather"]
+    plain = [n for k, _, n in calls["FSDP 4"] if k == "all_gather"]
+    assert sorted(gathers) == sorted([block_bytes] * (2 * L - 1) + [root])
+    assert block_bytes <= 0.26 * 4 * sum(block.values())  # a float32 gather would be 4x
+    assert sum(gathers) <= 0.3 * sum(plain)
 
 
 def test_tp_moves_activations_of_b_s_h(calls):

@@ -7,6 +7,7 @@ import sys
 
 from launch import ROOT, TIMEOUT_S, TINY
 
+from torchtitan_lite.config import load_config
 from torchtitan_lite.parallel.dims import ParallelDims
 
 
@@ -35,3 +36,21 @@ def test_collectives_are_named_by_the_mesh_dimension_they_run_over():
     assert group_names(ParallelDims(2, 2, 2, 32, pp=2, cp=2)) == {
         (0, 16): "pp", (0, 8): "dp_replicate", (0, 4): "dp_shard", (0, 2): "cp", (0, 1): "tp",
         (0, 2, 4, 6): "dp_shard x cp", tuple(range(32)): "world"}
+
+
+def test_torchtitans_float8_figure_is_printed_for_the_float8_config_alone():
+    """Their compiled float8 row (8,532 tokens/s, no eager figure, no MFU) for the 8B config on 8 GPUs with float8
+    tensorwise; their bf16 rows without float8; nothing for another recipe or world size. The header names it."""
+    from gpu_report import float8_summary, published  # noqa: PLC0415 - a script's functions
+
+    base = ["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"), "--training.local_batch_size", "2"]
+    f8 = [*base, "--float8.enable_float8_linear"]
+    assert published(load_config(base), 8)["compiled tokens/s"] == 6667
+    assert {k: v for k, v in published(load_config(f8), 8).items() if k != "source"} == {
+        "compiled tokens/s": 8532, "compiled peak GiB": 76.8}
+    assert published(load_config([*f8, "--float8.recipe_name", "rowwise"]), 8) is None
+    assert published(load_config(f8), 16) is None
+    assert float8_summary(load_config(base), fsdp=True) == ""
+    gathered = load_config([*f8, "--float8.enable_fsdp_float8_all_gather"])
+    assert float8_summary(gathered, fsdp=True) == ", float8 tensorwise, float8 all-gather"
+    assert float8_summary(gathered, fsdp=False) == ", float8 tensorwise"

@@ -26,7 +26,7 @@ class _Opt(NamedTuple):
     key: str  # "section.key"
     section: str
     name: str
-    type: type  # str, int, float or bool
+    type: type  # str, int, float, bool, list (of strings) or dict
     optional: bool  # None allowed (Optional[...])
     default: Any
     help: str
@@ -36,7 +36,7 @@ class _Opt(NamedTuple):
 
 
 _KIND = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
-         dict: "a table of names to numbers"}  # the supported types; dict: TOML only, in a list's tables
+         list: "a list of strings", dict: "a table of names to numbers"}  # dict: TOML only, in a list's tables
 
 
 def _options(prefix: str, cls: type) -> tuple[dict[str, _Opt], dict[str, tuple[type, dict[str, _Opt]]]]:
@@ -51,8 +51,10 @@ def _options(prefix: str, cls: type) -> tuple[dict[str, _Opt], dict[str, tuple[t
         if typing.get_origin(tp) is list and dataclasses.is_dataclass(args[0]):
             tables[key] = (args[0], _options(key, args[0])[0])
             continue
-        base = dict if typing.get_origin(tp) is dict else next((a for a in args if a is not type(None)), tp)
-        assert base in _KIND, f"{key}: parsing {tp} is not implemented"
+        base = typing.get_origin(tp) if typing.get_origin(tp) in (dict, list) else next(
+            (a for a in args if a is not type(None)), tp)
+        assert base in _KIND and (base is not list or (args == (str,) and not f.metadata["choices"])), \
+            f"{key}: parsing {tp} is not implemented"
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         options[key] = _Opt(key, prefix, f.name, base, type(None) in args, default,
                             *(f.metadata[k] for k in ("help", "choices", "rule", "path")))
@@ -86,6 +88,8 @@ def _from_string(o: _Opt, text: str) -> Any:
     try:
         if o.optional and text.lower() == "none":
             return None
+        if o.type is list:  # the command line's form of a TOML array: NAME,NAME
+            return [word.strip() for word in text.split(",") if word.strip()]
         if o.type is bool:
             if text.lower() in _TRUE + _FALSE:
                 return text.lower() in _TRUE
@@ -105,7 +109,9 @@ def _coerce(o: _Opt, value: Any, where: str = "") -> Any:
     if o.type is dict and isinstance(value, dict) and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
         return {str(k): float(v) for k, v in value.items()}
-    if isinstance(value, o.type) and not (o.type is int and isinstance(value, bool)):  # bool is an int subclass
+    if o.type is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    if o.type is not list and isinstance(value, o.type) and not (o.type is int and isinstance(value, bool)):  # bool is an int subclass
         return value
     kind = _KIND[o.type] + (" (leave it out for none)" if o.optional else "")
     raise ConfigError(f"{o.key}{where} must be {kind} (got {type(value).__name__} {value!r})")
@@ -247,6 +253,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):  # JSON string escapes are a subset of TOML's, except that TOML also bans DEL
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # an inline table; JSON-quoted keys are TOML's quoted keys
         return "{" + ", ".join(f"{_toml_value(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)  # repr round-trips floats exactly (8e-4 -> 0.0008), and TOML reads inf/nan/1e-08

@@ -165,6 +165,23 @@ class Compile:
 
 
 @dataclass
+class Float8:
+    """float8 matmuls through torchao (docs/float8.md)"""
+    enable_float8_linear: bool = opt(False, "the blocks' linears multiply in float8 (torchao: pip install torchao)")
+    recipe_name: str = opt("tensorwise", "scaling: tensorwise (one scale a tensor: fastest, float8 all-gathers), "
+                           "rowwise (a scale a row), rowwise_with_gw_hp (weight gradients in high precision)",
+                           choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    enable_fsdp_float8_all_gather: bool = opt(False, "tensorwise: FSDP all-gathers converted weights in float8, 1 "
+                                              "byte an element")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "with the float8 all-gather: every weight's scale "
+                                                         "in one all-reduce after the optimizer step")
+    filter_fqns: list[str] = opt([], "linears kept in high precision: those whose name contains an entry (each must "
+                                 "match one); the output layer never converts")
+    emulate: bool = opt(False, "float8 matmuls emulated in high precision, for the CPU and GPUs below SM89: the "
+                        "numerics without the speed")
+
+
+@dataclass
 class Metrics:
     """logging"""
     log_freq: int = opt(10, "log every N steps", rule=at_least(1))
@@ -241,6 +258,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)

@@ -19,6 +19,8 @@ Two kernels, chosen once at start-up (`Transformer.document_mask`):
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 
@@ -88,9 +90,21 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torc
 
 
 KERNELS = {"sdpa": explicit_mask, "flex": block_mask}
+logger = logging.getLogger("torchtitan_lite")
 
 
 def kernel(device_type: str, cp: int) -> str:
     """The masked kernel a run uses: FlexAttention on a GPU, SDPA with the explicit mask on the CPU and under context
     parallelism (whose chunks attend with rows of the mask)."""
     return "flex" if device_type == "cuda" and cp == 1 else "sdpa"
+
+
+def use_kernel(parts: list, device_type: str, cp: int, masked: bool) -> None:
+    """Gives each of a run's models (its pipeline stages) the run's way to mask, chosen once (kernel()); a masked GPU
+    run that cannot use FlexAttention is told what the explicit mask costs."""
+    name = kernel(device_type, cp)
+    for part in parts:
+        part.document_mask = KERNELS[name]
+    if masked and device_type == "cuda" and name != "flex":
+        logger.warning("block_causal under context parallelism attends with an explicit mask of the whole window on "
+                       "every rank (seq_len^2 per sequence), not FlexAttention's block mask")

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
 from torchtitan_lite.config import JobConfig, Parallelism
 from torchtitan_lite.parallel.context_parallel import apply_cp
 from torchtitan_lite.parallel.dims import ParallelDims
+from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.precision import DTYPES
 
 logger = logging.getLogger("torchtitan_lite")
@@ -60,6 +61,7 @@ def warn_ignored_options(cfg: JobConfig, dims: ParallelDims) -> None:
     if dims.pp > 1 and dims.fsdp and p.fsdp_defer_grad_reduce:
         reasons.append("a pipeline schedule reduces gradients once per local batch itself: "
                        "parallelism.fsdp_defer_grad_reduce ignored")
+    reasons += float8.ignored_options(cfg, dims.fsdp)
     if reasons:
         logger.warning("%s", "; ".join(reasons))
 
@@ -76,23 +78,24 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     }
     # A pipeline stage lacks the pieces other stages hold.
     parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k) is not None})
-    block_plan = {
-        "attention_norm": SequenceParallel(),
-        # Its inputs: the hidden states, the rotary rows, the documents' mask (None when causal), alike on every rank.
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        # Tensorwise float8 blocks take torchao's styles, which cast to float8 before they gather (float8.py).
+        colwise, rowwise, prepare = float8.tp_styles(block) or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            # Its inputs: the hidden states, the rotary rows, the documents' mask (None when causal), alike on every
+            # rank.
+            "attention": prepare(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": colwise(),
+            "attention.wk": colwise(),
+            "attention.wv": colwise(),
+            "attention.wo": rowwise(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+            "feed_forward.w3": colwise(),
+        })
 
 
 class EmbeddingParallel(RowwiseParallel):

@@ -18,6 +18,7 @@ import tomllib
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtitan_lite.runtime.wandb_run import WandbRun
 
@@ -39,18 +40,21 @@ def flops_per_token(
     return 6.0 * n + 12.0 * n_layers * n_heads * head_dim * seq_len
 
 
-# Dense (no sparsity) peaks in FLOP/s, from NVIDIA's datasheets: (name substring, bf16/fp16 tensor core, plain fp32).
-# Order matters: the first substring found in the device name wins, so the H100 variants precede plain "H100"
-# (the SXM part reports itself as e.g. "NVIDIA H100 80GB HBM3").
+# Dense (no sparsity) peaks in FLOP/s, from NVIDIA's datasheets (which quote fp8 and bf16 with 2:4 sparsity: twice
+# these): (name substring, bf16/fp16 tensor core, fp8 tensor core or None without fp8 units, plain fp32).
+# Order matters: the first substring found in the device name wins, so the NVL and PCIe variants precede plain
+# "H100"/"H200" (the SXM part reports itself as e.g. "NVIDIA H100 80GB HBM3").
 _GPU_PEAKS = [
-    ("H100 NVL", 835e12, 60e12),
-    ("H100 PCIe", 756e12, 51e12),
-    ("H100", 989e12, 67e12),
-    ("H200", 989e12, 67e12),
-    ("A100", 312e12, 19.5e12),
-    ("L40S", 362e12, 91.6e12),
-    ("B200", 2250e12, 75e12),
+    ("H100 NVL", 835e12, 1670e12, 60e12),
+    ("H100 PCIe", 756e12, 1513e12, 51e12),
+    ("H100", 989e12, 1979e12, 67e12),
+    ("H200 NVL", 835e12, 1670e12, 60e12),
+    ("H200", 989e12, 1979e12, 67e12),
+    ("A100", 312e12, None, 19.5e12),
+    ("L40S", 362e12, 733e12, 91.6e12),
+    ("B200", 2250e12, 4500e12, 75e12),
 ]
+FLOAT8 = torch.float8_e4m3fn  # peak_flops' dtype for float8 matmuls (torchao's Float8Linear, not emulated)
 
 
 @functools.cache
@@ -59,8 +63,10 @@ def _gpu_peak(name: str, dtype: torch.dtype, tf32: bool) -> float:
     if entry is None:  # lru_cache makes this warn once per device name
         logger.warning("unknown GPU %r: MFU uses the H100 SXM peak", name)
         entry = _GPU_PEAKS[2]
-    _, half, fp32 = entry
-    if dtype in (torch.bfloat16, torch.float16):
+    _, half, fp8, fp32 = entry
+    if dtype == FLOAT8 and fp8 is not None:  # no fp8 units (A100): float8 cannot run unemulated there anyway
+        return fp8
+    if dtype in (torch.bfloat16, torch.float16, FLOAT8):
         return half
     # fp32 matmuls run on TF32 tensor cores only when the user allowed it; torch's default keeps them on the plain
     # fp32 units, whose peak is ~15x lower. The TF32 dense peak is half the bf16 one on all the parts above.
@@ -97,7 +103,8 @@ def _cpu_peak(dtype: torch.dtype, num_threads: int) -> float:
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Peak FLOP/s of one device for matmuls in `dtype`: a datasheet table on GPU, a cached measurement on CPU."""
+    """Peak FLOP/s of one device for matmuls in `dtype`: a datasheet table on GPU, a cached measurement on CPU.
+    `FLOAT8`: the fp8 tensor cores' peak, which a float8 run's MFU is against (docs/float8.md says why)."""
     if device.type == "cuda":
         return _gpu_peak(torch.cuda.get_device_name(device), dtype, _tf32_allowed())
     return _cpu_peak(dtype, torch.get_num_threads())
@@ -135,11 +142,22 @@ def storage_bytes(tensors) -> int:
     tensor (memory.py's estimate counts fake ones) and would merge them all."""
     seen = {}
     for t in tensors:
-        if t is None:
-            continue
-        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-        seen[storage._cdata] = storage.nbytes()
+        for inner in () if t is None else _inner_tensors(t):
+            storage = inner.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
+
+
+def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding `t`'s data. A wrapper subclass has an empty storage of its own and its data in
+    tensor attributes: a DTensor its local shard, torchao's weight for FSDP's float8 all-gather (quantization/float8.py)
+    the high-precision weight and its precomputed scale. Read from the attributes, not `__tensor_flatten__`, which that
+    weight answers by testing its scale's value: a device read on a GPU, an error on the estimate's fake tensors."""
+    if isinstance(t, DTensor):
+        return _inner_tensors(t._local_tensor)  # to_local() makes a view, without the float8 weight's scale
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    return [plain for x in vars(t).values() if isinstance(x, torch.Tensor) for plain in _inner_tensors(x)]
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -44,6 +44,16 @@ the trace runs rank 0's stages on micro-batches in the schedule's order on that 
 their backwards as the schedule runs there (GPipe all m, 1F1B p, LoopedBFS all v*m, Interleaved1F1B its warmup), with
 a gradient of the right shape standing in for the one the next stage would send. The pipeline's send and receive
 buffers (one micro-batch's hidden states each) are left out.
+
+Float8 (`float8.enable_float8_linear = true`) traces the model the trainer builds, its linears converted to torchao's
+Float8Linear before parallelization, as an SM89+ GPU runs it: `torch._scaled_mm`, whose fake kernel allocates only its
+output, even where the config asks for `float8.emulate` (the CPU's emulation upcasts each operand to fp32: memory no
+GPU spends). Parameters, gradients and optimizer state are the high-precision ones (float8 changes only the matmuls),
+plus one fp32 scale per converted weight with `precompute_float8_dynamic_scale_for_fsdp`. Activations are what
+nn.Linear saves: torchao keeps the high-precision input for backward. Transient adds the float8 copies each matmul
+casts (1 byte an element: input, weight, output gradient), and with `enable_fsdp_float8_all_gather` FSDP gathers and
+holds the converted weights unsharded at 1 byte an element (plus their scale), the other parameters at their own
+size (tests/test_memory.py counts the gathered bytes).
 """
 
 from __future__ import annotations
@@ -68,6 +78,7 @@ from torchtitan_lite.parallel import context_parallel
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize
 from torchtitan_lite.parallel.pipeline import merge_stages, microbatches, schedule_name, split_stages
+from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.metrics import held_bytes
 from torchtitan_lite.runtime.precision import UpdateGuard
 from torchtitan_lite.training.optim import build_optimizer, clip_grad_norm_
@@ -198,7 +209,9 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
         cfg.parallelism.fsdp_offload_pin_memory = False  # pinned or not, the same bytes; pinning needs a GPU here
     args, vocab_note = model_args(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    check_layout(cfg, dims, args)  # the trainer's preflight of the layout
+    cfg.float8.emulate = False  # float8: the GPU's matmuls, whose fake kernel allocates only the output (docstring)
+    with mock.patch.object(float8, "has_float8_matmul", lambda: True):
+        check_layout(cfg, dims, args)  # the trainer's preflight of the layout
     # Imported here: the fake backend registers itself on import, and only the estimate needs it.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -210,6 +223,8 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
         unmasked = mock.patch.object(context_parallel, "lower_right_masks", lambda ranges, _: [None] * len(ranges))
         with unmasked:  # the GPU's masks, not the CPU's (module docstring)
             for part in parts:  # outside fake mode: FSDP on top of TP builds meshes, from real (small) tensors
+                if float8.enabled(cfg):
+                    float8.convert(part, cfg, dims.fsdp)
                 parallelize(part, mesh, dims, cfg)
         # Real tensors may still come in (mesh coordinates, DTensor's bookkeeping): fake mode lets them through.
         fake = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
@@ -263,6 +278,8 @@ def _two_steps(parts: list[Transformer], optimizer: torch.optim.Optimizer, cfg: 
     training = cfg.training
     model = merge_stages(parts)
     activations, held = 0, {}
+    float8_scales = float8.ScalePrecompute(cfg, dims.fsdp, parts)  # as train.py: before step 1, after each step
+    float8_scales()
     for step in (1, 2):
         tracker.reset_mod_stats()  # per-module statistics only; the peaks carry over
         tracker.device_peak = 0
@@ -273,6 +290,7 @@ def _two_steps(parts: list[Transformer], optimizer: torch.optim.Optimizer, cfg: 
                 activations = _first_rank_stages(parts, cfg, dims, args, numerics.compute_dtype, tracker)
         clip_grad_norm_(list(model.parameters()), training.max_norm, dims.world_size)
         optimizer.step()
+        float8_scales()
         if step == 1:
             held = held_bytes(model, optimizer)
         optimizer.zero_grad(set_to_none=True)

@@ -6,14 +6,17 @@ exactly the layouts the trainer refuses.
 
 from __future__ import annotations
 
+import torch
+
 from torchtitan_lite.checkpoint.manager import check_config
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.mixture import build_data
 from torchtitan_lite.data.tokenizer import load_tokenizer
-from torchtitan_lite.models.llama import ModelArgs, flavor_args
+from torchtitan_lite.models.llama import ModelArgs, Transformer, flavor_args
 from torchtitan_lite.parallel.context_parallel import check_cp
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import check_pipeline
+from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.profiling import check_profiling
 from torchtitan_lite.runtime.wandb_run import check_wandb
 
@@ -25,6 +28,9 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> N
         check_pipeline(cfg.parallelism, model_args.n_layers, cfg.training.local_batch_size)
     if dims.cp > 1:
         check_cp(cfg.training.seq_len, dims.cp, dims.tp, cfg.parallelism.context_parallel_load_balancer)
+    if float8.enabled(cfg):
+        with torch.device("meta"):
+            float8.check(cfg, Transformer(model_args), dims)
 
 
 def document_start(cfg: JobConfig, tokenizer) -> int | None:
