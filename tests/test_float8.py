@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama import FLAVORS, ModelArgs, Transformer
+from torchtitan_lite.models.llama import FLAVORS, ModelArgs, Transformer, TransformerBlock
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import warn_ignored_options
 from torchtitan_lite.quantization import float8
@@ -57,16 +57,18 @@ def sqnr(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_each_linear_meets_torchaos_sqnr_thresholds(recipe):
-    """The debug model's initial block 0: each linear's output within 18 dB of fp32 and its input and weight
-    gradients within 17 dB (torchao's own test thresholds), on unit-variance inputs as the norms give them."""
+    """A debug-model block as initialized (the Llama recipe's stds): each linear's output within 18 dB of fp32 and its
+    input and weight gradients within 17 dB (torchao's own test thresholds), on unit-variance inputs as the norms
+    give them."""
     from torchao.float8.float8_linear import Float8Linear
 
-    model = Transformer(FLAVORS["debugmodel"].with_(vocab_size=256, max_seq_len=64))
-    model.init_weights(seed=3)
+    block = TransformerBlock(0, FLAVORS["debugmodel"])
+    torch.manual_seed(3)
+    block.init_weights(lambda weight, std: nn.init.trunc_normal_(weight, std=std, a=-2 * std, b=2 * std))
     config = float8.torchao_config(load_config([*F8, "--float8.recipe_name", recipe]), fsdp=False)
     generator = torch.Generator().manual_seed(0)
     for name in BLOCK:
-        linear = model.layers["0"].get_submodule(name)
+        linear = block.get_submodule(name)
         low = Float8Linear.from_float(copy.deepcopy(linear), config=config)
         x = torch.randn(2, 64, linear.in_features, generator=generator, requires_grad=True)
         x8 = x.detach().clone().requires_grad_()
