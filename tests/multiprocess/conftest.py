@@ -9,6 +9,7 @@ checkpoint it needs into a folder of its own.
 """
 
 import contextlib
+import json
 import shutil
 from pathlib import Path
 
@@ -17,8 +18,9 @@ import torch
 
 # pytest.ini puts tests/multiprocess on the path: the tests here import the shared launcher as a plain module.
 from grad_dump import load_grads, recording
-from launch import (CHECKPOINTED, COMMON, CP2, HSDP, MASKED, PP2, PROFILED, STEPS, TP2, TP2_FSDP2, ckpt, snapshot,
-                    stopped_after, torchrun_several, train_in_process, train_job)
+import probes
+from launch import (CHECKPOINTED, COMMON, CP2, HSDP, MASKED, PP2, PROFILED, STEPS, TP2, TP2_FSDP2, ckpt, run_job,
+                    snapshot, stopped_after, torchrun_cmd, torchrun_several, train_in_process, train_job)
 from pairs import REFERENCES, generate
 
 SHORT = ("--training.steps", "4")  # after STEPS on the command line, so it wins
@@ -203,6 +205,18 @@ def runs(tmp_path_factory) -> SharedRuns:
 @pytest.fixture(scope="session")
 def resharded(runs) -> dict:
     return runs.reshard_legs()
+
+
+@pytest.fixture(scope="session")
+def probed(tmp_path_factory) -> Path:
+    """The folder of probes.py's job: OUT/KIND for each part the test modules registered (probes.register)."""
+    out = tmp_path_factory.mktemp("probes")
+    spec = {kind: [str(out / kind), *args] for kind, args in probes.REGISTERED.items()}
+    for kind in spec:
+        (out / kind).mkdir()
+    (out / "spec.json").write_text(json.dumps(spec))
+    run_job(*torchrun_cmd(4, Path(probes.__file__), str(out / "spec.json")))
+    return out
 
 
 @pytest.fixture(scope="session")
