@@ -19,7 +19,7 @@ import train as train_module
 
 from launch import (CHECKPOINTED, COMMON, ROOT, STEPS, TINY, TP2, TRAIN, assert_one_error_line, assert_same_curve, ckpt,
                     curve, kill_tree, losses, metric, read_metrics, resumes, snapshot, stopped_after, torchrun,
-                    torchrun_cmd, train_in_process, train_job)
+                    torchrun_cmd, torchrun_several, train_in_process, train_job)
 from torchtitan_lite.checkpoint.folder import complete_checkpoints
 from torchtitan_lite.config import ConfigError
 from torchtitan_lite.checkpoint.reader import read_tensors
@@ -163,10 +163,15 @@ def test_seed_checkpoint_gives_every_mesh_the_same_start(tmp_path):
     train_in_process(tmp_path / "seed", "--checkpoint.create_seed_checkpoint", "--training.seed", "123")
     seed = read_tensors(str(ckpt(tmp_path / "seed", 0)))
     assert seed and all(k.startswith("model.") for k in seed)
-    for name, mesh, dtype in (("fsdp", (), "float32"), ("tp", TP2, "bfloat16")):
+    meshes = {"fsdp": ((), "float32"), "tp": (TP2, "bfloat16")}
+    for name in meshes:
         shutil.copytree(ckpt(tmp_path / "seed", 0), ckpt(tmp_path / name, 0))
-        train(2, tmp_path / name, *mesh, "--optimizer.lr", "1e-30", "--checkpoint.last_save_model_only",
-              "--checkpoint.export_dtype", dtype, steps=1)
+    # Both meshes' runs in one 2-process job (several_runs.py): each loads the seed from its own folder.
+    torchrun_several(2, [(tmp_path / name, False, (*COMMON, *CHECKPOINTED, "--training.steps", "1", *mesh,
+                                                   "--optimizer.lr", "1e-30", "--checkpoint.last_save_model_only",
+                                                   "--checkpoint.export_dtype", dtype))
+                         for name, (mesh, dtype) in meshes.items()])
+    for name, (_, dtype) in meshes.items():
         exported = read_tensors(str(ckpt(tmp_path / name, 1)))
         assert exported.keys() == seed.keys()
         for key, value in seed.items():
