@@ -98,8 +98,21 @@ MASKED_RUNS = {
     # (head-tail chunks under the mask).
     "masked_pp2_cp2": (4, (*MASKED, *PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
 }
-ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS}
-RECORDED = [name for name in SHARED_RUNS if name != "single"] + ["tp2_compiled_resumed", *MASKED_RUNS]
+# test_compile.py's 4-process layouts, each block compiled, in the job of the shared runs of their size: TP 2 x FSDP 2
+# (the shared run's settings) by inductor, validating every 2 steps; FSDP 4 with every other block recomputed and
+# HSDP 2 x 2 with op-level selective AC and bf16, by aot_eager, one step each (their gradients are the point).
+AOT, ONE_STEP = ("--compile.enable", "--compile.backend", "aot_eager"), ("--training.steps", "1")
+COMPILED_RUNS = {
+    "tp2_fsdp2_inductor": (4, (*TP2_FSDP2, "--compile.enable", "--compile.backend", "inductor", "--validation.enable",
+                               "--validation.freq", "2", "--validation.steps", "1")),
+    "fsdp4_ac_every_2_compiled": (4, ("--activation_checkpoint.mode", "selective",
+                                      "--activation_checkpoint.selective_ac_option", "2", *AOT, *ONE_STEP)),
+    "hsdp_op_sac_bf16_compiled": (4, (*HSDP, "--activation_checkpoint.mode", "selective",
+                                      "--activation_checkpoint.selective_ac_option", "op",
+                                      "--training.mixed_precision_param", "bfloat16", *AOT, *ONE_STEP)),
+}
+ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **COMPILED_RUNS}
+RECORDED = [name for name in SHARED_RUNS if name != "single"] + ["tp2_compiled_resumed", *MASKED_RUNS, *COMPILED_RUNS]
 PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
 CONTEXT_PARALLEL = [name for name in SHARED_RUNS if "cp" in name]
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
