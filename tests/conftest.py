@@ -1,11 +1,19 @@
 """Fixtures of the unit tests (tests/multiprocess/conftest.py has the multi-process ones)."""
 
 import os
-from pathlib import Path
 
-import pytest
+# OpenMP threads that wait at the end of a parallel region sleep instead of spinning (set before torch loads its
+# OpenMP runtime, for this process and every one it starts). libgomp's default spins ~300,000 times first: while
+# anything else runs on the suite's 2 cores (a job's launcher, an async save's thread, another process), the waiting
+# thread burns the core its partner needs, and a 4-step in-process run took 150-250 s instead of 5-7 s at load 8.
+# torchrun's workers run one thread each (OMP_NUM_THREADS=1) and are unaffected; no number depends on it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import train
+from pathlib import Path  # noqa: E402 - after the environment above
+
+import pytest  # noqa: E402
+
+import train  # noqa: E402
 from tests.multiprocess.launch import QUICK_EXIT
 
 TINY = Path(__file__).parent / "assets" / "tiny.toml"

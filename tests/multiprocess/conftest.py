@@ -9,6 +9,7 @@ checkpoint it needs into a folder of its own.
 """
 
 import contextlib
+import json
 import shutil
 from pathlib import Path
 
@@ -17,8 +18,9 @@ import torch
 
 # pytest.ini puts tests/multiprocess on the path: the tests here import the shared launcher as a plain module.
 from grad_dump import load_grads, recording
+import probes
 from launch import (CHECKPOINTED, COMMON, CP2, FLOAT8, HSDP, MASKED, PP2, PROFILED, STEPS, TP2, TP2_FSDP2, ckpt,
-                    snapshot, stopped_after, torchrun_several, train_in_process, train_job)
+                    run_job, snapshot, stopped_after, torchrun_cmd, torchrun_several, train_in_process, train_job)
 from pairs import REFERENCES, generate
 
 SHORT = ("--training.steps", "4")  # after STEPS on the command line, so it wins
@@ -96,6 +98,19 @@ MASKED_RUNS = {
     # (head-tail chunks under the mask).
     "masked_pp2_cp2": (4, (*MASKED, *PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
 }
+# test_compile.py's 4-process layouts, each block compiled, in the job of the shared runs of their size: TP 2 x FSDP 2
+# (the shared run's settings) by inductor, validating every 2 steps; FSDP 4 with every other block recomputed and
+# HSDP 2 x 2 with op-level selective AC and bf16, by aot_eager, one step each (their gradients are the point).
+AOT, ONE_STEP = ("--compile.enable", "--compile.backend", "aot_eager"), ("--training.steps", "1")
+COMPILED_RUNS = {
+    "tp2_fsdp2_inductor": (4, (*TP2_FSDP2, "--compile.enable", "--compile.backend", "inductor", "--validation.enable",
+                               "--validation.freq", "2", "--validation.steps", "1")),
+    "fsdp4_ac_every_2_compiled": (4, ("--activation_checkpoint.mode", "selective",
+                                      "--activation_checkpoint.selective_ac_option", "2", *AOT, *ONE_STEP)),
+    "hsdp_op_sac_bf16_compiled": (4, (*HSDP, "--activation_checkpoint.mode", "selective",
+                                      "--activation_checkpoint.selective_ac_option", "op",
+                                      "--training.mixed_precision_param", "bfloat16", *AOT, *ONE_STEP)),
+}
 # Float8 (test_float8.py): each layout against the single-process float8 run of its recipe, every micro-batch 2
 # sequences as there (a tensorwise scale is the max of a whole micro-batch's activations), recording every parameter's
 # gradient and every float8 scale at step 1. The references train 8 steps, like "single", whose fp32 curve they
@@ -115,13 +130,17 @@ FLOAT8_RUNS = {
                                     *SHORT)),
     "float8_rowwise_tp2_fsdp2": (4, (*FLOAT8, *ROWWISE, *TP2, "--training.local_batch_size", "2", *SHORT)),
 }
-ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **FLOAT8_RUNS}
-RECORDED = [name for name in SHARED_RUNS if name != "single"] + ["tp2_compiled_resumed", *MASKED_RUNS,
-                                                                  *(n for n in FLOAT8_RUNS if n != "float8_fsdp4")]
+ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **COMPILED_RUNS, **FLOAT8_RUNS}
+RECORDED = [name for name in SHARED_RUNS if name != "single"] + [
+    "tp2_compiled_resumed", *MASKED_RUNS, *COMPILED_RUNS, *(n for n in FLOAT8_RUNS if n != "float8_fsdp4")]
 PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
 CONTEXT_PARALLEL = [name for name in SHARED_RUNS if "cp" in name]
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
+# The resumed runs of one size are made in one job of their own, after the shared runs': none shares a process with
+# the run it resumes, so a resume proves what the checkpoint holds, not what a process still held.
 RESUMED_RUNS = {
+    # Saving asynchronously, with a half-written-looking step-99 in the way (HALF_WRITTEN; test_checkpoint.py).
+    "fsdp4_resumed": ("fsdp4", 4, 4, (*CHECKPOINTED, "--checkpoint.async_mode", "async")),
     # Validating at steps 6 and 8 and keeping only the newest 2 checkpoints: steps 7 and 8 must still equal the
     # straight run's, bitwise.
     "tp2_fsdp2_resumed": ("tp2_fsdp2", 4, 4, (*TP2_FSDP2, "--checkpoint.keep_latest_k", "2", "--validation.enable",
@@ -134,22 +153,26 @@ RESUMED_RUNS = {
     # Float8 weights in FSDP's state: a DTensor of torchao's float8-casting subclass, saved and loaded by DCP.
     "float8_fsdp4_ag_resumed": ("float8_fsdp4_ag", 2, 4, FLOAT8_RUNS["float8_fsdp4_ag"][1]),
 }
+HALF_WRITTEN = {"fsdp4_resumed": 99}  # resumed run -> the step of a checkpoint folder without .metadata put there
+# The resharding legs (test_checkpoint.py, test_pipeline.py, test_context_parallel.py), in the job of the 4-process
+# resumed runs. Each resumes a shared run's step 4 on another layout and trains to step 6, saving every 2 steps:
+# name -> (the run whose step-4 checkpoint is copied in, overrides). "hsdp2x2" finds its own folder empty and starts
+# from FSDP 4's step 4 through checkpoint.initial_load_path (full state).
+RESHARD_LEGS = {"tp2_fsdp2": ("fsdp4", TP2), "hsdp2x2": (None, HSDP), "pp_to_fsdp4": ("pp2_fsdp2", ()),
+                "cp_to_fsdp4": ("cp2_fsdp2", ())}
+# Then these go on in their folder on their first layout to step 8 (their step-6 checkpoints stay).
+RESHARD_BACK = {"pp_to_fsdp4": "pp2_fsdp2", "cp_to_fsdp4": "cp2_fsdp2"}
 
 
 class SharedRuns:
     def __init__(self, root: Path):
-        self.root, self.done = root, {}
+        self.root, self.done, self.logs, self.resharded = root, {}, {}, {}
 
     def __getitem__(self, name: str) -> Path:
         """The dump folder of the shared run `name` (COMMON settings, STEPS steps), launched on first use."""
         if name not in self.done:
-            if name in RESUMED_RUNS:  # every resumed run of this many processes not yet made, in one job
-                nproc = RESUMED_RUNS[name][2]
-                batch = [n for n, (_, _, p, _) in RESUMED_RUNS.items() if p == nproc and n not in self.done]
-                for n in batch:
-                    run, step, _, _ = RESUMED_RUNS[n]
-                    stopped_after(self[run], step, self.root / n)
-                self._make(nproc, batch, {n: RESUMED_RUNS[n][3] for n in batch})
+            if name in RESUMED_RUNS:
+                self._resume(RESUMED_RUNS[name][2])
             elif (nproc := ALL_RUNS[name][0]) == 1:
                 (self.root / name).mkdir(parents=True, exist_ok=True)
                 with recording(self.root / name) if name in RECORDED else contextlib.nullcontext():
@@ -157,13 +180,56 @@ class SharedRuns:
                 self.done[name] = self.root / name
             else:  # every shared run of this many processes not yet made, in one job (several_runs.py)
                 batch = [n for n, (p, _) in ALL_RUNS.items() if p == nproc and n not in self.done]
-                self._make(nproc, batch, {n: ALL_RUNS[n][1] for n in batch})
+                self._make(nproc, [(n, ALL_RUNS[n][1]) for n in batch])
         return self.done[name]
 
-    def _make(self, nproc: int, batch: list[str], overrides: dict[str, tuple[str, ...]]) -> None:
-        torchrun_several(nproc, [(self.root / n, n in RECORDED, (*COMMON, "--training.steps", str(STEPS),
-                                                                   *overrides[n])) for n in batch])
-        self.done.update({n: self.root / n for n in batch})
+    def output(self, name: str) -> str:
+        """What the job that made `name` printed (every run of that job; each names its own dump folder)."""
+        self[name]
+        return self.logs[name].read_text()
+
+    def reshard_legs(self) -> dict:
+        """The resharding legs' folders by name (RESHARD_LEGS), and "source_snapshot": FSDP 4's step 4 as it was
+        before they ran (initial_load_path never writes)."""
+        if not self.resharded:
+            self._resume(4)
+        return self.resharded
+
+    def _resume(self, nproc: int) -> None:
+        """Every resumed run of this many processes not yet made, in one job; with 4, the resharding legs too."""
+        batch = [n for n, (_, _, p, _) in RESUMED_RUNS.items() if p == nproc and n not in self.done]
+        runs, legs = [], []
+        for n in batch:
+            run, step, _, overrides = RESUMED_RUNS[n]
+            stopped_after(self[run], step, self.root / n)
+            if n in HALF_WRITTEN:
+                ckpt(self.root / n, HALF_WRITTEN[n]).mkdir()
+                (ckpt(self.root / n, HALF_WRITTEN[n]) / "__0_0.distcp").write_bytes(b"not a checkpoint")
+            runs.append((n, overrides))
+        if nproc == 4 and not self.resharded:
+            root, source = self.root / "resharded", ckpt(self["fsdp4"], 4)
+            initial = ("--checkpoint.initial_load_path", str(source), "--no-checkpoint.initial_load_model_only")
+            for name, (run, overrides) in RESHARD_LEGS.items():
+                if run is not None:
+                    shutil.copytree(ckpt(self[run], 4), ckpt(root / name, 4))
+                legs.append((root / name, (*CHECKPOINTED, "--training.steps", "6", *overrides,
+                                           *(initial if run is None else ()))))
+            legs += [(root / name, SHARED_RUNS[run][1]) for name, run in RESHARD_BACK.items()]
+            self.resharded = {name: root / name for name in RESHARD_LEGS} | {"source_snapshot": snapshot(source)}
+        self._make(nproc, runs, legs)
+
+    def _make(self, nproc: int, runs: list[tuple[str, tuple[str, ...]]],
+              others: list[tuple[Path, tuple[str, ...]]] = ()) -> None:
+        """`runs` (name, overrides) in one job of `nproc` processes, then `others` (folder, overrides), with COMMON
+        and STEPS before the overrides; the job's output kept beside them."""
+        proc = torchrun_several(nproc, [(self.root / n, n in RECORDED, (*COMMON, "--training.steps", str(STEPS),
+                                                                          *overrides)) for n, overrides in runs]
+                                + [(folder, False, (*COMMON, "--training.steps", str(STEPS), *overrides))
+                                   for folder, overrides in others])
+        log = self.root / f"job{len(list(self.root.glob('job*.log')))}.log"
+        log.write_text(proc.stdout + proc.stderr)
+        self.done.update({n: self.root / n for n, _ in runs})
+        self.logs.update({n: log for n, _ in runs})
 
 
 @pytest.fixture(scope="session")
@@ -172,27 +238,20 @@ def runs(tmp_path_factory) -> SharedRuns:
 
 
 @pytest.fixture(scope="session")
-def resharded(runs, tmp_path_factory) -> dict:
-    """The resharding tests' legs (test_checkpoint.py, test_pipeline.py, test_context_parallel.py), in one job. Each
-    resumes a shared run's step 4 on another layout and trains to step 6, saving every 2 steps: "tp2_fsdp2", FSDP 4's
-    checkpoint copied in; "hsdp2x2", the same through checkpoint.initial_load_path (full state), its own folder empty;
-    "pp_to_fsdp4", PP 2 x FSDP 2's copied in; "cp_to_fsdp4", CP 2 x FSDP 2's. Then the last two go on in their folder
-    on their first layout to step 8 (their step-6 checkpoints stay). "source_snapshot": FSDP 4's step 4 before
-    (initial_load_path never writes)."""
-    root = tmp_path_factory.mktemp("resharded")
-    source = ckpt(runs["fsdp4"], 4)
-    shutil.copytree(source, ckpt(root / "tp2_fsdp2", 4))
-    shutil.copytree(ckpt(runs["pp2_fsdp2"], 4), ckpt(root / "pp_to_fsdp4", 4))
-    shutil.copytree(ckpt(runs["cp2_fsdp2"], 4), ckpt(root / "cp_to_fsdp4", 4))
-    initial = ("--checkpoint.initial_load_path", str(source), "--no-checkpoint.initial_load_model_only")
-    legs = {"tp2_fsdp2": TP2, "hsdp2x2": (*HSDP, *initial), "pp_to_fsdp4": (), "cp_to_fsdp4": ()}
-    back = {"pp_to_fsdp4": "pp2_fsdp2", "cp_to_fsdp4": "cp2_fsdp2"}
-    before = snapshot(source)
-    torchrun_several(4, [(root / name, False, (*COMMON, *CHECKPOINTED, "--training.steps", "6", *overrides))
-                         for name, overrides in legs.items()]
-                     + [(root / name, False, (*COMMON, "--training.steps", str(STEPS), *SHARED_RUNS[run][1]))
-                        for name, run in back.items()])
-    return {name: root / name for name in legs} | {"source_snapshot": before}
+def resharded(runs) -> dict:
+    return runs.reshard_legs()
+
+
+@pytest.fixture(scope="session")
+def probed(tmp_path_factory) -> Path:
+    """The folder of probes.py's job: OUT/KIND for each part the test modules registered (probes.register)."""
+    out = tmp_path_factory.mktemp("probes")
+    spec = {kind: [str(out / kind), *args] for kind, args in probes.REGISTERED.items()}
+    for kind in spec:
+        (out / kind).mkdir()
+    (out / "spec.json").write_text(json.dumps(spec))
+    run_job(*torchrun_cmd(4, Path(probes.__file__), str(out / "spec.json")))
+    return out
 
 
 @pytest.fixture(scope="session")

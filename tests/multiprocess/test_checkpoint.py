@@ -19,7 +19,7 @@ import train as train_module
 
 from launch import (CHECKPOINTED, COMMON, ROOT, STEPS, TINY, TP2, TRAIN, assert_one_error_line, assert_same_curve, ckpt,
                     curve, kill_tree, losses, metric, read_metrics, resumes, snapshot, stopped_after, torchrun,
-                    torchrun_cmd, train_in_process, train_job)
+                    torchrun_cmd, torchrun_several, train_in_process, train_job)
 from torchtitan_lite.checkpoint.folder import complete_checkpoints
 from torchtitan_lite.config import ConfigError
 from torchtitan_lite.checkpoint.reader import read_tensors
@@ -58,14 +58,10 @@ def fsdp_straight(runs):
 
 
 @pytest.fixture(scope="module")
-def fsdp_split(fsdp_straight, tmp_path_factory):
-    """FSDP 4 stopped after step 4, resumed to 8 with async saves, a half-written-looking step-99 in the way."""
-    folder = stopped_after(fsdp_straight, 4, tmp_path_factory.mktemp("fsdp_split"))
-    fake = ckpt(folder, 99)
-    fake.mkdir()
-    (fake / "__0_0.distcp").write_bytes(b"not a checkpoint")
-    proc = train(4, folder, "--checkpoint.async_mode", "async")
-    return folder, proc
+def fsdp_split(runs):
+    """FSDP 4 stopped after step 4, resumed to 8 with async saves, a half-written-looking step-99 in the way
+    (conftest.RESUMED_RUNS): its folder and what its job printed."""
+    return runs["fsdp4_resumed"], runs.output("fsdp4_resumed")
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +90,8 @@ def test_resume_is_bitwise_on_tp_fsdp(tp_straight, tp_split):
 
 
 def test_folder_without_metadata_is_skipped(fsdp_split):
-    folder, proc = fsdp_split
-    assert f"loaded full state from {ckpt(folder, 4)}" in proc.stdout + proc.stderr
+    folder, output = fsdp_split
+    assert f"loaded full state from {ckpt(folder, 4)}" in output
     assert sorted(complete_checkpoints(str(folder / "checkpoint"))) == [2, 4, 6, 8]
 
 
@@ -134,7 +130,8 @@ def test_extended_run_follows_the_new_schedule_from_its_first_step(tmp_path):
 
 # ---- Resharding: the data position is global and DCP reshards every DTensor, so the curve goes on.
 
-# The first legs, to step 6, run in one job (conftest.resharded); the second legs here.
+# The first legs, to step 6, run in the job of the 4-process resumed runs (conftest.RESHARD_LEGS); the second legs
+# here.
 
 def test_reshard_fsdp_to_tp_fsdp_to_single_process(fsdp_straight, resharded):
     folder = resharded["tp2_fsdp2"]
@@ -166,10 +163,15 @@ def test_seed_checkpoint_gives_every_mesh_the_same_start(tmp_path):
     train_in_process(tmp_path / "seed", "--checkpoint.create_seed_checkpoint", "--training.seed", "123")
     seed = read_tensors(str(ckpt(tmp_path / "seed", 0)))
     assert seed and all(k.startswith("model.") for k in seed)
-    for name, mesh, dtype in (("fsdp", (), "float32"), ("tp", TP2, "bfloat16")):
+    meshes = {"fsdp": ((), "float32"), "tp": (TP2, "bfloat16")}
+    for name in meshes:
         shutil.copytree(ckpt(tmp_path / "seed", 0), ckpt(tmp_path / name, 0))
-        train(2, tmp_path / name, *mesh, "--optimizer.lr", "1e-30", "--checkpoint.last_save_model_only",
-              "--checkpoint.export_dtype", dtype, steps=1)
+    # Both meshes' runs in one 2-process job (several_runs.py): each loads the seed from its own folder.
+    torchrun_several(2, [(tmp_path / name, False, (*COMMON, *CHECKPOINTED, "--training.steps", "1", *mesh,
+                                                   "--optimizer.lr", "1e-30", "--checkpoint.last_save_model_only",
+                                                   "--checkpoint.export_dtype", dtype))
+                         for name, (mesh, dtype) in meshes.items()])
+    for name, (_, dtype) in meshes.items():
         exported = read_tensors(str(ckpt(tmp_path / name, 1)))
         assert exported.keys() == seed.keys()
         for key, value in seed.items():

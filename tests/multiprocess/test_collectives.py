@@ -2,7 +2,7 @@
 rules prescribe.
 
 tools/comm_count.py records every collective of step 2 of a real train.py run, for each layout below, all in one
-4-process launch. The expected counts are derived here from the model's structure, never read off a run:
+4-process launch (probes.py's, shared with test_syncs.py and test_init_layouts.py). The expected counts are derived here from the model's structure, never read off a run:
 - FSDP2 (G = one group per block + the root): in forward one all-gather per group; in backward one per group that
   was resharded after forward ("default": every block but the last; "always": all; "never": none; hpZ: the same
   blocks, gathered within groups of N ranks); one reduce-scatter per group, per micro-batch unless the reduction is
@@ -26,11 +26,11 @@ from collections import Counter
 import pytest
 import torch
 
-from launch import FLOAT8, ROOT, torchrun
+import probes
+from launch import FLOAT8, TINY
 from torchtitan_lite.models.llama import FLAVORS, Transformer
 from torchtitan_lite.quantization.float8 import converted_names
 
-COUNTED = ROOT / "tests" / "multiprocess" / "counted.py"  # train.py under tools/comm_count.py
 ARGS = FLAVORS["debugmodel"].with_(vocab_size=258, max_seq_len=64)  # tests/assets/tiny.toml: bytes, seq 64
 BATCH = 2  # sequences per micro-batch (tiny.toml's local_batch_size)
 L = ARGS.n_layers
@@ -80,12 +80,14 @@ EXPECTED = {
 }
 
 
+# Every layout's run in turn, 3 steps each, in probes.py's job (its step 2 recorded: comm_count.main).
+probes.register("collectives", json.dumps({name: overrides for name, (overrides, _) in LAYOUTS.items()}),
+                "--job.config_file", str(TINY), "--training.steps", "3", "--metrics.log_freq", "10")
+
+
 @pytest.fixture(scope="module")
-def calls(tmp_path_factory):
-    out = tmp_path_factory.mktemp("collectives")
-    layouts = json.dumps({name: overrides for name, (overrides, _) in LAYOUTS.items()})
-    torchrun(4, out, "--training.steps", "3", "--metrics.log_freq", "10", script=COUNTED,
-             script_args=("collectives", str(out), layouts))
+def calls(probed):
+    out = probed / "collectives"
     recorded = {}
     for name, (_, dims) in LAYOUTS.items():
         recorded[name] = [(kind, dims.get(tuple(ranks), str(ranks)), nbytes)

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from grad_dump import assert_grads_match, load_grads
-from launch import COMMON, HSDP, STEPS, TP2_FSDP2, assert_same_curve, curve, losses, torchrun_several
+from launch import STEPS, assert_same_curve, curve, losses
 
 # fp32: a compiled gradient differs from eager's by the order of its reductions (inductor fuses the norms, TP and
 # FSDP sum partial results in another order), measured at <= 2e-6 of the parameter's largest gradient; 1e-5 leaves
@@ -26,34 +26,14 @@ BF16_GRAD_TOLERANCE = 3e-2
 # The compiled TP 2 x FSDP 2 curve against eager's, over 8 steps; measured 5e-7 (inductor's reduction order).
 CURVE_TOLERANCE = 1e-5
 
-COMPILED = ("--compile.enable",)
-AOT = (*COMPILED, "--compile.backend", "aot_eager")
-ONE_STEP = ("--training.steps", "1")
-VALIDATED = ("--validation.enable", "--validation.freq", "2", "--validation.steps", "1")
-# name -> (processes, overrides, gradient tolerance): 4 processes, run after the inductor run in its job
-LAYOUTS = {
-    "fsdp4_ac_every_2": (4, ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
-                             "2", *AOT, *ONE_STEP), GRAD_TOLERANCE),
-    "hsdp_op_sac_bf16": (4, (*HSDP, "--activation_checkpoint.mode", "selective",
-                             "--activation_checkpoint.selective_ac_option", "op",
-                             "--training.mixed_precision_param", "bfloat16", *AOT, *ONE_STEP), BF16_GRAD_TOLERANCE),
-}
+# name -> gradient tolerance: conftest.COMPILED_RUNS, made in the job of the shared 4-process runs
+LAYOUTS = {"fsdp4_ac_every_2_compiled": GRAD_TOLERANCE, "hsdp_op_sac_bf16_compiled": BF16_GRAD_TOLERANCE}
 
 
 @pytest.fixture(scope="module")
-def compiled_runs(tmp_path_factory):
-    """The 4-process runs, in one job (several_runs.py): first TP 2 x FSDP 2 (the shared run's settings) compiled by
-    inductor, validating and checkpointing every 2 steps; then LAYOUTS."""
-    root = tmp_path_factory.mktemp("compiled")
-    runs = {"tp2_fsdp2": (*COMMON, "--training.steps", str(STEPS), *TP2_FSDP2, *COMPILED, *VALIDATED),
-            **{name: (*COMMON, *overrides) for name, (_, overrides, _) in LAYOUTS.items()}}
-    torchrun_several(4, [(root / name, True, overrides) for name, overrides in runs.items()])
-    return {name: root / name for name in runs}
-
-
-@pytest.fixture(scope="module")
-def inductor_run(compiled_runs):
-    return compiled_runs["tp2_fsdp2"]
+def inductor_run(runs):
+    """TP 2 x FSDP 2 (the shared run's settings) compiled by inductor, validating and checkpointing every 2 steps."""
+    return runs["tp2_fsdp2_inductor"]
 
 
 @pytest.fixture(scope="module")
@@ -97,5 +77,5 @@ def test_compiled_run_resumes_on_its_exact_curve(aot_tp2_run, runs):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_compiled_layout_trains_every_weight_as_eager(layout, eager_grads, compiled_runs):
-    assert_grads_match(load_grads(compiled_runs[layout]), eager_grads, LAYOUTS[layout][2])
+def test_compiled_layout_trains_every_weight_as_eager(layout, eager_grads, runs):
+    assert_grads_match(load_grads(runs[layout]), eager_grads, LAYOUTS[layout])

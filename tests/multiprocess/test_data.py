@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from launch import ROOT, TINY, assert_same_curve, losses, read_metrics, train_in_process, train_job
+from launch import ROOT, TINY, assert_same_curve, losses, read_metrics, torchrun_several, train_in_process
 from torchtitan_lite.data.files import stdlib_files
 
 @pytest.fixture(scope="module")
@@ -62,16 +62,28 @@ def test_jsonl_and_shards_train_on_the_same_stream(straight_runs):
     assert jsonl[8] < jsonl[1] - 1.0, jsonl  # real text is learnable: bytes' frequencies alone take ~1.5 nats
 
 
-@pytest.mark.parametrize("name, nproc, tolerance", [
-    ("jsonl", 1, 1e-6),  # same layout: the same numbers
-    ("tokens", 2, 1e-5),  # dp 1 -> FSDP 2: other reduction order, same samples
-    ("mixture", 2, 1e-5),  # the same, on a mixture across its phase boundary at step 6
+RESUMES = {"jsonl": 1, "tokens": 2, "mixture": 2}  # format -> processes of the resumed run
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(data, straight_runs, tmp_path_factory):
+    """Each format's straight run stopped after step 4 (its dump with only its step-4 checkpoint), resumed to 8: on
+    1 process here, on FSDP 2 in one 2-process job (several_runs.py) for both formats that resume there."""
+    runs = {name: tmp_path_factory.mktemp(f"resumed_{name}") for name in RESUMES}
+    for name, folder in runs.items():
+        shutil.copytree(straight_runs[name] / "checkpoint" / "step-4", folder / "checkpoint" / "step-4")
+    train_in_process(runs["jsonl"], *data["jsonl"], *BATCH)
+    torchrun_several(2, [(runs[name], False, (*data[name], *BATCH)) for name, n in RESUMES.items() if n == 2])
+    return runs
+
+
+@pytest.mark.parametrize("name, tolerance", [
+    ("jsonl", 1e-6),  # same layout: the same numbers
+    ("tokens", 1e-5),  # dp 1 -> FSDP 2: other reduction order, same samples
+    ("mixture", 1e-5),  # the same, on a mixture across its phase boundary at step 6
 ])
-def test_stopped_run_resumes_with_the_next_samples(data, straight_runs, tmp_path, name, nproc, tolerance):
-    # A run stopped after step 4 is the straight run's dump with only its step-4 checkpoint.
-    shutil.copytree(straight_runs[name] / "checkpoint" / "step-4", tmp_path / "checkpoint" / "step-4")
-    args = (*data[name], *BATCH)
-    train_job(nproc, tmp_path, *args)
+def test_stopped_run_resumes_with_the_next_samples(resumed_runs, straight_runs, name, tolerance):
+    tmp_path = resumed_runs[name]
     assert sorted(losses(tmp_path)) == [5, 6, 7, 8]
     assert_same_curve(tmp_path, straight_runs[name], tolerance)
     if name == "mixture":  # each source's loss too, measured where the sequences are, not where they were on 1 rank

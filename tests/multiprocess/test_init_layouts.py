@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from launch import ROOT, TINY, run_job, torchrun_cmd
+import probes
+from launch import TINY
 from torchtitan_lite.models.llama import FLAVORS, Transformer
 
 LAYOUTS = {
@@ -17,13 +18,13 @@ LAYOUTS = {
 }
 
 
+# The full initial parameters of every layout, all built in one 4-process launch (probes.py's, dump_init.py).
+probes.register("init", str(TINY), json.dumps(LAYOUTS))
+
+
 @pytest.fixture(scope="module")
-def dumped(tmp_path_factory):
-    """The full initial parameters of every layout, all built in one 4-process launch."""
-    out = tmp_path_factory.mktemp("init")
-    cmd, env = torchrun_cmd(4, ROOT / "tests/multiprocess/dump_init.py", str(out), str(TINY), json.dumps(LAYOUTS))
-    run_job(cmd, env)
-    return out
+def dumped(probed):
+    return probed / "init"
 
 
 def single_process_weights(seed: int) -> dict[str, torch.Tensor]:

@@ -52,7 +52,7 @@ def test_pipeline_resumes_bitwise_with_async_saves_keeping_the_latest_2(runs):
 
 
 def test_pipeline_checkpoint_resumes_on_fsdp_and_back(runs, resharded):
-    """PP 2 x FSDP 2's step 4 goes on as FSDP 4 to step 6, and that as PP 2 x FSDP 2 to step 8 (conftest.resharded):
+    """PP 2 x FSDP 2's step 4 goes on as FSDP 4 to step 6, and that as PP 2 x FSDP 2 to step 8 (conftest.RESHARD_LEGS):
     the state (model, optimizer moments, data position) and curve of the FSDP 4 run that never changed layout."""
     fsdp, folder = runs["fsdp4"], resharded["pp_to_fsdp4"]
     assert_same_state(ckpt(folder, 6), ckpt(fsdp, 6))

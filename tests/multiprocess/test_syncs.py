@@ -1,6 +1,6 @@
 """No host-device sync between logging steps: a GPU runs ahead of the host through every step that only trains.
 
-A real 4-process TP 2 x FSDP 2 job (tools/sync_count.py records each sync with the line of ours that asked for it), with
+A real 4-process TP 2 x FSDP 2 run (in probes.py's job; tools/sync_count.py records each sync with the line of ours that asked for it), with
 the non-finite guard counting (training.skip_nonfinite_steps), logging every 3rd step. The only sync of a step that
 only trains is the preemption agreement's (signals.py), whose flag is a host tensor on a GPU machine (a gloo group on
 the CPU), so it never waits for the device.
@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from launch import COMMON, ROOT, TP2, torchrun
+import probes
+from launch import COMMON, TINY, TP2
 from torchtitan_lite.tools.sync_count import HOST_READS
 
-COUNTED = ROOT / "tests" / "multiprocess" / "counted.py"  # train.py under tools/sync_count.py
 LOGGED = {1, 3, 6}
 HOST, HOST_AT_LOGGING = HOST_READS  # the preemption flag every step; the stragglers' step times at logging steps
 # A logging step reads the loss (with a mixture's per-source sums: one .tolist()) and grad norm it logs, the guard's stop latch and skip count (check), and the skip
@@ -22,13 +22,13 @@ LOGGING_STEP_SYNCS = sorted(f"{site}@cpu" for site in ["train.py:main", "train.p
                                                        "precision.py:check", "precision.py:metrics"])
 
 
+probes.register("syncs", "--job.config_file", str(TINY), *COMMON, *TP2, "--training.local_batch_size", "4",
+                "--training.steps", "6", "--metrics.log_freq", "3", "--training.skip_nonfinite_steps", "1")
+
+
 @pytest.fixture(scope="module")
-def syncs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("syncs")
-    torchrun(4, out, *COMMON, *TP2, "--training.local_batch_size", "4", "--training.steps", "6",
-             "--metrics.log_freq", "3", "--training.skip_nonfinite_steps", "1", script=COUNTED,
-             script_args=("syncs", str(out)))
-    return [json.loads((out / f"syncs-{rank}.json").read_text()) for rank in range(4)]
+def syncs(probed):
+    return [json.loads((probed / "syncs" / f"syncs-{rank}.json").read_text()) for rank in range(4)]
 
 
 def test_steps_that_only_train_never_wait_for_the_device(syncs):
