@@ -280,12 +280,12 @@ def fill(row: dict[str, str], order: list[str], uncovered: set) -> dict[str, str
 
 def generate(runs: dict[str, tuple[int, tuple[str, ...]]]) -> dict[str, tuple[int, tuple[str, ...]]]:
     """Rows that cover every applicable pair `runs` (name -> (processes, overrides)) miss: greedy (AETG-like) and
-    deterministic, so every session makes the same rows."""
+    deterministic, so every session makes the same rows; then pruned of costly levels they need not hold."""
     uncovered = applicable_pairs()
     for nproc, overrides in runs.values():
         uncovered -= pairs_of(levels_of(nproc, overrides))
     wide = {p for p in uncovered if complete(dict(p), MAX_WORLD) is None}  # a row of 8 processes only for these
-    rows = {}
+    needed, rows = set(uncovered), []
     while uncovered:
         count = Counter(side for p in sorted(uncovered) for side in p)  # uncovered pairs each (factor, level) is in
         order = sorted(FACTORS, key=lambda f: -sum(n for side, n in count.items() if side[0] == f))  # stable
@@ -295,7 +295,26 @@ def generate(runs: dict[str, tuple[int, tuple[str, ...]]]) -> dict[str, tuple[in
         candidates = [r for r in candidates if layout(r)[-1] <= MAX_WORLD or pairs_of(r) & wide & uncovered]
         row = max(candidates, key=lambda r: (len(pairs_of(r) & uncovered), -layout(r)[-1]))
         uncovered -= pairs_of(row)
-        nproc, overrides = args_of(row)
-        name = f"pairs{len(rows) + 1}_{row['precision']}_{nproc}p"
-        rows[name] = (nproc, overrides)
+        rows.append(row)
+    rows = prune(rows, needed)
+    return {f"pairs{i + 1}_{row['precision']}_{args_of(row)[0]}p": args_of(row) for i, row in enumerate(rows)}
+
+
+# Levels that cost a row most beyond its steps: compiling (twice where it validates: eval is another graph), float8's
+# emulated matmuls, validation, saving in the background.
+COSTLY = ("compile", "float8", "validation", "async_checkpoint")
+
+
+def prune(rows: list[dict[str, str]], needed: set) -> list[dict[str, str]]:
+    """`rows` with each costly level set back to its default wherever the other rows hold every `needed` pair it
+    held: the greedy fills a row's free factors with whatever covers most, often pairs another row covers again."""
+    rows = [dict(row) for row in rows]
+    for i, row in enumerate(rows):
+        for f in COSTLY:
+            if row[f] == FACTORS[f][0]:
+                continue
+            lighter = complete({**row, f: FACTORS[f][0]})
+            others = set().union(*(pairs_of(r) for j, r in enumerate(rows) if j != i))
+            if lighter == {**row, f: FACTORS[f][0]} and needed & pairs_of(row) <= others | pairs_of(lighter):
+                rows[i] = row = lighter
     return rows
