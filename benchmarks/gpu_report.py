@@ -113,7 +113,8 @@ def group_names(dims: ParallelDims) -> dict[tuple[int, ...], str]:
 def main() -> None:
     on_gpu = gpus() > 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "train_configs" / ("llama3_8b.toml" if on_gpu else "debug_model.toml")))
+    default = "llama3_8b.toml" if on_gpu else "debug_model.toml"
+    p.add_argument("--config", default=str(ROOT / "train_configs" / default))
     p.add_argument("--nproc", type=int, default=gpus() or 4)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the speed figures")

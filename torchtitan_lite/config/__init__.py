@@ -11,5 +11,5 @@ from torchtitan_lite.config.sections import (ActivationCheckpoint, Checkpoint, C
                                              Phase, Source, Training, Validation, opt)
 
 __all__ = ["OPTIONS", "SECTIONS", "TABLES", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "ConfigError",
-           "Float8", "Job", "JobConfig", "LRScheduler", "Metrics", "Mixture", "Model", "Optimizer", "Parallelism", "Phase",
-           "Source", "Training", "Validation", "help_text", "load_config", "opt", "to_toml", "validate"]
+           "Float8", "Job", "JobConfig", "LRScheduler", "Metrics", "Mixture", "Model", "Optimizer", "Parallelism",
+           "Phase", "Source", "Training", "Validation", "help_text", "load_config", "opt", "to_toml", "validate"]

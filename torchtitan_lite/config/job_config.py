@@ -111,8 +111,8 @@ def _coerce(o: _Opt, value: Any, where: str = "") -> Any:
         return {str(k): float(v) for k, v in value.items()}
     if o.type is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return list(value)
-    if o.type is not list and isinstance(value, o.type) and not (o.type is int and isinstance(value, bool)):  # bool is an int subclass
-        return value
+    if o.type is not list and isinstance(value, o.type) and not (o.type is int and isinstance(value, bool)):
+        return value  # (bool is an int subclass)
     kind = _KIND[o.type] + (" (leave it out for none)" if o.optional else "")
     raise ConfigError(f"{o.key}{where} must be {kind} (got {type(value).__name__} {value!r})")
 
