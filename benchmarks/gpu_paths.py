@@ -11,12 +11,22 @@ Each check is a real train.run (one process; a one-rank mesh) or the model's own
 - syncs: steps that only train, under torch.cuda.set_sync_debug_mode: every op that makes the host wait (a value
   read, a copy from pageable memory), with pinned batches and without;
 - step8b: two Llama 3 8B blocks (with its 128k vocabulary) at seq 8192, bf16, eager and compiled: tokens/s and MFU
-  of our model code at the real shapes, against the H100 peak (metrics.peak_flops).
+  of our model code at the real shapes, against the H100 peak (metrics.peak_flops);
+- float8: the debug model with torchao's float8 matmuls (tensorwise, rowwise) against the same recipe emulated (what
+  every CPU test runs) and against the run without float8, in fp32 and bf16;
+- float8_fsdp: float8 under FSDP2 with the float8 all-gather and the scale precompute against without;
+- float8_8b: four 8B blocks compiled, bf16 against float8 tensorwise and rowwise: tokens/s, MFU (against the bf16
+  peak, so the ratio reads as a speed-up), peak memory;
+- masked: block_causal with FlexAttention's block mask against the explicit mask, eager, compiled and bf16;
+- observe: a profiled run's trace holds the GPU's kernels, memory snapshots every profile_freq steps, and a step that
+  runs out of memory writes its snapshot and exits 1 with its one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import tempfile
 import time
@@ -28,9 +38,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 import train  # noqa: E402
+from torchtitan_lite.config import load_config  # noqa: E402
 from torchtitan_lite.data.loader import DataLoader  # noqa: E402
 from torchtitan_lite.models.llama import Transformer, count_params, flavor_args  # noqa: E402
 from torchtitan_lite.parallel.dims import ParallelDims  # noqa: E402
+from torchtitan_lite.quantization import float8  # noqa: E402
 from torchtitan_lite.runtime.metrics import flops_per_token, peak_flops  # noqa: E402
 from torchtitan_lite.runtime.run_history import read_metrics  # noqa: E402
 
@@ -141,46 +153,198 @@ def syncs() -> dict:
     return out
 
 
-def step8b() -> dict:
-    args = flavor_args("8B", 128256, 8192).with_(n_layers=2)
-    device, out = torch.device("cuda"), {}
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        with torch.device("meta"):
-            model = Transformer(args)
-        model.to_empty(device=device)
-        model.init_weights()
-        if compiled:
-            for block in model.layers.values():
-                block.compile(fullgraph=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        tokens = torch.randint(0, args.vocab_size, (1, 8193), device=device)
-        times = []
-        for i in range(13):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
-        n_params, n_embedding = count_params(model)
-        token_flops = flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, 8192, n_embedding)
-        tps = 8192 / sorted(times)[len(times) // 2]
-        out["compiled" if compiled else "eager"] = {
-            "tokens/s": round(tps), "MFU %": round(100 * tps * token_flops / peak_flops(device, torch.bfloat16), 1),
-            "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
-        del model, opt, logits, loss
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+def _blocks8b(compiled: bool, float8_args: tuple[str, ...] = (), n_layers: int = 2) -> dict:
+    """Tokens/s, MFU and peak memory of 8B blocks (seq 8192, batch 1, bf16 autocast, fused AdamW)."""
+    args = flavor_args("8B", 128256, 8192).with_(n_layers=n_layers)
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(args)
+    if float8_args:
+        float8.convert(model, load_config(["--float8.enable_float8_linear", *float8_args]), fsdp=False)
+    model.to_empty(device=device)
+    model.init_weights()
+    if compiled:
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    tokens = torch.randint(0, args.vocab_size, (1, 8193), device=device)
+    times = []
+    for i in range(11):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    n_params, n_embedding = count_params(model)
+    token_flops = flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, 8192, n_embedding)
+    tps = 8192 / sorted(times)[len(times) // 2]
+    mfu = 100 * tps * token_flops / peak_flops(device, torch.bfloat16)
+    out = {"tokens/s": round(tps), "MFU % (bf16 peak)": round(mfu, 1),
+           "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2), "loss at 11": round(loss.item(), 4)}
+    del model, opt, logits, loss
     return out
 
 
-CHECKS = {"reference": reference, "precisions": precisions, "offload": offload, "syncs": syncs, "step8b": step8b}
+def step8b() -> dict:
+    return {"eager": _blocks8b(False), "compiled": _blocks8b(True)}
+
+
+def float8_8b(n_layers: int = 4) -> dict:
+    """Four blocks: with two, the unconverted output projection (128k vocabulary) does half of the matmul work."""
+    out = {"bf16 compiled": _blocks8b(True, n_layers=n_layers)}
+    for recipe in ("tensorwise", "rowwise"):
+        try:
+            out[f"float8 {recipe} compiled"] = _blocks8b(True, ("--float8.recipe_name", recipe), n_layers)
+            out[f"float8 {recipe} / bf16"] = round(out[f"float8 {recipe} compiled"]["tokens/s"]
+                                                   / out["bf16 compiled"]["tokens/s"], 3)
+        except Exception as e:  # noqa: BLE001 - a report, not a test
+            out[f"float8 {recipe} compiled"] = {"error": f"{type(e).__name__}: {e}"[:300],
+                                                "where": traceback.format_exc()[-800:]}
+        print(json.dumps(out), flush=True)
+    out["one FFN linear (8192 x 4096 -> 14336), forward + backward"] = _linear()
+    return out
+
+
+def _linear() -> dict:
+    """The matmul speed-up alone, at the 8B FFN's shape, each compiled: milliseconds per forward + backward."""
+    out = {}
+    for recipe in (None, "tensorwise", "rowwise"):
+        torch.manual_seed(0)
+        layer = torch.nn.Sequential(torch.nn.Linear(4096, 14336, bias=False, device="cuda", dtype=torch.bfloat16))
+        if recipe:
+            float8.convert(layer, load_config(["--float8.enable_float8_linear", "--float8.recipe_name", recipe]),
+                           fsdp=False)
+        step = torch.compile(lambda x, layer=layer: layer(x).sum().backward())
+        x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3):
+            step(x)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            step(x)
+        end.record()
+        torch.cuda.synchronize()
+        out[recipe or "bf16"] = round(start.elapsed_time(end) / 20, 3)
+    return out
+
+
+def float8_numerics() -> dict:
+    """20 steps of the debug model: real float8 kernels against emulated ones and against no float8."""
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        precision = ("--training.mixed_precision_param", dtype)
+        plain = run(*precision, steps=20)
+        for recipe in ("tensorwise", "rowwise"):
+            f8 = (*precision, "--float8.enable_float8_linear", "--float8.recipe_name", recipe)
+            key = f"{dtype} {recipe}"
+            try:
+                real, emulated = run(*f8, steps=20), run(*f8, "--float8.emulate", steps=20)
+                out[key] = {"step 1 |loss real - emulated|": abs(real[0]["loss"] - emulated[0]["loss"]),
+                            "step 1 grad_norm rel diff real/emulated":
+                                abs(real[0]["grad_norm"] / emulated[0]["grad_norm"] - 1),
+                            "max |loss real - emulated|": gap(real, emulated),
+                            "max |loss real - no float8|": gap(real, plain),
+                            "step 1 |loss real - no float8|": abs(real[0]["loss"] - plain[0]["loss"]),
+                            "loss at 20": real[-1]["loss"]}
+            except Exception as e:  # noqa: BLE001 - a report, not a test
+                out[key] = {"error": f"{type(e).__name__}: {e}"[:300], "where": traceback.format_exc()[-800:]}
+            print(json.dumps({key: out[key]}), flush=True)
+    return out
+
+
+def float8_fsdp() -> dict:
+    """Float8 under FSDP2 (forced on the one-rank mesh) with torchao's float8 all-gather and the scale precompute,
+    against the same run all-gathering the weights in the compute dtype (fp32: bitwise equal on the CPU)."""
+    fsdp, out = ParallelDims.fsdp, {}
+    ParallelDims.fsdp = property(lambda self: True)
+    try:
+        for dtype in ("float32", "bfloat16"):
+            f8 = ("--training.mixed_precision_param", dtype, "--float8.enable_float8_linear")
+            plain = run(*f8, steps=10)
+            gathered = run(*f8, "--float8.enable_fsdp_float8_all_gather",
+                           "--float8.precompute_float8_dynamic_scale_for_fsdp", steps=10)
+            out[dtype] = {"max |loss fp8 all-gather - without|": gap(gathered, plain),
+                          "max grad_norm rel diff": gap(gathered, plain, "grad_norm") / plain[0]["grad_norm"],
+                          "loss at 10": gathered[-1]["loss"]}
+    finally:
+        ParallelDims.fsdp = fsdp
+    return out
+
+
+def masked() -> dict:
+    """block_causal on the GPU: FlexAttention's block mask (what a GPU run uses) against SDPA with the explicit mask
+    (the CPU's kernel, forced here), 20 steps of short documents, eager and compiled, fp32 and bf16."""
+    from torchtitan_lite.models import documents
+
+    data = ("--model.attn_mask_type", "block_causal", "--training.dataset", "jsonl", "--training.dataset_path",
+            str(ROOT / "tests" / "assets" / "documents.jsonl"))
+    out, kernel = {}, documents.kernel
+    for name, extra in (("fp32", ()), ("fp32 compiled", ("--compile.enable",)),
+                        ("bf16", ("--training.mixed_precision_param", "bfloat16"))):
+        try:
+            flex = run(*data, *extra, steps=20)
+            documents.kernel = lambda device_type, cp: "sdpa"
+            try:
+                sdpa = run(*data, *extra, steps=20)
+            finally:
+                documents.kernel = kernel
+            out[name] = {"max |loss flex - explicit mask|": gap(flex, sdpa),
+                         "step 1 grad_norm rel diff": abs(flex[0]["grad_norm"] / sdpa[0]["grad_norm"] - 1),
+                         "loss at 20": flex[-1]["loss"]}
+        except Exception as e:  # noqa: BLE001 - a report, not a test
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:300], "where": traceback.format_exc()[-800:]}
+        print(json.dumps({name: out[name]}), flush=True)
+    return out
+
+
+def observe() -> dict:
+    """Profiler traces with GPU kernels, periodic memory snapshots, and the snapshot an out-of-memory step writes."""
+    import gzip
+    import pickle
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        code = train.run(["--job.config_file", TINY, "--job.dump_folder", tmp, "--training.steps", "4",
+                          "--profiling.enable_profiling", "--profiling.enable_memory_snapshot",
+                          "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0"])
+        traces = sorted(Path(tmp).glob("profile_traces/*/*_trace.json.gz"))
+        snaps = sorted(Path(tmp).glob("memory_snapshot/*/*.pickle"))
+        events = json.loads(gzip.decompress(traces[-1].read_bytes()))["traceEvents"] if traces else []
+        snapshot = pickle.loads(snaps[-1].read_bytes()) if snaps else {}
+        out["profiled run"] = {
+            "exit": code, "traces": [str(t.relative_to(tmp)) for t in traces],
+            "kernel events in the last": sum(e.get("cat") == "kernel" for e in events),
+            "phases": sorted({e["name"] for e in events if e.get("cat") == "user_annotation"})[:12],
+            "snapshots": [str(p.relative_to(tmp)) for p in snaps],
+            "segments, trace entries in the last": [len(snapshot.get("segments", [])),
+                                                    sum(len(t) for t in snapshot.get("device_traces", []))]}
+    with tempfile.TemporaryDirectory() as tmp:
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):  # the job's one error line
+            code = train.run(["--job.config_file", TINY, "--job.dump_folder", tmp, "--training.steps", "2",
+                              "--training.seq_len", "8192", "--training.local_batch_size", "512",
+                              "--metrics.log_freq", "1"])
+        lines = stderr.getvalue().splitlines()
+        snaps = sorted(Path(tmp).glob("memory_snapshot/*/*.pickle"))
+        out["out of memory"] = {"exit": code, "snapshots": [str(p.relative_to(tmp)) for p in snaps],
+                                "snapshot bytes": snaps[-1].stat().st_size if snaps else 0,
+                                "line": next((line for line in lines if "out of GPU memory" in line), None)}
+    torch.cuda.empty_cache()
+    return out
+
+
+CHECKS = {"reference": reference, "precisions": precisions, "offload": offload, "syncs": syncs, "step8b": step8b,
+          "float8": float8_numerics, "float8_8b": float8_8b, "observe": observe, "masked": masked,
+          "float8_fsdp": float8_fsdp}
 
 
 def main() -> None:
