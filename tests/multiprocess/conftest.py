@@ -114,21 +114,22 @@ COMPILED_RUNS = {
 # Float8 (test_float8.py): each layout against the single-process float8 run of its recipe, every micro-batch 2
 # sequences as there (a tensorwise scale is the max of a whole micro-batch's activations), recording every parameter's
 # gradient and every float8 scale at step 1. The references train 8 steps, like "single", whose fp32 curve they
-# are compared with too; the layouts 4.
+# are compared with too; the all-gather run 4 (it is resumed), the other layouts 2: step 2 is the first whose weights
+# and precomputed scales came out of an update, and emulated float8 under TP is the suite's slowest step.
 ALL_GATHER, PRECOMPUTE = "--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"
-ROWWISE = ("--float8.recipe_name", "rowwise")
+ROWWISE, TWO = ("--float8.recipe_name", "rowwise"), ("--training.steps", "2")
 FLOAT8_RUNS = {
     "float8_single": (1, FLOAT8),
     "float8_rowwise_single": (1, (*FLOAT8, *ROWWISE)),
     # Weights gathered in float8, each weight's max all-reduced before its gather; saving every 2 steps (resumed).
     "float8_fsdp4_ag": (4, (*FLOAT8, ALL_GATHER, *CHECKPOINTED, *SHORT)),
-    "float8_fsdp4": (4, (*FLOAT8, *SHORT)),  # weights gathered in fp32 and cast after: the same numbers, bitwise
-    "float8_pp2_fsdp2": (4, (*FLOAT8, *PP2, "--training.local_batch_size", "4", *SHORT)),  # 1F1B, 2 micro-batches
+    "float8_fsdp4": (4, (*FLOAT8, *TWO)),  # weights gathered in fp32 and cast after: the same numbers, bitwise
+    "float8_pp2_fsdp2": (4, (*FLOAT8, *PP2, "--training.local_batch_size", "4", *TWO)),  # 1F1B, 2 micro-batches
     # torchao's float8 TP styles, which gather activations in float8; every weight's scale from one all-reduce after
     # each optimizer step. 2 micro-batches a rank.
     "float8_tp2_fsdp2_ag_pre": (4, (*FLOAT8, *TP2, "--training.local_batch_size", "2", ALL_GATHER, PRECOMPUTE,
-                                    *SHORT)),
-    "float8_rowwise_tp2_fsdp2": (4, (*FLOAT8, *ROWWISE, *TP2, "--training.local_batch_size", "2", *SHORT)),
+                                    *TWO)),
+    "float8_rowwise_tp2_fsdp2": (4, (*FLOAT8, *ROWWISE, *TP2, "--training.local_batch_size", "2", *TWO)),
 }
 ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **COMPILED_RUNS, **FLOAT8_RUNS}
 RECORDED = [name for name in SHARED_RUNS if name != "single"] + [

@@ -10,6 +10,7 @@ caches and graph counts; only the default process group is made once and kept (c
 import contextlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,7 +27,11 @@ for folder, record, argv in json.loads(Path(sys.argv[1]).read_text()):
     if "torch._dynamo" in sys.modules:  # compiled graphs, their caches and counts as in a new process
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
+    start, cpu = time.perf_counter(), time.process_time()
     with recording(Path(folder)) if record else contextlib.nullcontext():
         if (code := train.run(argv)) != 0:
             sys.exit(code)
+    if dist.get_rank() == 0:  # where a shared job's time goes, in its log
+        print(f"several_runs: {Path(folder).name} took {time.perf_counter() - start:.1f} s, rank 0's CPU "
+              f"{time.process_time() - cpu:.1f} s", flush=True)
 destroy()
