@@ -61,6 +61,15 @@ def gap(a: list[dict], b: list[dict], key: str = "loss") -> float:
     return max(abs(x[key] - y[key]) for x, y in zip(a, b))
 
 
+def attempt(out: dict, key: str, fn) -> None:
+    """out[key] = fn(), or the error it raised (one broken variant must not hide the others), printed as it lands."""
+    try:
+        out[key] = fn()
+    except Exception as e:  # noqa: BLE001 - a report, not a test
+        out[key] = {"error": f"{type(e).__name__}: {e}"[:300], "where": traceback.format_exc()[-800:]}
+    print(json.dumps({key: out[key]}), flush=True)
+
+
 def reference() -> dict:
     ref = {int(s): float(v) for s, v in (line.split() for line in REFERENCE.read_text().splitlines()
                                          if line and not line.startswith("#"))}
@@ -202,14 +211,11 @@ def float8_8b(n_layers: int = 4) -> dict:
     """Four blocks: with two, the unconverted output projection (128k vocabulary) does half of the matmul work."""
     out = {"bf16 compiled": _blocks8b(True, n_layers=n_layers)}
     for recipe in ("tensorwise", "rowwise"):
-        try:
-            out[f"float8 {recipe} compiled"] = _blocks8b(True, ("--float8.recipe_name", recipe), n_layers)
+        recipe_args = ("--float8.recipe_name", recipe)
+        attempt(out, f"float8 {recipe} compiled", lambda args=recipe_args: _blocks8b(True, args, n_layers))
+        if "tokens/s" in out[f"float8 {recipe} compiled"]:
             out[f"float8 {recipe} / bf16"] = round(out[f"float8 {recipe} compiled"]["tokens/s"]
                                                    / out["bf16 compiled"]["tokens/s"], 3)
-        except Exception as e:  # noqa: BLE001 - a report, not a test
-            out[f"float8 {recipe} compiled"] = {"error": f"{type(e).__name__}: {e}"[:300],
-                                                "where": traceback.format_exc()[-800:]}
-        print(json.dumps(out), flush=True)
     out["one FFN linear (8192 x 4096 -> 14336), forward + backward"] = _linear()
     return out
 
@@ -237,6 +243,14 @@ def _linear() -> dict:
     return out
 
 
+def _against_emulation(f8: tuple[str, ...], plain: list[dict]) -> dict:
+    real, emulated = run(*f8, steps=20), run(*f8, "--float8.emulate", steps=20)
+    return {"step 1 |loss real - emulated|": abs(real[0]["loss"] - emulated[0]["loss"]),
+            "step 1 grad_norm rel diff real/emulated": abs(real[0]["grad_norm"] / emulated[0]["grad_norm"] - 1),
+            "max |loss real - emulated|": gap(real, emulated), "max |loss real - no float8|": gap(real, plain),
+            "step 1 |loss real - no float8|": abs(real[0]["loss"] - plain[0]["loss"]), "loss at 20": real[-1]["loss"]}
+
+
 def float8_numerics() -> dict:
     """20 steps of the debug model: real float8 kernels against emulated ones and against no float8."""
     out = {}
@@ -245,19 +259,7 @@ def float8_numerics() -> dict:
         plain = run(*precision, steps=20)
         for recipe in ("tensorwise", "rowwise"):
             f8 = (*precision, "--float8.enable_float8_linear", "--float8.recipe_name", recipe)
-            key = f"{dtype} {recipe}"
-            try:
-                real, emulated = run(*f8, steps=20), run(*f8, "--float8.emulate", steps=20)
-                out[key] = {"step 1 |loss real - emulated|": abs(real[0]["loss"] - emulated[0]["loss"]),
-                            "step 1 grad_norm rel diff real/emulated":
-                                abs(real[0]["grad_norm"] / emulated[0]["grad_norm"] - 1),
-                            "max |loss real - emulated|": gap(real, emulated),
-                            "max |loss real - no float8|": gap(real, plain),
-                            "step 1 |loss real - no float8|": abs(real[0]["loss"] - plain[0]["loss"]),
-                            "loss at 20": real[-1]["loss"]}
-            except Exception as e:  # noqa: BLE001 - a report, not a test
-                out[key] = {"error": f"{type(e).__name__}: {e}"[:300], "where": traceback.format_exc()[-800:]}
-            print(json.dumps({key: out[key]}), flush=True)
+            attempt(out, f"{dtype} {recipe}", lambda f8=f8, plain=plain: _against_emulation(f8, plain))
     return out
 
 
@@ -280,29 +282,29 @@ def float8_fsdp() -> dict:
     return out
 
 
+def _flex_against_explicit(args: tuple[str, ...]) -> dict:
+    from torchtitan_lite.models import documents
+
+    flex, kernel = run(*args, steps=20), documents.kernel
+    documents.kernel = lambda device_type, cp: "sdpa"
+    try:
+        sdpa = run(*args, steps=20)
+    finally:
+        documents.kernel = kernel
+    return {"max |loss flex - explicit mask|": gap(flex, sdpa),
+            "step 1 grad_norm rel diff": abs(flex[0]["grad_norm"] / sdpa[0]["grad_norm"] - 1),
+            "loss at 20": flex[-1]["loss"]}
+
+
 def masked() -> dict:
     """block_causal on the GPU: FlexAttention's block mask (what a GPU run uses) against SDPA with the explicit mask
     (the CPU's kernel, forced here), 20 steps of short documents, eager and compiled, fp32 and bf16."""
-    from torchtitan_lite.models import documents
-
     data = ("--model.attn_mask_type", "block_causal", "--training.dataset", "jsonl", "--training.dataset_path",
             str(ROOT / "tests" / "assets" / "documents.jsonl"))
-    out, kernel = {}, documents.kernel
+    out = {}
     for name, extra in (("fp32", ()), ("fp32 compiled", ("--compile.enable",)),
                         ("bf16", ("--training.mixed_precision_param", "bfloat16"))):
-        try:
-            flex = run(*data, *extra, steps=20)
-            documents.kernel = lambda device_type, cp: "sdpa"
-            try:
-                sdpa = run(*data, *extra, steps=20)
-            finally:
-                documents.kernel = kernel
-            out[name] = {"max |loss flex - explicit mask|": gap(flex, sdpa),
-                         "step 1 grad_norm rel diff": abs(flex[0]["grad_norm"] / sdpa[0]["grad_norm"] - 1),
-                         "loss at 20": flex[-1]["loss"]}
-        except Exception as e:  # noqa: BLE001 - a report, not a test
-            out[name] = {"error": f"{type(e).__name__}: {e}"[:300], "where": traceback.format_exc()[-800:]}
-        print(json.dumps({name: out[name]}), flush=True)
+        attempt(out, name, lambda extra=extra: _flex_against_explicit((*data, *extra)))
     return out
 
 
