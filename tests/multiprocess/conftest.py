@@ -20,7 +20,8 @@ import torch
 from grad_dump import load_grads, recording
 import probes
 from launch import (CHECKPOINTED, COMMON, CP2, FLOAT8, HSDP, MASKED, PP2, PROFILED, STEPS, TP2, TP2_FSDP2, ckpt,
-                    run_job, snapshot, stopped_after, torchrun_cmd, torchrun_several, train_in_process, train_job)
+                    finish_job, kill_tree, run_job, snapshot, start_several, stopped_after, torchrun_cmd,
+                    train_in_process, train_job)
 from pairs import REFERENCES, generate
 
 SHORT = ("--training.steps", "4")  # after STEPS on the command line, so it wins
@@ -168,9 +169,19 @@ RESHARD_BACK = {"pp_to_fsdp4": "pp2_fsdp2", "cp_to_fsdp4": "cp2_fsdp2"}
 class SharedRuns:
     def __init__(self, root: Path):
         self.root, self.done, self.logs, self.resharded = root, {}, {}, {}
+        self.started = {}  # processes -> the job start() left running: (its process, its runs, its log)
+
+    def start(self, nproc: int) -> None:
+        """Starts the job of every shared run of `nproc` processes and returns: it runs while other tests do."""
+        self.started[nproc] = self._start(nproc, [(n, ALL_RUNS[n][1]) for n, (p, _) in ALL_RUNS.items() if p == nproc])
+
+    def finish_started(self) -> None:
+        for nproc in list(self.started):
+            self._finish(self.started.pop(nproc))
 
     def __getitem__(self, name: str) -> Path:
         """The dump folder of the shared run `name` (COMMON settings, STEPS steps), launched on first use."""
+        self.finish_started()
         if name not in self.done:
             if name in RESUMED_RUNS:
                 self._resume(RESUMED_RUNS[name][2])
@@ -223,19 +234,59 @@ class SharedRuns:
               others: list[tuple[Path, tuple[str, ...]]] = ()) -> None:
         """`runs` (name, overrides) in one job of `nproc` processes, then `others` (folder, overrides), with COMMON
         and STEPS before the overrides; the job's output kept beside them."""
-        proc = torchrun_several(nproc, [(self.root / n, n in RECORDED, (*COMMON, "--training.steps", str(STEPS),
-                                                                          *overrides)) for n, overrides in runs]
-                                + [(folder, False, (*COMMON, "--training.steps", str(STEPS), *overrides))
-                                   for folder, overrides in others])
+        self._finish(self._start(nproc, runs, others))
+
+    def _start(self, nproc: int, runs: list[tuple[str, tuple[str, ...]]],
+               others: list[tuple[Path, tuple[str, ...]]] = ()) -> tuple:
         log = self.root / f"job{len(list(self.root.glob('job*.log')))}.log"
-        log.write_text(proc.stdout + proc.stderr)
+        proc = start_several(nproc, [(self.root / n, n in RECORDED, (*COMMON, "--training.steps", str(STEPS),
+                                                                      *overrides)) for n, overrides in runs]
+                             + [(folder, False, (*COMMON, "--training.steps", str(STEPS), *overrides))
+                                for folder, overrides in others], log)
+        return proc, runs, log
+
+    def _finish(self, started: tuple) -> None:
+        proc, runs, log = started
+        finish_job(proc, log)
         self.done.update({n: self.root / n for n, _ in runs})
         self.logs.update({n: log for n, _ in runs})
 
 
+# The 4-process shared job takes a quarter of the suite's time with the 2 cores not quite busy, and the unit tests run
+# in one process: so when a session holds both (the layout parity tests read every 4-process run), the unit tests run
+# first and the job starts with the session, beside them. Every multi-process test waits for it to end, so none shares
+# the cores with it; the unit tests whose threads answer within fractions of a second run last, after all of them.
+_BACKGROUND: list[SharedRuns] = []
+HERE = Path(__file__).parent
+ANSWER_WITHIN_FRACTIONS = {"test_errors.py", "test_flight_recorder.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    def place(item) -> int:
+        path = Path(str(item.path))
+        return 2 if path.name in ANSWER_WITHIN_FRACTIONS else 1 if HERE in path.parents else 0
+
+    items.sort(key=place)  # stable: each group keeps pytest's order
+    if any(place(i) == 0 for i in items) and any(Path(str(i.path)).name == "test_layouts.py" for i in items):
+        _BACKGROUND.append(SharedRuns(config._tmp_path_factory.mktemp("shared_runs")))
+        _BACKGROUND[0].start(4)
+
+
+def pytest_runtest_setup(item):  # a hook of this folder's tests only
+    if _BACKGROUND:
+        _BACKGROUND[0].finish_started()
+
+
+def pytest_sessionfinish(session):
+    for shared in _BACKGROUND:  # a session that ended before any multi-process test (-x, Ctrl-C) leaves no job
+        for proc, _, _ in shared.started.values():
+            if proc.poll() is None:
+                kill_tree(proc)
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> SharedRuns:
-    return SharedRuns(tmp_path_factory.mktemp("shared_runs"))
+    return _BACKGROUND[0] if _BACKGROUND else SharedRuns(tmp_path_factory.mktemp("shared_runs"))
 
 
 @pytest.fixture(scope="session")

@@ -129,11 +129,36 @@ def torchrun_several(nproc: int, runs: list[tuple[Path, bool, tuple[str, ...]]],
     """Several runs of train.py, each (dump folder, record its gradients (grad_dump.py), overrides), one after another
     in one torchrun job (several_runs.py, or `script script_args... RUNS_JSON`, a shim that runs it), which pays the
     start-up of a job once."""
+    return run_job(*torchrun_cmd(nproc, script, *script_args, str(_runs_json(runs))))
+
+
+def _runs_json(runs: list[tuple[Path, bool, tuple[str, ...]]]) -> Path:
     spec = [[str(folder), record, list(train_argv(folder, *overrides))] for folder, record, overrides in runs]
     path = Path(runs[0][0]).with_suffix(".runs.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec))
-    return run_job(*torchrun_cmd(nproc, script, *script_args, str(path)))
+    return path
+
+
+def start_several(nproc: int, runs: list[tuple[Path, bool, tuple[str, ...]]], log: Path) -> subprocess.Popen:
+    """torchrun_several's job, started and left running, its output going to `log`: end it with finish_job."""
+    cmd, env = torchrun_cmd(nproc, SEVERAL_RUNS, str(_runs_json(runs)))
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def finish_job(proc: subprocess.Popen, log: Path) -> None:
+    """Waits for a job start_several began; raises with its log's tail if it fails or hangs (then killed)."""
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        raise AssertionError(f"the job hung for {TIMEOUT_S}s:\n{log.read_text()[-4000:]}") from None
+    finally:
+        if proc.poll() is None:  # interrupted (Ctrl-C): leave no worker behind
+            kill_tree(proc)
+    if proc.returncode != 0:
+        raise AssertionError(f"the job failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
 
 
 # Recovery bounds of the multi-agent jobs (README, "Running on a cluster"): a round closes 1 s after its minimum of
