@@ -4,6 +4,8 @@
 
 Each check is a real train.run (one process; a one-rank mesh) or the model's own step, on cuda:
 - reference: the debug model's fp32 curve (tests/assets/tiny.toml, 50 steps) against the committed CPU curve;
+- init: the layout-invariant init on the GPU against the CPU's, bit for bit (the debug model's init_weights, and an
+  FSDP 1/8 row shard of an 8B FFN matrix), and its time against `normal_` on the GPU;
 - bf16, fp16: the same run under autocast (fp16 with loss scaling): the gap to fp32, the loss scale, skipped steps;
 - offload: FSDP2 with CPU offload, pinned and not, on a one-rank mesh (FSDP is forced on: a one-rank job skips it),
   against the same run without offload; and torch's own behaviour when offloaded parameters are materialized on the
@@ -76,6 +78,38 @@ def reference() -> dict:
     fp32 = run()
     return {"max |loss - CPU reference|": max(abs(r["loss"] - ref[r["step"]]) for r in fp32),
             "loss at 50": fp32[-1]["loss"], "grad_norm at 1": fp32[0]["grad_norm"]}
+
+
+def init() -> dict:
+    from torchtitan_lite.models.init import fill_block_  # noqa: PLC0415 - this check's alone
+
+    def timed(fn, repeats: int = 10) -> float:
+        fn()  # the first call builds the tables and buffers
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+        return round((time.perf_counter() - t0) / repeats * 1e3, 3)
+
+    def debug_model(device: str) -> dict[str, torch.Tensor]:
+        with torch.device("meta"):
+            model = Transformer(flavor_args("debugmodel", 2048, 64))
+        model.to_empty(device=device).init_weights(seed=0)
+        return {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+    cpu, gpu = debug_model("cpu"), debug_model("cuda")
+    out = {"debug model: parameters bitwise equal to the CPU's": f"{sum(torch.equal(cpu[n], gpu[n]) for n in cpu)} "
+                                                                 f"of {len(cpu)}"}
+    shape, rows = (4096, 14336), 4096 // 8  # rank 3's rows of an 8B FFN matrix under FSDP 8
+    shard = {d: torch.empty(rows, shape[1], device=d) for d in ("cpu", "cuda")}
+    fill = {d: (lambda d=d: fill_block_(shard[d], shape, (3 * rows, 0), 0.02, float("inf"), "0/ffn"))
+            for d in shard}
+    fill["cpu"]()
+    out["8B FFN shard ms"] = timed(fill["cuda"])
+    out["8B FFN shard: bitwise equal to the CPU's"] = torch.equal(shard["cuda"].cpu(), shard["cpu"])
+    out["normal_ ms"] = timed(lambda: shard["cuda"].normal_(0, 0.02))
+    return out
 
 
 def precisions() -> dict:
@@ -344,7 +378,7 @@ def observe() -> dict:
     return out
 
 
-CHECKS = {"reference": reference, "precisions": precisions, "offload": offload, "syncs": syncs, "step8b": step8b,
+CHECKS = {"reference": reference, "init": init, "precisions": precisions, "offload": offload, "syncs": syncs, "step8b": step8b,
           "float8": float8_numerics, "float8_8b": float8_8b, "observe": observe, "masked": masked,
           "float8_fsdp": float8_fsdp}
 
