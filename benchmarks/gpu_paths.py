@@ -40,13 +40,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 import train  # noqa: E402
-from torchtitan_lite.config import load_config  # noqa: E402
 from torchtitan_lite.data.loader import DataLoader  # noqa: E402
-from torchtitan_lite.models.llama import Transformer, count_params, flavor_args  # noqa: E402
+from torchtitan_lite.models.llama import Transformer, flavor_args  # noqa: E402
 from torchtitan_lite.parallel.dims import ParallelDims  # noqa: E402
-from torchtitan_lite.quantization import float8  # noqa: E402
-from torchtitan_lite.runtime.metrics import flops_per_token, peak_flops  # noqa: E402
 from torchtitan_lite.runtime.run_history import read_metrics  # noqa: E402
+from speed_8b import blocks8b, float8_linear_ms  # noqa: E402 - benchmarks/, beside this script
 
 TINY = str(ROOT / "tests/assets/tiny.toml")
 REFERENCE = ROOT / "tests/assets/losses/debugmodel_cpu.txt"
@@ -196,84 +194,20 @@ def syncs() -> dict:
     return out
 
 
-def _blocks8b(compiled: bool, float8_args: tuple[str, ...] = (), n_layers: int = 2) -> dict:
-    """Tokens/s, MFU and peak memory of 8B blocks (seq 8192, batch 1, bf16 autocast, fused AdamW)."""
-    args = flavor_args("8B", 128256, 8192).with_(n_layers=n_layers)
-    device = torch.device("cuda")
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer(args)
-    if float8_args:
-        float8.convert(model, load_config(["--float8.enable_float8_linear", *float8_args]), fsdp=False)
-    model.to_empty(device=device)
-    model.init_weights()
-    if compiled:
-        for block in model.layers.values():
-            block.compile(fullgraph=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tokens = torch.randint(0, args.vocab_size, (1, 8193), device=device)
-    times = []
-    for i in range(11):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    n_params, n_embedding = count_params(model)
-    token_flops = flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, 8192, n_embedding)
-    tps = 8192 / sorted(times)[len(times) // 2]
-    mfu = 100 * tps * token_flops / peak_flops(device, torch.bfloat16)
-    out = {"tokens/s": round(tps), "MFU % (bf16 peak)": round(mfu, 1),
-           "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2), "loss at 11": round(loss.item(), 4)}
-    del model, opt, logits, loss
-    return out
-
-
 def step8b() -> dict:
-    return {"eager": _blocks8b(False), "compiled": _blocks8b(True)}
+    return {"eager": blocks8b(False), "compiled": blocks8b(True)}
 
 
 def float8_8b(n_layers: int = 4) -> dict:
     """Four blocks: with two, the unconverted output projection (128k vocabulary) does half of the matmul work."""
-    out = {"bf16 compiled": _blocks8b(True, n_layers=n_layers)}
+    out = {"bf16 compiled": blocks8b(True, n_layers=n_layers)}
     for recipe in ("tensorwise", "rowwise"):
         recipe_args = ("--float8.recipe_name", recipe)
-        attempt(out, f"float8 {recipe} compiled", lambda args=recipe_args: _blocks8b(True, args, n_layers))
+        attempt(out, f"float8 {recipe} compiled", lambda args=recipe_args: blocks8b(True, args, n_layers))
         if "tokens/s" in out[f"float8 {recipe} compiled"]:
             out[f"float8 {recipe} / bf16"] = round(out[f"float8 {recipe} compiled"]["tokens/s"]
                                                    / out["bf16 compiled"]["tokens/s"], 3)
-    out["one FFN linear (8192 x 4096 -> 14336), forward + backward"] = _linear()
-    return out
-
-
-def _linear() -> dict:
-    """The matmul speed-up alone, at the 8B FFN's shape, each compiled: milliseconds per forward + backward."""
-    out = {}
-    for recipe in (None, "tensorwise", "rowwise"):
-        torch.manual_seed(0)
-        layer = torch.nn.Sequential(torch.nn.Linear(4096, 14336, bias=False, device="cuda", dtype=torch.bfloat16))
-        if recipe:
-            float8.convert(layer, load_config(["--float8.enable_float8_linear", "--float8.recipe_name", recipe]),
-                           fsdp=False)
-        step = torch.compile(lambda x, layer=layer: layer(x).sum().backward())
-        x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3):
-            step(x)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            step(x)
-        end.record()
-        torch.cuda.synchronize()
-        out[recipe or "bf16"] = round(start.elapsed_time(end) / 20, 3)
+    out["one FFN linear (8192 x 4096 -> 14336), forward + backward"] = float8_linear_ms()
     return out
 
 

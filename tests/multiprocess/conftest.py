@@ -173,7 +173,7 @@ class SharedRuns:
 
     def start(self, nproc: int) -> None:
         """Starts the job of every shared run of `nproc` processes and returns: it runs while other tests do."""
-        self.started[nproc] = self._start(nproc, [(n, ALL_RUNS[n][1]) for n, (p, _) in ALL_RUNS.items() if p == nproc])
+        self.started[nproc] = self._start(nproc, self._not_made(nproc))
 
     def finish_started(self) -> None:
         for nproc in list(self.started):
@@ -191,9 +191,12 @@ class SharedRuns:
                     train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *ALL_RUNS[name][1])
                 self.done[name] = self.root / name
             else:  # every shared run of this many processes not yet made, in one job (several_runs.py)
-                batch = [n for n, (p, _) in ALL_RUNS.items() if p == nproc and n not in self.done]
-                self._make(nproc, [(n, ALL_RUNS[n][1]) for n in batch])
+                self._make(nproc, self._not_made(nproc))
         return self.done[name]
+
+    def _not_made(self, nproc: int) -> list[tuple[str, tuple[str, ...]]]:
+        """(name, overrides) of every shared run of `nproc` processes not yet made."""
+        return [(n, overrides) for n, (p, overrides) in ALL_RUNS.items() if p == nproc and n not in self.done]
 
     def output(self, name: str) -> str:
         """What the job that made `name` printed (every run of that job; each names its own dump folder)."""

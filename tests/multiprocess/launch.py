@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from torchtitan_lite.runtime.run_history import read_history, read_metrics  # noqa: F401 - read_metrics: the tests' reader
 
@@ -92,18 +93,29 @@ def run_job(cmd: list[str], env: dict[str, str], check: bool = True) -> subproce
     """Run a launcher command to its end; raise with the output's tail if it fails and `check`. A job still
     running after TIMEOUT_S is killed, workers included, and fails."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return _finish(proc, check)
+
+
+def _finish(proc: subprocess.Popen, check: bool, log: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """Waits for a started job (its output piped, or in `log`), killing it and its workers if it hangs or the wait
+    is interrupted; raises with the output's tail if it hung, or failed and `check`."""
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+        hung = False
     except subprocess.TimeoutExpired:
         kill_tree(proc)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"the job hung for {TIMEOUT_S}s:\n{(stdout + stderr)[-4000:]}") from None
+        hung = True
     finally:
         if proc.poll() is None:  # interrupted (Ctrl-C): leave no worker behind
             kill_tree(proc)
+    if log is not None:
+        stdout, stderr = log.read_text(), ""
+    if hung:
+        raise AssertionError(f"the job hung for {TIMEOUT_S}s:\n{(stdout + stderr)[-4000:]}")
     if check and proc.returncode != 0:
         raise AssertionError(f"the job failed ({proc.returncode}):\n{(stdout + stderr)[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def train_argv(dump_folder: Path, *overrides: str, config: Path = TINY) -> tuple[str, ...]:
@@ -149,16 +161,7 @@ def start_several(nproc: int, runs: list[tuple[Path, bool, tuple[str, ...]]], lo
 
 def finish_job(proc: subprocess.Popen, log: Path) -> None:
     """Waits for a job start_several began; raises with its log's tail if it fails or hangs (then killed)."""
-    try:
-        proc.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        raise AssertionError(f"the job hung for {TIMEOUT_S}s:\n{log.read_text()[-4000:]}") from None
-    finally:
-        if proc.poll() is None:  # interrupted (Ctrl-C): leave no worker behind
-            kill_tree(proc)
-    if proc.returncode != 0:
-        raise AssertionError(f"the job failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
+    _finish(proc, True, log)
 
 
 # Recovery bounds of the multi-agent jobs (README, "Running on a cluster"): a round closes 1 s after its minimum of
