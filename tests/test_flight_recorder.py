@@ -2,6 +2,7 @@
 the witness store (ranks as threads), and torch's flight record of a real gloo collective written where the docs say."""
 
 import pickle
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchtitan_lite.runtime import errors, flight_recorder
+from torchtitan_lite.runtime import errors, flight_recorder, signals
 from tests.test_errors import StoppedStore
 from torchtitan_lite.runtime.process import Env
 
@@ -68,6 +69,24 @@ def test_gather_pools_the_posts_of_the_ranks_that_answer(witness):
     start = time.monotonic()
     assert gather_on([0, 1, 2, 3], wait_s=30)[2] == {r: f"post {r}" for r in range(4)}
     assert time.monotonic() - start < 10  # every rank posted: nobody waits the bound
+
+
+def test_a_rank_the_launcher_stops_while_it_waits_waits_moments_more(witness):
+    """A worker that died makes torchrun stop every other at once (SIGTERM, here after 0.3 s): their posts come within
+    moments and the dead rank's never, so a survivor stops waiting soon after, not at the end of the gather (30 s)."""
+    witness(dist.HashStore())
+    preemption = signals.Preemption(None)
+    timer = threading.Timer(0.3, lambda: setattr(preemption, "received", signal.SIGTERM))  # as its handler does
+    try:
+        timer.start()
+        start = time.monotonic()
+        got = errors.gather(Env(0, 0, 4, 4), "hang", "post 0", 30, after_stop_s=flight_recorder._GATHER_AFTER_STOP_S)
+        waited = time.monotonic() - start
+    finally:
+        timer.cancel()
+        signals.restore_signals()
+    assert got == {0: "post 0"}
+    assert 0.3 + flight_recorder._GATHER_AFTER_STOP_S <= waited < 10, waited
 
 
 def test_gather_through_a_stopped_witness_returns_this_ranks_post(witness):

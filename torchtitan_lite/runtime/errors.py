@@ -37,6 +37,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from torchtitan_lite.runtime import signals
 from torchtitan_lite.runtime.process import Env, job_store, train_timeout
 
 # Rank 0 reaches its own verdict unless it died, and then torchrun stops this rank anyway: the bound is only a
@@ -117,16 +118,19 @@ def _ask(call, *args):
     return answer[0] if answer else _SILENT
 
 
-def gather(env: Env, name: str, value: str, wait_s: float) -> dict[int, str]:
+def gather(env: Env, name: str, value: str, wait_s: float, after_stop_s: float | None = None) -> dict[int, str]:
     """Posts `value` as this rank's `name` in the store a line goes through, then returns every rank's `name` posted
     within `wait_s` (all ranks', or sooner when every rank posted): what surviving ranks know about a hang, pooled
-    without a collective. Only this rank's without such a store."""
+    without a collective. Only this rank's without such a store. With `after_stop_s`, a preemption signal (received
+    before or during the wait) leaves at most that long to wait from then on."""
     witness = _witness(env) if dist.is_initialized() else None
     if witness is None or _ask(witness.set, _key(f"{name}/{env.rank}"), value) is _SILENT:
         return {env.rank: value}
-    deadline = time.monotonic() + wait_s
+    deadline, stopped = time.monotonic() + wait_s, False
     posted = _ask(witness.add, _key(f"{name}/count"), 1)
     while posted is not _SILENT and posted < env.world_size and time.monotonic() < deadline:
+        if after_stop_s is not None and not stopped and (stopped := signals.stop_requested()):
+            deadline = min(deadline, time.monotonic() + after_stop_s)
         time.sleep(_POLL_S)
         posted = _ask(witness.add, _key(f"{name}/count"), 0)
     got = {}

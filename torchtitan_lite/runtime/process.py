@@ -100,8 +100,10 @@ def _round_store(agent: dist.Store, env: Env, timeout: timedelta) -> dist.Store:
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         port, nonce = agent.get(key).decode().split()
+        # A live store answers within milliseconds; a dead one's port is retried by the client until its timeout,
+        # so a short one keeps a stale post (read before this round's rank 0 posted) from delaying the restart.
         with contextlib.suppress(RuntimeError):  # DistStoreError (a RuntimeError): no server there any more
-            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2),
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=0.5),
                                   wait_for_workers=False)
             if store.get("nonce").decode() == nonce:
                 store.set_timeout(timeout)
@@ -143,7 +145,10 @@ _GLOO_TIMEOUTS = ("Timed out", "Application timeout caused pair closure", "Conne
 
 def peer_timeout(error: RuntimeError) -> RuntimeError | None:
     """gloo's timeout as a message naming the cause and the bound, or None for any other error. (NCCL's watchdog
-    ends the process itself after the same timeout, with its own message.)"""
+    ends the process itself after the same timeout, with its own message.) A pipeline stage raises its own error
+    from gloo's, so the causes are read too."""
+    while error.__cause__ is not None and not any(m in str(error) for m in _GLOO_TIMEOUTS):
+        error = error.__cause__
     message = str(error)
     at = min((message.index(m) for m in _GLOO_TIMEOUTS if m in message), default=None)
     if at is None:

@@ -60,6 +60,12 @@ class Preemption:
             signal.signal(s, handler)
 
 
+def stop_requested() -> bool:
+    """Whether this process has received a preemption signal (torchrun sends SIGTERM to every worker of a group it
+    stops, as when one of them died)."""
+    return any(p.received is not None for p in _installed)
+
+
 def restore_signals() -> None:
     """Undoes every Preemption still installed: a caller of train.run in this process keeps its own handlers."""
     while _installed:
