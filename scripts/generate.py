@@ -1,6 +1,6 @@
 """Sample text from a checkpoint: prints the prompt followed by the model's continuation.
 
-    python scripts/generate.py --checkpoint outputs/checkpoint/step-20 --prompt "def main(" [--config FILE]
+    python scripts/generate.py --checkpoint outputs/checkpoint/step-10 --prompt "def main(" [--config FILE]
         [--max_new_tokens 32] [--temperature 0] [--top_k 50] [--seed 0] [--dtype bfloat16]
 
 `--checkpoint` is what scripts/convert_to_hf.py takes too: a `step-N` folder, the checkpoint folder holding them or

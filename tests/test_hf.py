@@ -235,7 +235,7 @@ def test_export_takes_the_checkpoint_argument_of_generate_py(tmp_path, capsys):
             assert (tmp_path / f"hf{i}" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), checkpoint
     capsys.readouterr()
     # The README's command after a run of the default config, which saves no checkpoint.
-    missing = tmp_path / "outputs" / "checkpoint" / "step-20"
+    missing = tmp_path / "outputs" / "checkpoint" / "step-10"
     assert to_hf.main([str(missing), str(tmp_path / "hf_missing")]) == 2
     one_error_line(capsys, f"no checkpoint in {missing}: train with --checkpoint.enable")
 

@@ -36,10 +36,10 @@ def test_the_readme_quick_tour_runs_as_written(tmp_path):
     # The run and its extension: every step once, the extension resumed from the first run's last checkpoint.
     outputs = tmp_path / "outputs"
     steps = [r["step"] for r in map(json.loads, (outputs / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-    assert steps == list(range(1, 26)), steps
-    assert {"step-20", "step-25"} <= {p.name for p in (outputs / "checkpoint").iterdir()}
-    assert "training continues after step 20" in out, out[-4000:]
-    assert [r["step"] for r in resumes(outputs)] == [20] and (outputs / "config.step-20.toml").is_file()
+    assert steps == list(range(1, 16)), steps
+    assert {"step-10", "step-15"} <= {p.name for p in (outputs / "checkpoint").iterdir()}
+    assert "training continues after step 10" in out, out[-4000:]
+    assert [r["step"] for r in resumes(outputs)] == [10] and (outputs / "config.step-10.toml").is_file()
     # generate.py prints the prompt and its continuation; the export and the plot are files.
     assert re.search(r"^def main\(.+", proc.stdout, re.M), proc.stdout[-2000:]
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
