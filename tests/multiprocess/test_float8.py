@@ -72,12 +72,12 @@ def test_float8_layout_follows_the_single_process_run(runs, name):
 
 @pytest.mark.parametrize("run", ["float8_single", "float8_rowwise_single"])
 def test_float8_curve_stays_near_fp32_and_is_not_it(runs, run):
-    """One process, 8 steps of the shared runs' batch, against the fp32 run "single". Measured: the largest relative
+    """One process, 4 steps of the shared runs' batch, against the fp32 run "single"'s first 4. Measured: the largest relative
     gap 2.4e-3 tensorwise, 1.9e-3 rowwise (over 40 steps at batch 2: 4.5e-3 and 3.6e-3, docs/float8.md); float8's
     rounding of each element is up to 2**-4 (e4m3), but a matmul sums hundreds of them and their errors average out.
     A float8 that silently stayed off gives a gap of 0."""
     got, fp32 = metric(runs[run], "loss"), metric(runs["single"], "loss")
-    gaps = {step: abs(got[step] - loss) / loss for step, loss in fp32.items()}
+    gaps = {step: abs(loss - fp32[step]) / fp32[step] for step, loss in got.items()}
     print(f"{run}: relative gap to fp32 {max(gaps.values()):.2e} at most, step 1 {abs(got[1] - fp32[1]):.2e}")
     assert 1e-6 < max(gaps.values()) <= 5e-3
 
