@@ -145,10 +145,7 @@ _GLOO_TIMEOUTS = ("Timed out", "Application timeout caused pair closure", "Conne
 
 def peer_timeout(error: RuntimeError) -> RuntimeError | None:
     """gloo's timeout as a message naming the cause and the bound, or None for any other error. (NCCL's watchdog
-    ends the process itself after the same timeout, with its own message.) A pipeline stage raises its own error
-    from gloo's, so the causes are read too."""
-    while error.__cause__ is not None and not any(m in str(error) for m in _GLOO_TIMEOUTS):
-        error = error.__cause__
+    ends the process itself after the same timeout, with its own message.)"""
     message = str(error)
     at = min((message.index(m) for m in _GLOO_TIMEOUTS if m in message), default=None)
     if at is None:
