@@ -100,9 +100,9 @@ MASKED_RUNS = {
     "masked_pp2_cp2": (4, (*MASKED, *PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
 }
 # test_compile.py's 4-process layouts, each block compiled, in the job of the shared runs of their size: TP 2 x FSDP 2
-# (the shared run's settings) by inductor, validating every 2 steps over 4 (step 4 repeats step 2's work, which must
-# build no graph); FSDP 4 with every other block recomputed and
-# HSDP 2 x 2 with op-level selective AC and bf16, by aot_eager, one step each (their gradients are the point).
+# (the shared run's settings) by inductor, 4 steps validating every 2 (step 4 repeats step 2's work, which must build
+# no graph); FSDP 4 with every other block recomputed and HSDP 2 x 2 with op-level selective AC and bf16, by
+# aot_eager, one step each (their gradients are the point).
 AOT, ONE_STEP = ("--compile.enable", "--compile.backend", "aot_eager"), ("--training.steps", "1")
 COMPILED_RUNS = {
     "tp2_fsdp2_inductor": (4, (*TP2_FSDP2, "--compile.enable", "--compile.backend", "inductor", "--validation.enable",
@@ -115,9 +115,10 @@ COMPILED_RUNS = {
 }
 # Float8 (test_float8.py): each layout against the single-process float8 run of its recipe, every micro-batch 2
 # sequences as there (a tensorwise scale is the max of a whole micro-batch's activations), recording every parameter's
-# gradient and every float8 scale at step 1. The references train 4 steps, as many as the longest layout and the first
-# 4 of "single", whose fp32 curve they are compared with too; the all-gather run 4 (it is resumed), the other layouts 2: step 2 is the first whose weights
-# and precomputed scales came out of an update, and emulated float8 under TP is the suite's slowest step.
+# gradient and every float8 scale at step 1. The references train 4 steps, as many as the longest layout, and are
+# compared with the first 4 of "single"'s fp32 curve too; the all-gather run trains 4 (it is resumed), the other
+# layouts 2: step 2 is the first whose weights and precomputed scales came out of an update, and emulated float8 under
+# TP is the suite's slowest step.
 ALL_GATHER, PRECOMPUTE = "--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"
 ROWWISE, TWO = ("--float8.recipe_name", "rowwise"), ("--training.steps", "2")
 FLOAT8_RUNS = {
