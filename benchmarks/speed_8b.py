@@ -55,7 +55,6 @@ def blocks8b(compiled: bool, float8_args: tuple[str, ...] = (), n_layers: int = 
     return out
 
 
-
 def float8_linear_ms() -> dict:
     """The matmul speed-up alone, at the 8B FFN's shape, each compiled: milliseconds per forward + backward."""
     out = {}

@@ -80,13 +80,13 @@ def test_a_rank_the_launcher_stops_while_it_waits_waits_moments_more(witness):
     try:
         timer.start()
         start = time.monotonic()
-        got = errors.gather(Env(0, 0, 4, 4), "hang", "post 0", 30, after_stop_s=flight_recorder._GATHER_AFTER_STOP_S)
+        got = errors.gather(Env(0, 0, 4, 4), "hang", "post 0", 30)
         waited = time.monotonic() - start
     finally:
         timer.cancel()
         signals.restore_signals()
     assert got == {0: "post 0"}
-    assert 0.3 + flight_recorder._GATHER_AFTER_STOP_S <= waited < 10, waited
+    assert 0.3 + errors._AFTER_STOP_S <= waited < 10, waited
 
 
 def test_gather_through_a_stopped_witness_returns_this_ranks_post(witness):

@@ -45,6 +45,10 @@ from torchtitan_lite.runtime.process import Env, job_store, train_timeout
 # or meets its own timeout within one training timeout of this rank's unless it is the hung one: the others wait the
 # shorter of that and _WAIT_AFTER_GROUP_S. A store that answers at all answers in milliseconds.
 _WAIT_BEFORE_GROUP_S, _WAIT_AFTER_GROUP_S, _STORE_ANSWER_S, _POLL_S = 600.0, 60.0, 5.0, 0.05
+# Once torchrun asks this rank to stop (before or during a gather), a worker has exited (a rank that only hangs stops
+# nobody): torchrun signals every survivor at once, so their posts come within moments and the dead rank's never does.
+# Waiting longer only delays the restart.
+_AFTER_STOP_S = 2.0
 
 
 def _key(name: str) -> str:
@@ -118,19 +122,19 @@ def _ask(call, *args):
     return answer[0] if answer else _SILENT
 
 
-def gather(env: Env, name: str, value: str, wait_s: float, after_stop_s: float | None = None) -> dict[int, str]:
+def gather(env: Env, name: str, value: str, wait_s: float) -> dict[int, str]:
     """Posts `value` as this rank's `name` in the store a line goes through, then returns every rank's `name` posted
-    within `wait_s` (all ranks', or sooner when every rank posted): what surviving ranks know about a hang, pooled
-    without a collective. Only this rank's without such a store. With `after_stop_s`, a preemption signal (received
-    before or during the wait) leaves at most that long to wait from then on."""
+    within `wait_s` (all ranks', or sooner when every rank posted; at most _AFTER_STOP_S more once torchrun stops
+    this rank): what surviving ranks know about a hang, pooled without a collective. Only this rank's without such a
+    store."""
     witness = _witness(env) if dist.is_initialized() else None
     if witness is None or _ask(witness.set, _key(f"{name}/{env.rank}"), value) is _SILENT:
         return {env.rank: value}
     deadline, stopped = time.monotonic() + wait_s, False
     posted = _ask(witness.add, _key(f"{name}/count"), 1)
     while posted is not _SILENT and posted < env.world_size and time.monotonic() < deadline:
-        if after_stop_s is not None and not stopped and (stopped := signals.stop_requested()):
-            deadline = min(deadline, time.monotonic() + after_stop_s)
+        if not stopped and (stopped := signals.stop_requested()):
+            deadline = min(deadline, time.monotonic() + _AFTER_STOP_S)
         time.sleep(_POLL_S)
         posted = _ask(witness.add, _key(f"{name}/count"), 0)
     got = {}

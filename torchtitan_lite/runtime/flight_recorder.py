@@ -31,10 +31,6 @@ P2P = "a pipeline send/receive"
 # stage waiting on a stage that waits) a little later. The speaker waits this long for their posts, at most half a
 # training timeout, so that the others, who wait a training timeout for its line, are still there to hear it.
 _GATHER_S = 10.0
-# Once the launcher asks this rank to stop (before or during the wait), a worker has exited (a rank that only hangs
-# stops nobody): torchrun signals every survivor at once, so their posts come within moments and the dead rank's never
-# does. Waiting the full gather then only delays the restart.
-_GATHER_AFTER_STOP_S = 2.0
 
 _point, _folder = "start-up", ""
 
@@ -108,8 +104,7 @@ def explain(error: RuntimeError, env: Env) -> RuntimeError:
     mine = {"point": _point, **_last_collective()}
     timeout = train_timeout()
     wait_s = min(_GATHER_S, timeout.total_seconds() / 2) if timeout else _GATHER_S
-    posts = gather(env, "hang", json.dumps(mine), wait_s, after_stop_s=_GATHER_AFTER_STOP_S)
-    posts = {rank: json.loads(post) for rank, post in posts.items()}
+    posts = {rank: json.loads(post) for rank, post in gather(env, "hang", json.dumps(mine), wait_s).items()}
     return RuntimeError(f"{error}{diagnosis(posts, env.rank, env.world_size, _folder)}")
 
 
