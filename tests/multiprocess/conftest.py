@@ -1,16 +1,17 @@
-"""The suite's shared runs: each made once per session, on first use, and read by every test that needs it.
+"""The suite's shared runs: each made once per session, on first use or ahead of it in the background (the end of
+this file says which), and read by every test that needs it.
 
 A torchrun job costs seconds before its first step (the launcher, every rank importing torch, the mesh), and on a
-2-core machine 4 ranks' collectives cost ~6 ms each, so the suite's time is its number of launches and steps: the
-first use of a shared run makes every shared run of its size in one job (several_runs.py). The
-runs below use one config, so the same run answers the layout parity tests, the resume and resharding tests, and
-the validation test. Tests read these folders and never write into them: a test that resumes a run copies the
-checkpoint it needs into a folder of its own.
+2-core machine 4 ranks' collectives cost ~6 ms each, so the suite's time is its number of launches and steps: making
+a shared run makes every shared run of its size in one job (several_runs.py). The runs below use one config, so the
+same run answers the layout parity tests, the resume and resharding tests, and the validation test. Tests read these
+folders and never write into them: a test that resumes a run copies the checkpoint it needs into a folder of its own.
 """
 
 import contextlib
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,8 @@ import torch
 from grad_dump import load_grads, recording
 import probes
 from launch import (CHECKPOINTED, COMMON, CP2, FLOAT8, HSDP, MASKED, PP2, PROFILED, STEPS, TP2, TP2_FSDP2, ckpt,
-                    finish_job, kill_tree, run_job, snapshot, start_several, stopped_after, torchrun_cmd,
-                    train_in_process, train_job)
+                    finish_job, in_background, kill_tree, snapshot, start_job, start_several, stopped_after,
+                    torchrun_cmd, train_in_process, train_job)
 from pairs import REFERENCES, generate
 
 SHORT = ("--training.steps", "4")  # after STEPS on the command line, so it wins
@@ -172,6 +173,10 @@ class SharedRuns:
     def __init__(self, root: Path):
         self.root, self.done, self.logs, self.resharded = root, {}, {}, {}
         self.started = {}  # processes -> the job start() left running: (its process, its runs, its log)
+        # One job at a time, whether a test or the background thread (make_in_background) asks for it: a test that
+        # asks for a run the background is making waits for it.
+        self.lock, self.jobs, self.probed, self.stopping = threading.RLock(), [], None, False
+        self.failure = None  # what a job made in the background raised: raised again to every test that needs a job
 
     def start(self, nproc: int) -> None:
         """Starts the job of every shared run of `nproc` processes and returns: it runs while other tests do."""
@@ -183,6 +188,12 @@ class SharedRuns:
 
     def __getitem__(self, name: str) -> Path:
         """The dump folder of the shared run `name` (COMMON settings, STEPS steps), launched on first use."""
+        if name in self.done or ALL_RUNS.get(name, (0,))[0] == 1:  # made, or made in this process (never by the
+            return self._get(name)                                    # background): no job to wait for
+        with self.lock:
+            return self._get(name)
+
+    def _get(self, name: str) -> Path:
         self.finish_started()
         if name not in self.done:
             if name in RESUMED_RUNS:
@@ -193,6 +204,7 @@ class SharedRuns:
                     train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *ALL_RUNS[name][1])
                 self.done[name] = self.root / name
             else:  # every shared run of this many processes not yet made, in one job (several_runs.py)
+                self._no_failure()
                 self._make(nproc, self._not_made(nproc))
         return self.done[name]
 
@@ -209,13 +221,60 @@ class SharedRuns:
         """The resharding legs' folders by name (RESHARD_LEGS), and "source_snapshot": FSDP 4's step 4 as it was
         before they ran (initial_load_path never writes)."""
         if not self.resharded:
-            self._resume(4)
+            with self.lock:
+                if not self.resharded:
+                    self._resume(4)
         return self.resharded
+
+    def probes(self) -> Path:
+        """The folder of probes.py's job: OUT/KIND for each part the test modules registered (probes.register)."""
+        if self.probed is not None:
+            return self.probed
+        with self.lock:
+            if self.probed is None:
+                self._no_failure()
+                out = self.root / "probes"
+                spec = {kind: [str(out / kind), *args] for kind, args in probes.REGISTERED.items()}
+                for kind in spec:
+                    (out / kind).mkdir(parents=True, exist_ok=True)
+                (out / "spec.json").write_text(json.dumps(spec))
+                cmd = torchrun_cmd(4, Path(probes.__file__), str(out / "spec.json"))
+                self.jobs.append(start_job(*cmd, out / "log"))
+                self._finish((self.jobs[-1], [], out / "log"))
+                self.probed = out
+            return self.probed
+
+    def make_in_background(self, jobs: list) -> None:
+        """Makes `jobs` (LATER_JOBS' makers) one after another in a thread of their own, at the lowest CPU priority.
+        When one fails, the thread stops, and every test that needs a job not yet made fails with its log."""
+        def make() -> None:
+            with in_background():
+                for job in jobs:
+                    if self.stopping:
+                        return
+                    try:
+                        job(self)
+                    except Exception as e:  # noqa: BLE001 - kept for the tests that read it
+                        self.failure = e
+                        return
+
+        threading.Thread(target=make, daemon=True).start()
+
+    def _no_failure(self) -> None:
+        assert self.failure is None, f"a shared job made in the background failed: {self.failure}"
+
+    def stop(self) -> None:
+        """Kills every job still running (a session interrupted, or ended before reading a background job)."""
+        self.stopping = True
+        for proc in self.jobs:
+            if proc.poll() is None:
+                kill_tree(proc)
 
     def _resume(self, nproc: int) -> None:
         """Every resumed run of this many processes not yet made, in one job; with 4, the resharding legs too."""
+        self._no_failure()
         batch = [n for n, (_, _, p, _) in RESUMED_RUNS.items() if p == nproc and n not in self.done]
-        runs, legs = [], []
+        runs, legs, resharded = [], [], {}
         for n in batch:
             run, step, _, overrides = RESUMED_RUNS[n]
             stopped_after(self[run], step, self.root / n)
@@ -232,8 +291,9 @@ class SharedRuns:
                 legs.append((root / name, (*CHECKPOINTED, "--training.steps", "6", *overrides,
                                            *(initial if run is None else ()))))
             legs += [(root / name, SHARED_RUNS[run][1]) for name, run in RESHARD_BACK.items()]
-            self.resharded = {name: root / name for name in RESHARD_LEGS} | {"source_snapshot": snapshot(source)}
+            resharded = {name: root / name for name in RESHARD_LEGS} | {"source_snapshot": snapshot(source)}
         self._make(nproc, runs, legs)
+        self.resharded = self.resharded or resharded
 
     def _make(self, nproc: int, runs: list[tuple[str, tuple[str, ...]]],
               others: list[tuple[Path, tuple[str, ...]]] = ()) -> None:
@@ -244,54 +304,78 @@ class SharedRuns:
     def _start(self, nproc: int, runs: list[tuple[str, tuple[str, ...]]],
                others: list[tuple[Path, tuple[str, ...]]] = ()) -> tuple:
         log = self.root / f"job{len(list(self.root.glob('job*.log')))}.log"
-        proc = start_several(nproc, [(self.root / n, n in RECORDED, (*COMMON, "--training.steps", str(STEPS),
-                                                                      *overrides)) for n, overrides in runs]
-                             + [(folder, False, (*COMMON, "--training.steps", str(STEPS), *overrides))
-                                for folder, overrides in others], log)
-        return proc, runs, log
+        args = (*COMMON, "--training.steps", str(STEPS))
+        made = [(self.root / n, n in RECORDED, (*args, *overrides)) for n, overrides in runs]
+        self.jobs.append(start_several(nproc, made + [(f, False, (*args, *overrides)) for f, overrides in others], log))
+        return self.jobs[-1], runs, log
 
     def _finish(self, started: tuple) -> None:
         proc, runs, log = started
         finish_job(proc, log)
-        self.done.update({n: self.root / n for n, _ in runs})
         self.logs.update({n: log for n, _ in runs})
+        self.done.update({n: self.root / n for n, _ in runs})  # last: a test that finds a run here reads its log
 
 
 # The 4-process shared job takes a quarter of the suite's time with the 2 cores not quite busy, and the unit tests run
 # in one process: so when a session holds both (the layout parity tests read every 4-process run), the unit tests run
 # first and the job starts with the session, beside them. Every multi-process test waits for it to end, so none shares
 # the cores with it; the unit tests whose threads answer within fractions of a second run last, after all of them.
-_BACKGROUND: list[SharedRuns] = []
+#
+# The other shared jobs are made after it, one after another in a background thread at the lowest CPU priority
+# (launch.in_background), on the cores that the tests in front leave idle (launchers starting, faults and timeouts
+# waited out); the tests that read them run last. Each job (what makes it) with the files that read it, in their order.
+LATER_JOBS = [
+    (SharedRuns.reshard_legs, {"test_checkpoint.py", "test_collectives.py", "test_context_parallel.py",  # and the
+                               "test_float8.py", "test_pipeline.py", "test_validation.py"}),  # 4-process resumes
+    (SharedRuns.probes, {"test_collectives.py", "test_init_layouts.py", "test_syncs.py"}),
+    (lambda r: r["tp2_compiled"], {"test_compile.py", "test_context_parallel.py", "test_layouts.py",  # 2 processes
+                                   "test_pairs.py", "test_pipeline.py"}),
+    (lambda r: r["tp2_compiled_resumed"], {"test_compile.py", "test_context_parallel.py", "test_pipeline.py"}),
+    (lambda r: r["pairs17_float32_8p"], {"test_pairs.py"}),  # 8 processes
+]
+_SHARED: list[SharedRuns] = []
+_LATER: list = []  # the session's LATER_JOBS, until they start
 HERE = Path(__file__).parent
 ANSWER_WITHIN_FRACTIONS = {"test_errors.py", "test_flight_recorder.py"}
+
+
+def _reads_later_job(item) -> bool:
+    return bool({"runs", "resharded", "probed"} & set(item.fixturenames)) and any(
+        Path(str(item.path)).name in readers for _, readers in LATER_JOBS)
 
 
 def pytest_collection_modifyitems(config, items):
     def place(item) -> int:
         path = Path(str(item.path))
-        return 2 if path.name in ANSWER_WITHIN_FRACTIONS else 1 if HERE in path.parents else 0
+        if path.name in ANSWER_WITHIN_FRACTIONS:
+            return 3
+        return 0 if HERE not in path.parents else 2 if _reads_later_job(item) else 1
 
     items.sort(key=place)  # stable: each group keeps pytest's order
+    if not any(place(i) in (1, 2) for i in items):
+        return
+    _SHARED.append(shared := SharedRuns(config._tmp_path_factory.mktemp("shared_runs")))
     if any(place(i) == 0 for i in items) and any(Path(str(i.path)).name == "test_layouts.py" for i in items):
-        _BACKGROUND.append(SharedRuns(config._tmp_path_factory.mktemp("shared_runs")))
-        _BACKGROUND[0].start(4)
+        shared.start(4)
+    files = {Path(str(i.path)).name for i in items if place(i) == 2}
+    _LATER.extend(job for job, readers in LATER_JOBS if readers & files)
 
 
 def pytest_runtest_setup(item):  # a hook of this folder's tests only
-    if _BACKGROUND:
-        _BACKGROUND[0].finish_started()
+    _SHARED[0].finish_started()
+    if _LATER:  # the first test here: the 4-process job has ended
+        _SHARED[0].make_in_background(_LATER.copy())
+        _LATER.clear()
 
 
 def pytest_sessionfinish(session):
-    for shared in _BACKGROUND:  # a session that ended before any multi-process test (-x, Ctrl-C) leaves no job
-        for proc, _, _ in shared.started.values():
-            if proc.poll() is None:
-                kill_tree(proc)
+    for shared in _SHARED:  # a session that ended before any multi-process test (-x, Ctrl-C) leaves no job
+        shared.stop()
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory) -> SharedRuns:
-    return _BACKGROUND[0] if _BACKGROUND else SharedRuns(tmp_path_factory.mktemp("shared_runs"))
+def runs() -> SharedRuns:
+    return _SHARED[0]
 
 
 @pytest.fixture(scope="session")
@@ -300,15 +384,8 @@ def resharded(runs) -> dict:
 
 
 @pytest.fixture(scope="session")
-def probed(tmp_path_factory) -> Path:
-    """The folder of probes.py's job: OUT/KIND for each part the test modules registered (probes.register)."""
-    out = tmp_path_factory.mktemp("probes")
-    spec = {kind: [str(out / kind), *args] for kind, args in probes.REGISTERED.items()}
-    for kind in spec:
-        (out / kind).mkdir()
-    (out / "spec.json").write_text(json.dumps(spec))
-    run_job(*torchrun_cmd(4, Path(probes.__file__), str(out / "spec.json")))
-    return out
+def probed(runs) -> Path:
+    return runs.probes()
 
 
 @pytest.fixture(scope="session")

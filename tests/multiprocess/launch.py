@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -79,6 +80,21 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+# Set in the thread that makes shared jobs in the background (conftest.py): the jobs it starts (start_job) run at the
+# lowest CPU priority, each launcher in a session of its own (tests/quick_exit/sitecustomize.py).
+_background = threading.local()
+
+
+@contextlib.contextmanager
+def in_background():
+    """Jobs started inside take only the cores that the other tests leave idle."""
+    _background.on = True
+    try:
+        yield
+    finally:
+        _background.on = False
+
+
 def torchrun_cmd(nproc: int, script: Path, *args: str,
                  launcher: tuple[str, ...] = ("--standalone",)) -> tuple[list[str], dict[str, str]]:
     """The command and environment of a CPU torchrun job, no GPU: by default a rendezvous port of its own
@@ -86,6 +102,8 @@ def torchrun_cmd(nproc: int, script: Path, *args: str,
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc_per_node={nproc}", str(script), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{QUICK_EXIT}"}
+    if getattr(_background, "on", False):
+        env["SUITE_BACKGROUND"] = "1"
     return cmd, env
 
 
@@ -154,9 +172,14 @@ def _runs_json(runs: list[tuple[Path, bool, tuple[str, ...]]]) -> Path:
 
 def start_several(nproc: int, runs: list[tuple[Path, bool, tuple[str, ...]]], log: Path) -> subprocess.Popen:
     """torchrun_several's job, started and left running, its output going to `log`: end it with finish_job."""
-    cmd, env = torchrun_cmd(nproc, SEVERAL_RUNS, str(_runs_json(runs)))
+    return start_job(*torchrun_cmd(nproc, SEVERAL_RUNS, str(_runs_json(runs))), log)
+
+
+def start_job(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A launcher command, started and left running, its output going to `log`: end it with finish_job."""
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                start_new_session="SUITE_BACKGROUND" in env)
 
 
 def finish_job(proc: subprocess.Popen, log: Path) -> None:

@@ -9,10 +9,25 @@ that never does simply runs without it for its few seconds. At exit, the interpr
 every one of torch's objects once more: freezing the heap in the last atexit handler (registered first, so it runs
 last: after logging's and torch's have flushed and closed what they hold) leaves it nothing to walk. What a test sees
 is what the process did; only unreachable reference cycles, whose finalizers Python never promises to run, wait.
+
+A process of a shared job made in the background (launch.in_background) takes the lowest CPU priority, so that it
+runs on what the tests in front leave idle and never slows them. torchrun starts every worker in a session of its
+own, and where the kernel groups processes by session (autogroup), a nice value only ranks a process inside its own
+group: so a session leader lowers its group's too.
 """
 
 import atexit
 import gc
+import os
 
 gc.disable()
 atexit.register(gc.freeze)
+
+if os.environ.get("SUITE_BACKGROUND") == "1":
+    os.nice(19)
+    if os.getsid(0) == os.getpid():  # never the group of a session it shares with the tests in front
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write("19")
+        except OSError:  # no autogroups on this kernel: the nice value alone ranks it
+            pass
