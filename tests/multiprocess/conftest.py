@@ -173,24 +173,18 @@ class SharedRuns:
     def __init__(self, root: Path):
         self.root, self.done, self.logs, self.resharded = root, {}, {}, {}
         self.started = {}  # processes -> the job start() left running: (its process, its runs, its log)
-        self.finishing = threading.Lock()  # a test and the background may both wait for a started job
         # One job at a time, whether a test or the background thread (make_in_background) asks for it: a test that
         # asks for a run the background is making waits for it.
         self.lock, self.jobs, self.probed, self.stopping = threading.RLock(), [], None, False
         self.failure = None  # what a job made in the background raised: raised again to every test that needs a job
 
-    def start(self, nproc: int, names: set[str]) -> None:
-        """Starts the job of the shared runs `names` of `nproc` processes and returns: it runs while other tests do."""
-        self.started[nproc] = self._start(nproc, [r for r in self._not_made(nproc) if r[0] in names])
+    def start(self, nproc: int) -> None:
+        """Starts the job of every shared run of `nproc` processes and returns: it runs while other tests do."""
+        self.started[nproc] = self._start(nproc, self._not_made(nproc))
 
     def finish_started(self) -> None:
-        with self.finishing:
-            for nproc in list(self.started):
-                self._finish(self.started[nproc])
-                del self.started[nproc]  # after: its runs are always either started or done (_not_made)
-
-    def _starting(self) -> set[str]:
-        return {n for _, runs, _ in list(self.started.values()) for n, _ in runs}
+        for nproc in list(self.started):
+            self._finish(self.started.pop(nproc))
 
     def __getitem__(self, name: str) -> Path:
         """The dump folder of the shared run `name` (COMMON settings, STEPS steps), launched on first use."""
@@ -200,8 +194,7 @@ class SharedRuns:
             return self._get(name)
 
     def _get(self, name: str) -> Path:
-        if name in self._starting():
-            self.finish_started()
+        self.finish_started()
         if name not in self.done:
             if name in RESUMED_RUNS:
                 self._resume(RESUMED_RUNS[name][2])
@@ -216,9 +209,8 @@ class SharedRuns:
         return self.done[name]
 
     def _not_made(self, nproc: int) -> list[tuple[str, tuple[str, ...]]]:
-        """(name, overrides) of every shared run of `nproc` processes not yet made (nor being made)."""
-        made = self.done.keys() | self._starting()
-        return [(n, overrides) for n, (p, overrides) in ALL_RUNS.items() if p == nproc and n not in made]
+        """(name, overrides) of every shared run of `nproc` processes not yet made."""
+        return [(n, overrides) for n, (p, overrides) in ALL_RUNS.items() if p == nproc and n not in self.done]
 
     def output(self, name: str) -> str:
         """What the job that made `name` printed (every run of that job; each names its own dump folder)."""
@@ -247,7 +239,8 @@ class SharedRuns:
                     (out / kind).mkdir(parents=True, exist_ok=True)
                 (out / "spec.json").write_text(json.dumps(spec))
                 cmd = torchrun_cmd(4, Path(probes.__file__), str(out / "spec.json"))
-                self._finish((self._track(start_job(*cmd, out / "log")), [], out / "log"))
+                self.jobs.append(start_job(*cmd, out / "log"))
+                self._finish((self.jobs[-1], [], out / "log"))
                 self.probed = out
             return self.probed
 
@@ -256,12 +249,14 @@ class SharedRuns:
         When one fails, the thread stops, and every test that needs a job not yet made fails with its log."""
         def make() -> None:
             with in_background():
-                try:
-                    for job in jobs:
-                        if not self.stopping:
-                            job(self)
-                except Exception as e:  # noqa: BLE001 - kept for the tests that need a job
-                    self.failure = e
+                for job in jobs:
+                    if self.stopping:
+                        return
+                    try:
+                        job(self)
+                    except Exception as e:  # noqa: BLE001 - kept for the tests that read it
+                        self.failure = e
+                        return
 
         threading.Thread(target=make, daemon=True).start()
 
@@ -274,13 +269,6 @@ class SharedRuns:
         for proc in self.jobs:
             if proc.poll() is None:
                 kill_tree(proc)
-
-    def _track(self, proc):
-        """`proc`, killed by stop() or at once if the session is stopping (its thread may have started it since)."""
-        self.jobs.append(proc)
-        if self.stopping:
-            kill_tree(proc)
-        return proc
 
     def _resume(self, nproc: int) -> None:
         """Every resumed run of this many processes not yet made, in one job; with 4, the resharding legs too."""
@@ -318,8 +306,8 @@ class SharedRuns:
         log = self.root / f"job{len(list(self.root.glob('job*.log')))}.log"
         args = (*COMMON, "--training.steps", str(STEPS))
         made = [(self.root / n, n in RECORDED, (*args, *overrides)) for n, overrides in runs]
-        proc = start_several(nproc, made + [(f, False, (*args, *overrides)) for f, overrides in others], log)
-        return self._track(proc), runs, log
+        self.jobs.append(start_several(nproc, made + [(f, False, (*args, *overrides)) for f, overrides in others], log))
+        return self.jobs[-1], runs, log
 
     def _finish(self, started: tuple) -> None:
         proc, runs, log = started
@@ -328,27 +316,25 @@ class SharedRuns:
         self.done.update({n: self.root / n for n, _ in runs})  # last: a test that finds a run here reads its log
 
 
-# The unit tests run first, in one process; when the session holds the layout parity tests too, the job of the
-# 4-process runs that the first multi-process tests read starts with the session, beside them. Every multi-process test
-# waits for it to end; the unit tests whose threads answer within fractions of a second run last, after all of them.
-FIRST_JOB = {"fsdp4", "tp2_fsdp2", "pp2_fsdp2", "cp2_fsdp2", "pp2_tp2_looped_bfs", "fsdp4_hpz_prefetch_deferred_reduce",
-             "fsdp4_offload_reshard_always", "masked_tp2_fsdp2_compiled", "masked_pp2_cp2"}
+# The 4-process shared job takes a quarter of the suite's time with the 2 cores not quite busy, and the unit tests run
+# in one process: so when a session holds both (the layout parity tests read every 4-process run), the unit tests run
+# first and the job starts with the session, beside them. Every multi-process test waits for it to end, so none shares
+# the cores with it; the unit tests whose threads answer within fractions of a second run last, after all of them.
 #
-# The other shared jobs are made from the session's start, one after another in a background thread at the lowest CPU
-# priority (launch.in_background), on the cores that the tests in front leave idle (faults and timeouts waited out,
-# launchers starting); the tests that read them run last. Each job (what makes it) with the files that read it.
+# The other shared jobs are made after it, one after another in a background thread at the lowest CPU priority
+# (launch.in_background), on the cores that the tests in front leave idle (launchers starting, faults and timeouts
+# waited out); the tests that read them run last. Each job (what makes it) with the files that read it, in their order.
 LATER_JOBS = [
+    (SharedRuns.reshard_legs, {"test_checkpoint.py", "test_collectives.py", "test_context_parallel.py",  # and the
+                               "test_float8.py", "test_pipeline.py", "test_validation.py"}),  # 4-process resumes
     (SharedRuns.probes, {"test_collectives.py", "test_init_layouts.py", "test_syncs.py"}),
-    (lambda r: r["tp4"], {"test_compile.py", "test_context_parallel.py", "test_float8.py", "test_layouts.py",
-                          "test_pairs.py", "test_pipeline.py"}),  # the other 4-process runs
     (lambda r: r["tp2_compiled"], {"test_compile.py", "test_context_parallel.py", "test_layouts.py",  # 2 processes
                                    "test_pairs.py", "test_pipeline.py"}),
     (lambda r: r["tp2_compiled_resumed"], {"test_compile.py", "test_context_parallel.py", "test_pipeline.py"}),
     (lambda r: r["pairs17_float32_8p"], {"test_pairs.py"}),  # 8 processes
-    (SharedRuns.reshard_legs, {"test_checkpoint.py", "test_collectives.py", "test_context_parallel.py",  # 4-process
-                               "test_float8.py", "test_pipeline.py", "test_validation.py"}),  # resumes: after FIRST_JOB
 ]
 _SHARED: list[SharedRuns] = []
+_LATER: list = []  # the session's LATER_JOBS, until they start
 HERE = Path(__file__).parent
 ANSWER_WITHIN_FRACTIONS = {"test_errors.py", "test_flight_recorder.py"}
 
@@ -370,13 +356,16 @@ def pytest_collection_modifyitems(config, items):
         return
     _SHARED.append(shared := SharedRuns(config._tmp_path_factory.mktemp("shared_runs")))
     if any(place(i) == 0 for i in items) and any(Path(str(i.path)).name == "test_layouts.py" for i in items):
-        shared.start(4, FIRST_JOB)
+        shared.start(4)
     files = {Path(str(i.path)).name for i in items if place(i) == 2}
-    shared.make_in_background([job for job, readers in LATER_JOBS if readers & files])
+    _LATER.extend(job for job, readers in LATER_JOBS if readers & files)
 
 
 def pytest_runtest_setup(item):  # a hook of this folder's tests only
     _SHARED[0].finish_started()
+    if _LATER:  # the first test here: the 4-process job has ended
+        _SHARED[0].make_in_background(_LATER.copy())
+        _LATER.clear()
 
 
 def pytest_sessionfinish(session):
