@@ -239,8 +239,7 @@ class SharedRuns:
                     (out / kind).mkdir(parents=True, exist_ok=True)
                 (out / "spec.json").write_text(json.dumps(spec))
                 cmd = torchrun_cmd(4, Path(probes.__file__), str(out / "spec.json"))
-                self.jobs.append(start_job(*cmd, out / "log"))
-                self._finish((self.jobs[-1], [], out / "log"))
+                self._finish((self._track(start_job(*cmd, out / "log")), [], out / "log"))
                 self.probed = out
             return self.probed
 
@@ -249,14 +248,12 @@ class SharedRuns:
         When one fails, the thread stops, and every test that needs a job not yet made fails with its log."""
         def make() -> None:
             with in_background():
-                for job in jobs:
-                    if self.stopping:
-                        return
-                    try:
-                        job(self)
-                    except Exception as e:  # noqa: BLE001 - kept for the tests that read it
-                        self.failure = e
-                        return
+                try:
+                    for job in jobs:
+                        if not self.stopping:
+                            job(self)
+                except Exception as e:  # noqa: BLE001 - kept for the tests that need a job
+                    self.failure = e
 
         threading.Thread(target=make, daemon=True).start()
 
@@ -269,6 +266,13 @@ class SharedRuns:
         for proc in self.jobs:
             if proc.poll() is None:
                 kill_tree(proc)
+
+    def _track(self, proc):
+        """`proc`, kept for stop(), or killed at once where the session is stopping (the thread may start it since)."""
+        self.jobs.append(proc)
+        if self.stopping:
+            kill_tree(proc)
+        return proc
 
     def _resume(self, nproc: int) -> None:
         """Every resumed run of this many processes not yet made, in one job; with 4, the resharding legs too."""
@@ -306,8 +310,8 @@ class SharedRuns:
         log = self.root / f"job{len(list(self.root.glob('job*.log')))}.log"
         args = (*COMMON, "--training.steps", str(STEPS))
         made = [(self.root / n, n in RECORDED, (*args, *overrides)) for n, overrides in runs]
-        self.jobs.append(start_several(nproc, made + [(f, False, (*args, *overrides)) for f, overrides in others], log))
-        return self.jobs[-1], runs, log
+        proc = start_several(nproc, made + [(f, False, (*args, *overrides)) for f, overrides in others], log)
+        return self._track(proc), runs, log
 
     def _finish(self, started: tuple) -> None:
         proc, runs, log = started
