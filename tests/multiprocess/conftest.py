@@ -174,9 +174,8 @@ class SharedRuns:
         self.root, self.done, self.logs, self.resharded = root, {}, {}, {}
         self.started = {}  # processes -> the job start() left running: (its process, its runs, its log)
         # One job at a time, whether a test or the background thread (make_in_background) asks for it: a test that
-        # asks for a run the background is making waits for it.
-        self.lock, self.jobs, self.probed, self.stopping = threading.RLock(), [], None, False
-        self.failure = None  # what a job made in the background raised: raised again to every test that needs a job
+        # asks for a run the background is making waits for it. `failure`: what a background job raised (_no_failure).
+        self.lock, self.jobs, self.probed, self.stopping, self.failure = threading.RLock(), [], None, False, None
 
     def start(self, nproc: int) -> None:
         """Starts the job of every shared run of `nproc` processes and returns: it runs while other tests do."""
