@@ -11,9 +11,9 @@ last: after logging's and torch's have flushed and closed what they hold) leaves
 is what the process did; only unreachable reference cycles, whose finalizers Python never promises to run, wait.
 
 A process of a shared job made in the background (launch.in_background) takes the lowest CPU priority, so that it
-runs on what the tests in front leave idle and never slows them. torchrun starts every worker in a session of its
-own, and where the kernel groups processes by session (autogroup), a nice value only ranks a process inside its own
-group: so a session leader lowers its group's too.
+runs on what the tests in front leave idle (it still slows them somewhat: the cores share caches and memory).
+torchrun starts every worker in a session of its own, and where the kernel groups processes by session (autogroup),
+a nice value only ranks a process inside its own group: so a session leader lowers its group's too.
 """
 
 import atexit
