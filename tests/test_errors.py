@@ -63,3 +63,45 @@ def test_a_stopped_witness_holds_no_rank_and_leaves_rank_0_to_speak(after_group,
     after_group(StoppedStore())  # the store's server, rank 1, is the stopped rank
     report_on([0, 2, 3])
     assert error_lines(capsys) == ["error: a peer rank is hung"]
+
+
+class WatchedStore(dist.HashStore):
+    """A witness that records every call made to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def check(self, keys):
+        self.calls.append("check")
+        return super().check(keys)
+
+    def compare_set(self, key, expected, desired):
+        self.calls.append("compare_set")
+        return super().compare_set(key, expected, desired)
+
+
+def test_ranks_that_torchrun_stops_leave_the_line_to_rank_0_who_skips_the_witness(after_group, capsys, monkeypatch):
+    """A worker died, and torchrun stops the others (SIGTERM) while they wait for rank 0's line: rank 0 may be waiting
+    on one of them (a pipeline's receive), so they leave at once, silent (torchrun's summary names the dead rank), and
+    rank 0 speaks without the witness, whose server may have left with rank 1."""
+    monkeypatch.setattr(errors.signals, "stop_requested", lambda: True)
+    after_group(store := WatchedStore())
+    report_on([1, 2, 3])
+    assert error_lines(capsys) == [] and "compare_set" not in store.calls  # no election: nobody spoke
+    store.calls.clear()
+    report_on([0])
+    assert error_lines(capsys) == ["error: a peer rank is hung"] and store.calls == []
+
+
+class GoneAfterPosting(dist.HashStore):
+    """A witness whose server leaves (with rank 1) once this rank has posted."""
+
+    def check(self, keys):
+        raise RuntimeError("Connection reset by peer")
+
+
+def test_gather_keeps_this_ranks_own_post_when_the_witness_leaves(after_group):
+    # or the line names this rank among those that did not join, and its flight record as no one's
+    after_group(GoneAfterPosting())
+    assert errors.gather(Env(0, 0, 1, 1), "hang", "mine", 0.2) == {0: "mine"}

@@ -19,6 +19,10 @@ in rank 0: the agent's, or one rank 1 serves (group_formed), and every wait on i
 that long to speak, then speak for it; the first to claim the line in the store prints it, so there is one line
 however many ranks survive.
 
+When a worker dies, torchrun stops the others (SIGTERM) and its failure summary names the dead rank. A rank that
+torchrun has stopped then says nothing: it leaves at once instead of waiting for rank 0's line, since rank 0 may be
+waiting on it (a pipeline's receive) and speaks once it has gone, without the witness, which may have gone with rank 1.
+
 Such a rank writes its line into torchrun's error file rather than to its output, so that torchrun's failure summary
 shows it even when only rank 0's output is shown (run_train.sh's LOG_RANK). Where no store can be reached, each
 rank prints for itself.
@@ -127,7 +131,7 @@ def gather(env: Env, name: str, value: str, wait_s: float) -> dict[int, str]:
     within `wait_s` (all ranks', or sooner when every rank posted; at most _AFTER_STOP_S more once torchrun stops
     this rank): what surviving ranks know about a hang, pooled without a collective. Only this rank's without such a
     store."""
-    witness = _witness(env) if dist.is_initialized() else None
+    witness = _witness(env) if dist.is_initialized() and not signals.stop_requested() else None
     if witness is None or _ask(witness.set, _key(f"{name}/{env.rank}"), value) is _SILENT:
         return {env.rank: value}
     deadline, stopped = time.monotonic() + wait_s, False
@@ -137,7 +141,7 @@ def gather(env: Env, name: str, value: str, wait_s: float) -> dict[int, str]:
             deadline = min(deadline, time.monotonic() + _AFTER_STOP_S)
         time.sleep(_POLL_S)
         posted = _ask(witness.add, _key(f"{name}/count"), 0)
-    got = {}
+    got = {env.rank: value}  # this rank's own post, whatever becomes of the store
     for rank in range(env.world_size):
         key = _key(f"{name}/{rank}")
         if (there := _ask(witness.check, [key])) is _SILENT or (there and (v := _ask(witness.get, key)) is _SILENT):
@@ -180,7 +184,11 @@ def _report_once(error: Exception, env: Env, witness: dist.Store) -> None:
         while time.monotonic() < deadline:
             if _ask(witness.check, [_key("reported")]) is not False:
                 return  # said; or silent: the witness's server is the hung rank, and rank 0 is alive to speak
-            time.sleep(_POLL_S)
+            if signals.stop_requested():
+                return  # torchrun stops the job: a worker failed and its summary names it; rank 0, which may be
+            time.sleep(_POLL_S)  # waiting on this rank (a pipeline's receive), speaks once this rank has gone
+    if env.rank == 0 and signals.stop_requested():  # the others say nothing now (above): no election, and no call
+        return _say(f"error: {error}", env)          # to a witness that may have gone with rank 1
     me = str(env.rank)
     speaker = _ask(witness.compare_set, _key("speaker"), "", me)  # atomic: one rank wins
     if speaker is _SILENT or speaker.decode() == me:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_lite.runtime import signals
 from torchtitan_lite.runtime.errors import gather
 from torchtitan_lite.runtime.process import Env, train_timeout
 
@@ -102,6 +103,8 @@ def explain(error: RuntimeError, env: Env) -> RuntimeError:
     """`error` (a collective's timeout) with the ranks that did not join, the collective and the point of the step
     appended, pooled from every surviving rank; their flight records written."""
     mine = {"point": _point, **_last_collective()}
+    if signals.stop_requested():  # torchrun stops the job: a worker failed, and torchrun's summary names it
+        return error
     timeout = train_timeout()
     wait_s = min(_GATHER_S, timeout.total_seconds() / 2) if timeout else _GATHER_S
     posts = {rank: json.loads(post) for rank, post in gather(env, "hang", json.dumps(mine), wait_s).items()}

@@ -139,14 +139,21 @@ def wait(works: list[dist.Work]) -> None:
 
 
 # gloo's words for a collective that ran out of time: a wait on the whole operation, or one on a connection to a peer;
-# or, in a group of more than two, a peer that ran out of time first and closed its connections to this rank
-_GLOO_TIMEOUTS = ("Timed out", "Application timeout caused pair closure", "Connection closed by peer")
+# or, in a group of more than two, a peer that ran out of time first and closed its connections to this rank; or a
+# peer that died (its connections closed or reset by the system)
+_GLOO_TIMEOUTS = ("Timed out", "Application timeout caused pair closure", "Connection closed by peer",
+                  "Connection reset by peer")
 
 
-def peer_timeout(error: RuntimeError) -> RuntimeError | None:
+def peer_timeout(error: BaseException) -> RuntimeError | None:
     """gloo's timeout as a message naming the cause and the bound, or None for any other error. (NCCL's watchdog
-    ends the process itself after the same timeout, with its own message.)"""
-    message = str(error)
+    ends the process itself after the same timeout, with its own message.) A pipeline stage raises its own error
+    from gloo's ("[Stage 1] failed to run forward"), so the causes are read too."""
+    causes = []
+    while error is not None and error not in causes:
+        causes.append(error)
+        error = error.__cause__ or error.__context__
+    message = next((m for m in map(str, causes) if any(t in m for t in _GLOO_TIMEOUTS)), "")
     at = min((message.index(m) for m in _GLOO_TIMEOUTS if m in message), default=None)
     if at is None:
         return None
