@@ -184,11 +184,14 @@ def _report_once(error: Exception, env: Env, witness: dist.Store) -> None:
         while time.monotonic() < deadline:
             if _ask(witness.check, [_key("reported")]) is not False:
                 return  # said; or silent: the witness's server is the hung rank, and rank 0 is alive to speak
+            # Stopped by torchrun: a worker failed, and torchrun's summary names it. Rank 0 may be waiting on this
+            # rank (a pipeline's receive): it speaks once this rank has gone.
             if signals.stop_requested():
-                return  # torchrun stops the job: a worker failed and its summary names it; rank 0, which may be
-            time.sleep(_POLL_S)  # waiting on this rank (a pipeline's receive), speaks once this rank has gone
-    if env.rank == 0 and signals.stop_requested():  # the others say nothing now (above): no election, and no call
-        return _say(f"error: {error}", env)          # to a witness that may have gone with rank 1
+                return
+            time.sleep(_POLL_S)
+    # Stopped, the others say nothing (above): no election, and no call to a witness that may have gone with rank 1.
+    if env.rank == 0 and signals.stop_requested():
+        return _say(f"error: {error}", env)
     me = str(env.rank)
     speaker = _ask(witness.compare_set, _key("speaker"), "", me)  # atomic: one rank wins
     if speaker is _SILENT or speaker.decode() == me:
