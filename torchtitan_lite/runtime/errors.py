@@ -131,7 +131,7 @@ def gather(env: Env, name: str, value: str, wait_s: float) -> dict[int, str]:
     within `wait_s` (all ranks', or sooner when every rank posted; at most _AFTER_STOP_S more once torchrun stops
     this rank): what surviving ranks know about a hang, pooled without a collective. Only this rank's without such a
     store."""
-    witness = _witness(env) if dist.is_initialized() and not signals.stop_requested() else None
+    witness = _witness(env) if dist.is_initialized() else None
     if witness is None or _ask(witness.set, _key(f"{name}/{env.rank}"), value) is _SILENT:
         return {env.rank: value}
     deadline, stopped = time.monotonic() + wait_s, False
