@@ -37,7 +37,8 @@ FP32 = Numerics(torch.float32, autocast=False, loss_parallel=False)
 def step_grads(f8: bool, backend: str | None = None, ulps: int = 0) -> dict[str, torch.Tensor]:
     """Every parameter's gradient after one step from the tests' initial weights, each weight moved by `ulps` ulps
     up or down (a fixed random sign per element)."""
-    cfg = load_config(["--job.config_file", str(TINY), "--float8.enable_float8_linear", "--float8.emulate"])
+    cfg = load_config(["--job.config_file", str(TINY), "--model.flavor", "debugmodel", "--float8.enable_float8_linear",
+                       "--float8.emulate"])
     model = Transformer(model_args(cfg)[0])
     model.init_weights(seed=cfg.training.seed)
     if f8:

@@ -23,7 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-BASE = ("--job.config_file", str(ROOT / "tests" / "assets" / "tiny.toml"), "--training.seq_len", "64")
+BASE = ("--job.config_file", str(ROOT / "tests" / "assets" / "tiny.toml"), "--model.flavor", "debugmodel",
+        "--training.seq_len", "64")
 NO_PIN = ("--no-parallelism.fsdp_offload_pin_memory",)  # pinned memory needs a GPU
 OFFLOAD = ("--parallelism.fsdp_cpu_offload", *NO_PIN)
 # (label, ranks, overrides)

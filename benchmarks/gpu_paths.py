@@ -47,12 +47,14 @@ from torchtitan_lite.runtime.run_history import read_metrics  # noqa: E402
 from speed_8b import blocks8b, float8_linear_ms  # noqa: E402 - benchmarks/, beside this script
 
 TINY = str(ROOT / "tests/assets/tiny.toml")
+DEBUGMODEL = ("--model.flavor", "debugmodel")  # the reference's model, not tiny.toml's 2 blocks
 REFERENCE = ROOT / "tests/assets/losses/debugmodel_cpu.txt"
 
 
 def run(*args: str, steps: int = 50) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        code = train.run(["--job.config_file", TINY, "--job.dump_folder", tmp, "--training.steps", str(steps), *args])
+        code = train.run(["--job.config_file", TINY, *DEBUGMODEL, "--job.dump_folder", tmp, "--training.steps", str(steps),
+                          *args])
         assert code == 0, f"train.run exited {code}"
         return read_metrics(tmp)
 
@@ -283,7 +285,7 @@ def observe() -> dict:
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        code = train.run(["--job.config_file", TINY, "--job.dump_folder", tmp, "--training.steps", "4",
+        code = train.run(["--job.config_file", TINY, *DEBUGMODEL, "--job.dump_folder", tmp, "--training.steps", "4",
                           "--profiling.enable_profiling", "--profiling.enable_memory_snapshot",
                           "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0"])
         traces = sorted(Path(tmp).glob("profile_traces/*/*_trace.json.gz"))
@@ -300,7 +302,7 @@ def observe() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         stderr = io.StringIO()
         with contextlib.redirect_stderr(stderr):  # the job's one error line
-            code = train.run(["--job.config_file", TINY, "--job.dump_folder", tmp, "--training.steps", "2",
+            code = train.run(["--job.config_file", TINY, *DEBUGMODEL, "--job.dump_folder", tmp, "--training.steps", "2",
                               "--training.seq_len", "8192", "--training.local_batch_size", "512",
                               "--metrics.log_freq", "1"])
         lines = stderr.getvalue().splitlines()

@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.multiprocess.launch import ROOT, TINY, ckpt, train_in_process
+from tests.multiprocess.launch import ROOT, TINY, ckpt, tiny_model, train_in_process
 from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import load_config, to_toml
 from torchtitan_lite.data.hf_tokenizer import save_hf_tokenizer
 from torchtitan_lite.data.tokenizer import Tokenizer
 from torchtitan_lite.models.hf import model_args_from_hf
-from torchtitan_lite.models.llama import FLAVORS, ModelArgs, Transformer
+from torchtitan_lite.models.llama import ModelArgs, Transformer
 from torchtitan_lite.tools.hf_convert import export_to_hf, import_from_hf
 
 transformers = pytest.importorskip("transformers")
@@ -211,7 +211,7 @@ def run_folder(tmp_path, model):
 
 
 def test_export_refuses_a_checkpoint_of_another_shape(tmp_path, capsys):
-    path = run_folder(tmp_path, ours(CASES["mha"]))  # the config says debugmodel
+    path = run_folder(tmp_path, ours(CASES["mha"]))  # the config says tiny, of width 256
     assert to_hf.main([str(path), str(tmp_path / "hf")]) == 2
     one_error_line(capsys, "model.tok_embeddings.weight has shape (258, 64) in the checkpoint but shape (258, 256)")
     assert not (tmp_path / "hf").exists()
@@ -224,7 +224,7 @@ def test_export_refuses_a_checkpoint_of_another_shape(tmp_path, capsys):
 def test_export_takes_the_checkpoint_argument_of_generate_py(tmp_path, capsys):
     """A step-N folder, the checkpoint folder (its newest complete step) or the run's dump folder, the config found
     beside it; and when the run saved none, one line that says to train with --checkpoint.enable."""
-    args = FLAVORS["debugmodel"].with_(vocab_size=BYTES, max_seq_len=64)  # what tests/assets/tiny.toml trains
+    args = tiny_model()
     newest = run_folder(tmp_path, ours(args))  # step-3
     save_run_checkpoint(ours(args, seed=1), ckpt(tmp_path / "run", 2))  # older: other weights, never picked
     (tmp_path / "run" / "checkpoint" / "step-4.tmp").mkdir()  # a save in progress is not a checkpoint
@@ -242,7 +242,7 @@ def test_export_takes_the_checkpoint_argument_of_generate_py(tmp_path, capsys):
 
 def test_scripts_round_trip_a_run_and_the_trainer_starts_from_it(tmp_path):
     """convert_to_hf then convert_from_hf, run as users run them, then a training run from the result."""
-    args = FLAVORS["debugmodel"].with_(vocab_size=BYTES, max_seq_len=64)  # what tests/assets/tiny.toml trains
+    args = tiny_model()
     model = ours(args)
     path = run_folder(tmp_path, model)
     for cmd in (["convert_to_hf.py", path, tmp_path / "hf", "--max_shard_size", "5MB"],
@@ -253,7 +253,7 @@ def test_scripts_round_trip_a_run_and_the_trainer_starts_from_it(tmp_path):
     assert {"config.json", "generation_config.json", "tokenizer.json", "model.safetensors.index.json"} <= {
         p.name for p in (tmp_path / "hf").iterdir()}
     tokenizer = tmp_path / "imported" / "tokenizer.tiktoken"
-    assert 'flavor = "debugmodel"' in proc.stdout and json.dumps(str(tokenizer)) in proc.stdout
+    assert 'flavor = "tiny"' in proc.stdout and json.dumps(str(tokenizer)) in proc.stdout
     original = {f"model.{k}": v for k, v in model.state_dict().items()}
     assert_same_tensors(read_tensors(str(tmp_path / "imported")), original)
     # A step at lr 1e-30 moves no fp32 weight (each update is far below half an ulp), so the run's last save holds

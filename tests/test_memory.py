@@ -14,6 +14,7 @@ from torchtitan_lite.training.optim import build_optimizer
 import memory_table  # scripts/memory_table.py (pytest.ini puts scripts/ on the path)
 
 TINY = ["--job.config_file", "tests/assets/tiny.toml"]
+DEBUG = [*TINY, "--model.flavor", "debugmodel"]  # 6 blocks: the tests below that count per block
 STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
@@ -93,8 +94,8 @@ def test_document_mask_is_counted(world_size, layout):
     """block_causal's cost is in the estimate: on one rank (a GPU's FlexAttention) the block mask, added to what the
     trace holds, and every token's rotary row; under CP the explicit mask of the whole window, one per micro-batch
     (local batch 2 x 64 x 64 fp32), which the trace builds and keeps, with no copy per block or chunk."""
-    causal = estimate_memory(load_config([*TINY, *layout]), world_size)
-    masked = estimate_memory(load_config([*TINY, *layout, "--model.attn_mask_type", "block_causal"]), world_size)
+    causal = estimate_memory(load_config([*DEBUG, *layout]), world_size)
+    masked = estimate_memory(load_config([*DEBUG, *layout, "--model.attn_mask_type", "block_causal"]), world_size)
     batch, seq, rope_rows = 2, 64, 2 * 64 * 8 * 8  # complex64 rows of head_dim 16 / 2
     assert causal.mask_bytes == 0
     expected = 16 * batch * 1 * 2 if world_size == 1 else batch * seq * seq * 4
@@ -116,9 +117,9 @@ def test_float8_keeps_the_state_and_gathers_converted_weights_at_one_byte(monkey
         gathered.append(output.numel() * output.element_size())
         return all_gather(output, *args, **kwargs)
 
-    plain = estimate_memory(load_config(TINY), 2)
+    plain = estimate_memory(load_config(DEBUG), 2)
     monkeypatch.setattr(torch.distributed, "all_gather_single", recording)
-    f8 = estimate_memory(load_config([*TINY, "--float8.enable_float8_linear", "--float8.enable_fsdp_float8_all_gather"]),
+    f8 = estimate_memory(load_config([*DEBUG, "--float8.enable_float8_linear", "--float8.enable_fsdp_float8_all_gather"]),
                          2)
     for key in (*STATE, "activation_bytes"):
         assert getattr(f8, key) == getattr(plain, key), key

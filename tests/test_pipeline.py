@@ -41,7 +41,7 @@ def test_blocks_split_evenly_or_the_way_torchtitan_splits_llama3_405b():
 
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
-CASES = {  # world size, overrides, what the one line must name
+CASES = {  # world size, overrides, what the one line must name: of the debug model's 6 blocks, as ARGS above
     "blocks_not_split_evenly": (5, ["--parallelism.pipeline_parallel_degree", "5"], "6 blocks do not split evenly"),
     "stages_exceed_blocks": (8, ["--parallelism.pipeline_parallel_degree", "8"], "8 pipeline stages exceed"),
     "layers_per_stage_not_a_divisor": (2, [*PP2, "--parallelism.pipeline_parallel_layers_per_stage", "4"],
@@ -66,4 +66,4 @@ CASES = {  # world size, overrides, what the one line must name
 @pytest.mark.parametrize("case", CASES)
 def test_bad_pipeline_layout_is_one_line(case, error_line):
     world, overrides, expected = CASES[case]
-    assert expected in error_line(world, overrides)
+    assert expected in error_line(world, ["--model.flavor", "debugmodel", *overrides])

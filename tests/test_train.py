@@ -53,7 +53,7 @@ def test_start_up_is_one_line_of_the_run_and_one_warning_of_options_its_layout_i
         "parallelism.context_parallel_load_balancer ignored"]
     # The config is in config.toml, not on the console (job.print_args puts it there: the test below).
     assert [m for m in messages if "parameters" in m or "[training]" in m] == [
-        f"llama3 debugmodel: {n_params(TINY) / 1e6:.2f}M parameters, mesh 1 process, data synthetic, 1 step of 2 x 64 "
+        f"llama3 tiny: {n_params(TINY) / 1e6:.2f}M parameters, mesh 1 process, data synthetic, 1 step of 2 x 64 "
         f"tokens, outputs in {tmp_path}"]
 
 

@@ -15,14 +15,13 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 
 # pytest.ini puts tests/multiprocess on the path: the tests here import the shared launcher as a plain module.
 from grad_dump import load_grads, recording
 import probes
-from launch import (CHECKPOINTED, COMMON, CP2, FLOAT8, HSDP, MASKED, PP2, PROFILED, STEPS, TP2, TP2_FSDP2, ckpt,
-                    finish_job, in_background, kill_tree, snapshot, start_job, start_several, stopped_after,
-                    torchrun_cmd, train_in_process, train_job)
+from launch import (CHECKPOINTED, COMMON, CP2, DEBUGMODEL, FLOAT8, HSDP, MASKED, PP2, PROFILED, STEPS, TP2,
+                    TP2_FSDP2, ckpt, finish_job, in_background, kill_tree, snapshot, start_job, start_several,
+                    stopped_after, torchrun_cmd, train_job)
 from pairs import REFERENCES, generate
 
 SHORT = ("--training.steps", "4")  # after STEPS on the command line, so it wins
@@ -62,14 +61,14 @@ SHARED_RUNS = {
                       *CHECKPOINTED)),
     "pp2_fsdp2": (4, (*PP2, "--training.local_batch_size", "4", *CHECKPOINTED, "--validation.enable",
                       "--validation.freq", "2", "--validation.steps", "2")),
-    # 4 stages (1, 2, 2, 1 blocks: the end ones hold the embedding and the output), 2 per rank, 4 micro-batches of 2,
-    # every block recomputed in backward; interleaved with blocks compiled (aot_eager).
+    # 4 stages of the debug model's 6 blocks (1, 2, 2, 1: the end ones hold the embedding and the output), 2 per rank,
+    # 4 micro-batches of 2, every block recomputed in backward; interleaved with blocks compiled (aot_eager).
     "pp2_tp2_looped_bfs": (4, (*PP2, *TP2, "--parallelism.pipeline_parallel_schedule", "LoopedBFS",
                                "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "4",
-                               "--activation_checkpoint.mode", "full", *SHORT)),
+                               "--activation_checkpoint.mode", "full", *DEBUGMODEL, *SHORT)),
     "pp2_interleaved_compiled": (2, (*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                                      "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches",
-                                     "4", "--compile.enable", "--compile.backend", "aot_eager", *SHORT)),
+                                     "4", "--compile.enable", "--compile.backend", "aot_eager", *DEBUGMODEL, *SHORT)),
     # Context-parallel layouts (each sequence split over the cp ranks), recording every parameter's gradient at step
     # 1. CP 2: 2 micro-batches of 4 accumulated, validating and saving every 2 steps (resumed below). CP 2 x FSDP 2 with
     # contiguous chunks, saving (test_context_parallel.py reshards it). CP 4 recomputing every block; CP 2 x TP 2
@@ -135,9 +134,19 @@ FLOAT8_RUNS = {
                                     *TWO)),
     "float8_rowwise_tp2_fsdp2": (4, (*FLOAT8, *ROWWISE, *TP2, "--training.local_batch_size", "2", *TWO)),
 }
-ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **COMPILED_RUNS, **FLOAT8_RUNS}
-RECORDED = [name for name in SHARED_RUNS if name != "single"] + [
-    "tp2_compiled_resumed", *MASKED_RUNS, *COMPILED_RUNS, *(n for n in FLOAT8_RUNS if n != "float8_fsdp4")]
+# The single-process run of the layouts that train the debug model's 6 blocks rather than tiny.toml's 2 (4 pipeline
+# stages need 4 blocks or more).
+SINGLES = {"single_debugmodel": (1, DEBUGMODEL)}
+ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **COMPILED_RUNS, **FLOAT8_RUNS, **SINGLES}
+RECORDED = [*SHARED_RUNS, *SINGLES, "tp2_compiled_resumed", *MASKED_RUNS, *COMPILED_RUNS,
+            *(n for n in FLOAT8_RUNS if n != "float8_fsdp4")]
+
+
+def single_of(name: str) -> str:
+    """The single-process run that the shared run `name` (of SHARED_RUNS or COMPILED_RUNS) is compared with."""
+    return "single_debugmodel" if "debugmodel" in ALL_RUNS[name][1] else "single"
+
+
 PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
 CONTEXT_PARALLEL = [name for name in SHARED_RUNS if "cp" in name]
 # name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
@@ -392,9 +401,7 @@ def probed(runs) -> Path:
 
 
 @pytest.fixture(scope="session")
-def eager_grads(tmp_path_factory) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient after one step of the single-process eager run, the shared runs' batch."""
-    out = tmp_path_factory.mktemp("eager_single")
-    with recording(out):
-        train_in_process(out, *COMMON, "--training.steps", "1")
-    return load_grads(out)
+def eager_grads(runs):
+    """eager_grads(name): every parameter's gradient after step 1 of the single-process run that the shared run
+    `name` is compared with (single_of), on the shared runs' batch."""
+    return lambda name: load_grads(runs[single_of(name)])

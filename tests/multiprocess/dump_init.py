@@ -1,4 +1,4 @@
-"""For each layout, build the debug model on that mesh, initialize it, and have rank 0 save the full (gathered)
+"""For each layout, build the config's model on that mesh, initialize it, and have rank 0 save the full (gathered)
 parameters, so a test can compare initial weights across layouts (test_init_layouts.py; run in probes.py's job).
 
     dump(OUT_DIR, CONFIG, {"name": [overrides...], ...}, device)   ->   OUT_DIR/name.pt
@@ -7,8 +7,9 @@ parameters, so a test can compare initial weights across layouts (test_init_layo
 import torch
 import torch.distributed as dist
 
+from launch import TINY_VOCAB
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.models.llama import Transformer, flavor_args
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize
 
@@ -19,7 +20,7 @@ def dump(out, config: str, layouts: dict[str, list[str]], device: torch.device) 
         dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
         mesh = dims.build_mesh(device.type)[0]
         with torch.device("meta"):
-            model = Transformer(FLAVORS["debugmodel"].with_(vocab_size=258, max_seq_len=cfg.training.seq_len))
+            model = Transformer(flavor_args(cfg.model.flavor, TINY_VOCAB, cfg.training.seq_len))
         parallelize(model, mesh, dims, cfg)
         model.to_empty(device=device)
         model.init_weights(seed=cfg.training.seed)

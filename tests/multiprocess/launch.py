@@ -23,6 +23,18 @@ from torchtitan_lite.runtime.run_history import read_history, read_metrics  # no
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "assets" / "tiny.toml"
+TINY_VOCAB = 258  # the vocabulary of tiny.toml's tokenizer, the byte-level one
+
+
+def tiny_model(**changes):
+    """The ModelArgs of what tiny.toml trains: flavor "tiny", the debug model's width in 2 blocks (most of a test
+    run's time goes block by block, and no test needs more blocks than pipeline stages; the layouts of 4 stages train
+    "debugmodel"'s 6, as the reference curve does)."""
+    from torchtitan_lite.config import load_config  # noqa: PLC0415 - torch's import, for the tests that build models
+    from torchtitan_lite.models.llama import flavor_args  # noqa: PLC0415
+
+    cfg = load_config(["--job.config_file", str(TINY)])
+    return flavor_args(cfg.model.flavor, TINY_VOCAB, cfg.training.seq_len).with_(**changes)
 TRAIN = ROOT / "train.py"
 GATE = ROOT / "tests" / "multiprocess" / "gate.py"  # the shim that holds a step or kills a rank (gate.py)
 # The folder whose sitecustomize.py spares each process the suite starts its last garbage collection (its docstring
@@ -39,6 +51,7 @@ COMMON = ("--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0"
 CHECKPOINTED = ("--checkpoint.enable", "--checkpoint.interval", "2")
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 PP2 = ("--parallelism.pipeline_parallel_degree", "2")
+DEBUGMODEL = ("--model.flavor", "debugmodel")  # 6 blocks, for 4 pipeline stages (tiny_model says why)
 HSDP = ("--parallelism.data_parallel_replicate_degree", "2")
 CP2 = ("--parallelism.context_parallel_degree", "2")
 # A trace of every 4th step, after one step of warmup: steps 4 and 8 of an 8-step run (the shared run "fsdp4").

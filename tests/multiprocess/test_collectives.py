@@ -27,11 +27,11 @@ import pytest
 import torch
 
 import probes
-from launch import FLOAT8, TINY
-from torchtitan_lite.models.llama import FLAVORS, Transformer
+from launch import FLOAT8, TINY, tiny_model
+from torchtitan_lite.models.llama import Transformer
 from torchtitan_lite.quantization.float8 import converted_names
 
-ARGS = FLAVORS["debugmodel"].with_(vocab_size=258, max_seq_len=64)  # tests/assets/tiny.toml: bytes, seq 64
+ARGS = tiny_model()
 BATCH = 2  # sequences per micro-batch (tiny.toml's local_batch_size)
 L = ARGS.n_layers
 G = L + 1

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import probes
-from launch import TINY
-from torchtitan_lite.models.llama import FLAVORS, Transformer
+from launch import TINY, tiny_model
+from torchtitan_lite.models.llama import Transformer
 
 LAYOUTS = {
     "tp2_fsdp2": ["--parallelism.tensor_parallel_degree", "2"],  # FSDP over TP: a _StridedShard on dim 0
@@ -29,7 +29,7 @@ def dumped(probed):
 
 def single_process_weights(seed: int) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
-        model = Transformer(FLAVORS["debugmodel"].with_(vocab_size=258, max_seq_len=64))
+        model = Transformer(tiny_model())
     model.to_empty(device="cpu")
     model.init_weights(seed=seed)
     return {n: p.detach() for n, p in model.named_parameters()}

@@ -1,7 +1,7 @@
 """Today's code reproduces the committed reference curve, so a numerics change shows up in CI.
 
 tests/assets/losses/debugmodel_cpu.txt holds the debug model's loss for 50 steps on synthetic data in fp32 on one
-CPU process (tests/assets/tiny.toml). Tolerance 1e-4 absolute: on one machine the curve is bitwise reproducible, and
+CPU process (tests/assets/tiny.toml, with its flavor "debugmodel"). Tolerance 1e-4 absolute: on one machine the curve is bitwise reproducible, and
 changing the layout (other reduction orders) moves it by < 1e-6 over 50 steps; a CPU with other SIMD or BLAS kernels
 changes every matmul's reduction order, for which 100x that is ample. A real numerics change (init, data order,
 schedule, loss normalization, a missed gradient reduction) moves the early steps by 1e-3 or more.
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from launch import CP2, PP2, ROOT, losses, torchrun_several, train_in_process
+from launch import CP2, DEBUGMODEL, PP2, ROOT, losses, torchrun_several, train_in_process
 
 REFERENCE = ROOT / "tests/assets/losses/debugmodel_cpu.txt"
 STEPS, LAYOUT_STEPS, TOLERANCE = 50, 20, 1e-4
 
 
 def current_curve(folder: Path) -> dict[int, float]:
-    train_in_process(folder, "--training.steps", str(STEPS))
+    train_in_process(folder, *DEBUGMODEL, "--training.steps", str(STEPS))
     return losses(folder)
 
 
@@ -54,7 +54,7 @@ LAYOUTS = {"pipeline": (*PP2, "--parallelism.pipeline_parallel_schedule", "Inter
 def layouts(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("reference_layouts")
     torchrun_several(2, [(root / name, False, ("--training.steps", str(LAYOUT_STEPS),
-                                                   "--lr_scheduler.decay_ratio", "0", *overrides))
+                                                   "--lr_scheduler.decay_ratio", "0", *DEBUGMODEL, *overrides))
                          for name, overrides in LAYOUTS.items()])
     return root
 

@@ -60,6 +60,9 @@ class ModelArgs:
 
 
 FLAVORS: dict[str, ModelArgs] = {
+    # The debug model's width in 2 blocks: the test suite's model (tests/assets/tiny.toml), whose time goes block by
+    # block, and a smoke test of any layout with at most 2 pipeline stages.
+    "tiny": ModelArgs(dim=256, n_layers=2, n_heads=16, rope_theta=500000),
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000),
     "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
                     rope_theta=500000, rope_scaling=True),
