@@ -1,11 +1,10 @@
 """The suite's shared runs: each made once per session, on first use or ahead of it in the background (the end of
 this file says which), and read by every test that needs it.
 
-A torchrun job costs seconds before its first step (the launcher, every rank importing torch, the mesh), and on a
-2-core machine 4 ranks' collectives cost ~6 ms each, so the suite's time is its number of launches and steps: making
-a shared run makes every shared run of its size in one job (several_runs.py). The runs below use one config, so the
-same run answers the layout parity tests, the resume and resharding tests, and the validation test. Tests read these
-folders and never write into them: a test that resumes a run copies the checkpoint it needs into a folder of its own.
+A torchrun job costs seconds before its first step (the launcher, every rank importing torch, the mesh), and a step's
+cost grows with the model's blocks (tiny.toml's model has 2), so a shared run is made with every shared run of its
+size in one job (several_runs.py), and one run answers the layout parity, resume, resharding and validation tests.
+Tests read these folders and never write into them: a test that resumes a run copies the checkpoint it needs.
 """
 
 import contextlib
@@ -134,18 +133,14 @@ FLOAT8_RUNS = {
                                     *TWO)),
     "float8_rowwise_tp2_fsdp2": (4, (*FLOAT8, *ROWWISE, *TP2, "--training.local_batch_size", "2", *TWO)),
 }
-# The single-process run of the layouts that train the debug model's 6 blocks rather than tiny.toml's 2 (4 pipeline
-# stages need 4 blocks or more).
-SINGLES = {"single_debugmodel": (1, DEBUGMODEL)}
+# The single-process run of the layouts of 4 pipeline stages, which train the debug model's 6 blocks, 4 steps as they.
+SINGLES = {"single_debugmodel": (1, (*DEBUGMODEL, *SHORT))}
 ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **COMPILED_RUNS, **FLOAT8_RUNS, **SINGLES}
 RECORDED = [*SHARED_RUNS, *SINGLES, "tp2_compiled_resumed", *MASKED_RUNS, *COMPILED_RUNS,
             *(n for n in FLOAT8_RUNS if n != "float8_fsdp4")]
-
-
-def single_of(name: str) -> str:
-    """The single-process run that the shared run `name` (of SHARED_RUNS or COMPILED_RUNS) is compared with."""
-    return "single_debugmodel" if "debugmodel" in ALL_RUNS[name][1] else "single"
-
+# The single-process run each run of SHARED_RUNS and COMPILED_RUNS is compared with.
+SINGLE_OF = {name: "single_debugmodel" if "debugmodel" in overrides else "single"
+             for name, (_, overrides) in {**SHARED_RUNS, **COMPILED_RUNS}.items()}
 
 PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
 CONTEXT_PARALLEL = [name for name in SHARED_RUNS if "cp" in name]
@@ -328,11 +323,9 @@ class SharedRuns:
         self.done.update({n: self.root / n for n, _ in runs})  # last: a test that finds a run here reads its log
 
 
-# The 4-process shared job takes a quarter of the suite's time with the 2 cores not quite busy, and the unit tests run
-# in one process: so when a session holds both (the layout parity tests read every 4-process run), the unit tests run
-# first and the job starts with the session, beside them. Every multi-process test waits for it to end, so none shares
-# the cores with it; the unit tests whose threads answer within fractions of a second run last, after all of them.
-#
+# The 4-process shared job is the suite's largest, and the unit tests run in one process: so when a session holds both
+# (the layout parity tests read every 4-process run), the job starts with the session, beside the unit tests. Every
+# multi-process test waits for it; the unit tests whose threads answer within fractions of a second run last of all.
 # The other shared jobs are made after it, one after another in a background thread at the lowest CPU priority
 # (launch.in_background), on the cores that the tests in front leave idle (launchers starting, faults and timeouts
 # waited out); the tests that read them run last. Each job (what makes it) with the files that read it, in their order.
@@ -403,5 +396,5 @@ def probed(runs) -> Path:
 @pytest.fixture(scope="session")
 def eager_grads(runs):
     """eager_grads(name): every parameter's gradient after step 1 of the single-process run that the shared run
-    `name` is compared with (single_of), on the shared runs' batch."""
-    return lambda name: load_grads(runs[single_of(name)])
+    `name` is compared with (SINGLE_OF), on the shared runs' batch."""
+    return lambda name: load_grads(runs[SINGLE_OF[name]])

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import CONTEXT_PARALLEL, PIPELINED, SHARED_RUNS, single_of
+from conftest import CONTEXT_PARALLEL, PIPELINED, SHARED_RUNS, SINGLE_OF
 from grad_dump import assert_grads_match, load_grads
 from launch import ROOT, STEPS, assert_same_curve, losses
 
@@ -27,7 +27,7 @@ def test_single_process_with_accumulation_learns(runs):
 
 @pytest.mark.parametrize("layout", [name for name in SHARED_RUNS if name != "single"])
 def test_layout_matches_single_process_through_loss_compare(runs, layout):
-    single, folder = runs[single_of(layout)], runs[layout]
+    single, folder = runs[SINGLE_OF[layout]], runs[layout]
     curve = losses(folder)
     assert sorted(curve) == list(range(1, len(curve) + 1)) and len(curve) >= 4
     worst = assert_same_curve(folder, single, TOLERANCE)["loss"]
