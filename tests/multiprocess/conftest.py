@@ -342,6 +342,10 @@ _SHARED: list[SharedRuns] = []
 _LATER: list = []  # the session's LATER_JOBS, until they start
 HERE = Path(__file__).parent
 ANSWER_WITHIN_FRACTIONS = {"test_errors.py", "test_flight_recorder.py"}
+# Tests that leave a core idle much of the time (signals, timeouts and restarts waited out, one-process scripts): the
+# first multi-process tests, beside the background jobs, which take what they leave.
+MOSTLY_WAIT = {"test_preemption.py", "test_restart.py", "test_hung_peer.py", "test_profiling.py",
+               "test_reference_curve.py", "test_quick_tour.py"}
 
 
 def _reads_later_job(item) -> bool:
@@ -353,16 +357,18 @@ def pytest_collection_modifyitems(config, items):
     def place(item) -> int:
         path = Path(str(item.path))
         if path.name in ANSWER_WITHIN_FRACTIONS:
-            return 3
-        return 0 if HERE not in path.parents else 2 if _reads_later_job(item) else 1
+            return 4
+        if HERE not in path.parents:
+            return 0
+        return 3 if _reads_later_job(item) else 1 if path.name in MOSTLY_WAIT else 2
 
     items.sort(key=place)  # stable: each group keeps pytest's order
-    if not any(place(i) in (1, 2) for i in items):
+    if not any(place(i) in (1, 2, 3) for i in items):
         return
     _SHARED.append(shared := SharedRuns(config._tmp_path_factory.mktemp("shared_runs")))
     if any(place(i) == 0 for i in items) and any(Path(str(i.path)).name == "test_layouts.py" for i in items):
         shared.start(4)
-    files = {Path(str(i.path)).name for i in items if place(i) == 2}
+    files = {Path(str(i.path)).name for i in items if place(i) == 3}
     _LATER.extend(job for job, readers in LATER_JOBS if readers & files)
 
 
