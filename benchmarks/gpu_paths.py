@@ -53,8 +53,8 @@ REFERENCE = ROOT / "tests/assets/losses/debugmodel_cpu.txt"
 
 def run(*args: str, steps: int = 50) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        code = train.run(["--job.config_file", TINY, *DEBUGMODEL, "--job.dump_folder", tmp, "--training.steps", str(steps),
-                          *args])
+        code = train.run(["--job.config_file", TINY, *DEBUGMODEL, "--job.dump_folder", tmp,
+                          "--training.steps", str(steps), *args])
         assert code == 0, f"train.run exited {code}"
         return read_metrics(tmp)
 

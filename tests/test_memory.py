@@ -119,8 +119,8 @@ def test_float8_keeps_the_state_and_gathers_converted_weights_at_one_byte(monkey
 
     plain = estimate_memory(load_config(DEBUG), 2)
     monkeypatch.setattr(torch.distributed, "all_gather_single", recording)
-    f8 = estimate_memory(load_config([*DEBUG, "--float8.enable_float8_linear", "--float8.enable_fsdp_float8_all_gather"]),
-                         2)
+    f8 = estimate_memory(load_config([*DEBUG, "--float8.enable_float8_linear",
+                                      "--float8.enable_fsdp_float8_all_gather"]), 2)
     for key in (*STATE, "activation_bytes"):
         assert getattr(f8, key) == getattr(plain, key), key
     converted, norms = 4 * 256 * 256 + 3 * 256 * 768, 2 * 256  # wq wk wv wo, w1 w2 w3; attention and FFN norms

@@ -43,7 +43,7 @@ QUICK_EXIT = ROOT / "tests" / "quick_exit"
 # A bound on a whole job, far above any healthy run even on a loaded machine: it detects a hang, it times nothing.
 TIMEOUT_S = 600
 
-# What the shared runs (conftest.py) and the runs that resume or compare with them have in common: global batch 8 on
+# What the shared runs (run_table.py) and the runs that resume or compare with them have in common: global batch 8 on
 # every layout, and a constant lr after warmup, so the schedule does not depend on training.steps and a 4-step run
 # extended to 8 is exactly the first half of an 8-step run.
 STEPS = 8

@@ -2,9 +2,9 @@
 constraints, and a small greedy covering-array generator.
 
 A factor is an option, or a layout dimension, with the levels it takes; a pair is two factors' levels. The suite's
-shared runs (conftest.SHARED_RUNS) are read back into levels through the trainer's own config loader and mesh
+shared runs (run_table.SHARED_RUNS) are read back into levels through the trainer's own config loader and mesh
 degrees (`levels_of`), so what they cover is computed, not kept by hand, and `generate` adds rows only for the pairs
-they miss. Those rows run in the shared runs' torchrun jobs (conftest.PAIR_RUNS) and test_pairs.py compares each
+they miss. Those rows run in the shared runs' torchrun jobs (run_table.PAIR_RUNS) and test_pairs.py compares each
 with the single-process run of its precision.
 
 A pair needs no run when it is no configuration (IMPOSSIBLE), when a layout ignores one of its options
@@ -15,6 +15,7 @@ shards over, dp_shard x cp (parallel_dims.py): what decides how gradients are re
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from itertools import combinations
 from pathlib import Path
@@ -130,12 +131,19 @@ def allowed(row: dict[str, str], max_world: int = 8) -> bool:
 
 def complete(row: dict[str, str], max_world: int = 8) -> Optional[dict[str, str]]:
     """`row` with its unset factors filled in, defaults first, so that it breaks no constraint; None if none can."""
+    done = _complete(frozenset(row.items()), max_world)
+    return None if done is None else {**row, **{f: done[f] for f in FACTORS if f not in row}}
+
+
+@functools.lru_cache(maxsize=None)  # the generator asks for the same partial rows again and again
+def _complete(items: frozenset, max_world: int) -> Optional[dict[str, str]]:
+    row = dict(items)
     if not allowed(row, max_world):
         return None
     unset = [f for f in FACTORS if f not in row]
     if not unset:
         return row
-    return next((done for level in FACTORS[unset[0]] if (done := complete({**row, unset[0]: level}, max_world))),
+    return next((done for level in FACTORS[unset[0]] if (done := _complete(items | {(unset[0], level)}, max_world))),
                 None)
 
 
@@ -236,7 +244,7 @@ ARGS = {  # (factor, level) -> overrides, for the levels whose overrides do not 
 STEPS = {"float32": 2, "bfloat16": 2, "float16": 2}
 SIZE = {"float32": (), "bfloat16": ("--training.seq_len", "16"), "float16": ("--training.seq_len", "16")}
 # The single-process runs each half-precision row is compared with ("single", a shared run, is float32's; the
-# float8 ones, conftest.FLOAT8_RUNS, are float32 float8's).
+# float8 ones, run_table.FLOAT8_RUNS, are float32 float8's).
 REFERENCES = {f"single_{p}": (1, ("--training.mixed_precision_param", p, "--training.steps", str(STEPS[p]), *SIZE[p]))
               for p in ("bfloat16", "float16")}
 REFERENCES |= {f"single_bfloat16_float8{'_rowwise' * (recipe == 'rowwise')}": (

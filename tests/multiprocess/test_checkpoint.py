@@ -60,7 +60,7 @@ def fsdp_straight(runs):
 @pytest.fixture(scope="module")
 def fsdp_split(runs):
     """FSDP 4 stopped after step 4, resumed to 8 with async saves, a half-written-looking step-99 in the way
-    (conftest.RESUMED_RUNS): its folder and what its job printed."""
+    (run_table.RESUMED_RUNS): its folder and what its job printed."""
     return runs["fsdp4_resumed"], runs.output("fsdp4_resumed")
 
 
@@ -130,7 +130,7 @@ def test_extended_run_follows_the_new_schedule_from_its_first_step(tmp_path):
 
 # ---- Resharding: the data position is global and DCP reshards every DTensor, so the curve goes on.
 
-# The first legs, to step 6, run in the job of the 4-process resumed runs (conftest.RESHARD_LEGS); the second legs
+# The first legs, to step 6, run in the job of the 4-process resumed runs (run_table.RESHARD_LEGS); the second legs
 # here.
 
 def test_reshard_fsdp_to_tp_fsdp_to_single_process(fsdp_straight, resharded):

@@ -26,8 +26,8 @@ BF16_GRAD_TOLERANCE = 3e-2
 # The compiled TP 2 x FSDP 2 curve against eager's, over its 4 steps; measured 5e-7 over 8 (inductor's reduction order).
 CURVE_TOLERANCE = 1e-5
 
-INDUCTOR_STEPS = 4  # conftest.COMPILED_RUNS
-# name -> gradient tolerance: conftest.COMPILED_RUNS, made in the job of the shared 4-process runs
+INDUCTOR_STEPS = 4  # run_table.COMPILED_RUNS
+# name -> gradient tolerance: run_table.COMPILED_RUNS, made in the job of the shared 4-process runs
 LAYOUTS = {"fsdp4_ac_every_2_compiled": GRAD_TOLERANCE, "hsdp_op_sac_bf16_compiled": BF16_GRAD_TOLERANCE}
 
 
@@ -67,7 +67,7 @@ def test_aot_tp2_trains_every_weight_as_eager(aot_tp2_run, eager_grads):
 
 
 def test_compiled_run_resumes_on_its_exact_curve(aot_tp2_run, runs):
-    """Stopped after step 2 and resumed by a new run (conftest.RESUMED_RUNS): steps 3-6 bitwise, and the new run
+    """Stopped after step 2 and resumed by a new run (run_table.RESUMED_RUNS): steps 3-6 bitwise, and the new run
     compiles the same graphs once (its first validation, at step 4, adds the inference graph) and never again."""
     folder = runs["tp2_compiled_resumed"]
     straight, resumed = curve(aot_tp2_run), curve(folder)

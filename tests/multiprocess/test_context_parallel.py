@@ -1,7 +1,7 @@
 """Context parallelism trains the single-process model exactly: the same curve, the same gradient for every
 parameter, the true validation loss, and checkpoints that know no layout.
 
-The runs are the suite's shared CP runs (conftest.py): CP 2 accumulating, CP 2 x FSDP 2 with contiguous chunks, CP 4
+The runs are the suite's shared CP runs (run_table.py): CP 2 accumulating, CP 2 x FSDP 2 with contiguous chunks, CP 4
 recomputing every block, CP 2 x TP 2 compiled, HSDP over cp, CP inside pipeline stages. Their loss curves are in the
 layout matrix of test_layouts.py; here, what a curve could hide. Tolerance 1e-5 as there: attention over a chunk
 and its prefix of keys rounds in another order than over the whole sequence, nothing more.
@@ -9,7 +9,7 @@ and its prefix of keys rounds in another order than over the whole sequence, not
 
 import pytest
 
-from conftest import CONTEXT_PARALLEL
+from run_table import CONTEXT_PARALLEL
 from grad_dump import assert_grads_match, load_grads
 from launch import ckpt, read_metrics
 from test_checkpoint import assert_continues, assert_same_state

@@ -2,7 +2,7 @@
 PP, rank 0's: the first stage, or stages 0 and 2 of LoopedBFS's 4; under CP, FSDP's shards over dp_shard x cp)."""
 
 import pytest
-from conftest import SHARED_RUNS
+from run_table import SHARED_RUNS
 from launch import COMMON, STEPS, TINY, read_metrics
 
 from torchtitan_lite.config import load_config

@@ -1,4 +1,4 @@
-"""Float8 on every kind of layout follows the single-process float8 run of its recipe (conftest.FLOAT8_RUNS).
+"""Float8 on every kind of layout follows the single-process float8 run of its recipe (run_table.FLOAT8_RUNS).
 
 Float8 changes what "the same curve" can mean. Casting rounds to 3 mantissa bits (e4m3: weights, activations) or 2
 (e5m2: tensorwise output gradients), so two fp32 values one ulp apart can land on float8 values 6% or 25% apart.
@@ -73,9 +73,9 @@ def test_float8_layout_follows_the_single_process_run(runs, name):
 @pytest.mark.parametrize("run", ["float8_single", "float8_rowwise_single"])
 def test_float8_curve_stays_near_fp32_and_is_not_it(runs, run):
     """One process, 4 steps of the shared runs' batch, against the fp32 run "single"'s first 4. Measured: the largest
-    relative gap 1.8e-4 tensorwise, 2.1e-4 rowwise (the debug model's 6 blocks: 4.1e-4 and 4.8e-4, 2.4e-3 and 1.9e-3
-    over 8 steps; over 40 steps at batch 2: 4.5e-3 and 3.6e-3, docs/float8.md); float8's rounding of each element is up to 2**-4 (e4m3), but a matmul sums hundreds
-    of them and their errors average out. A float8 that silently stayed off gives a gap of 0."""
+    relative gap 1.8e-4 tensorwise, 2.1e-4 rowwise (the debug model's 6 blocks: 4.1e-4 and 4.8e-4, 2.4e-3 and
+    1.9e-3 over 8 steps; over 40 steps at batch 2: 4.5e-3 and 3.6e-3, docs/float8.md); float8's rounding of each
+    element is up to 2**-4 (e4m3), but a matmul sums hundreds of them and their errors average out. A float8 that silently stayed off gives a gap of 0."""
     got, fp32 = metric(runs[run], "loss"), metric(runs["single"], "loss")
     gaps = {step: abs(loss - fp32[step]) / fp32[step] for step, loss in got.items()}
     print(f"{run}: relative gap to fp32 {max(gaps.values()):.2e} at most, step 1 {abs(got[1] - fp32[1]):.2e}")

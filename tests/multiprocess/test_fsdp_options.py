@@ -2,7 +2,7 @@
 shared run without them to 1e-5 (the gradient reduce's summation order may move the last bits). That each option
 reaches fully_shard is checked in tests/test_parallelize.py.
 
-Two runs carry all the options (shared runs, conftest.py): each option changes when or where a tensor lives, not
+Two runs carry all the options (shared runs, run_table.py): each option changes when or where a tensor lives, not
 what is computed, so one that broke the numerics would show in its run's curve.
 """
 

@@ -1,7 +1,7 @@
 """Every parallel layout trains the same model on the same global batch and gives the single-process loss curve, its
 gradient norms, and at step 1 its every gradient.
 
-The runs are the suite's shared runs (conftest.py): global batch 8 on every layout, each accumulating as many
+The runs are the suite's shared runs (run_table.py): global batch 8 on every layout, each accumulating as many
 micro-batches as its data-parallel degree leaves. Differences come only from the order of floating-point reductions
 (TP's partial sums, the gradient reduce-scatter), so the curves agree to 1e-5, not bitwise; the same layout twice is
 bitwise (tests/test_train.py, and the resume tests of test_checkpoint.py).
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import CONTEXT_PARALLEL, PIPELINED, SHARED_RUNS, SINGLE_OF
+from run_table import CONTEXT_PARALLEL, PIPELINED, SHARED_RUNS, SINGLE_OF
 from grad_dump import assert_grads_match, load_grads
 from launch import ROOT, STEPS, assert_same_curve, losses
 

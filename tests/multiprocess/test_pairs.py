@@ -12,7 +12,7 @@ import math
 import pytest
 
 import pairs
-from conftest import PAIR_RUNS, SHARED_RUNS
+from run_table import PAIR_RUNS, SHARED_RUNS
 from launch import read_metrics
 
 # Loss and grad norm (relative) of a row against the single-process run of its precision, by the row's precision or

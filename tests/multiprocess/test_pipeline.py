@@ -1,7 +1,7 @@
 """Pipeline parallelism trains the single-process model exactly: the same curve, the same gradient for every
 parameter, true numbers in the log whichever stage the logging rank holds, and checkpoints that know no layout.
 
-The runs are the suite's shared pipeline runs (conftest.py), one per schedule: GPipe with accumulation, 1F1B beside
+The runs are the suite's shared pipeline runs (run_table.py), one per schedule: GPipe with accumulation, 1F1B beside
 FSDP 2, LoopedBFS beside TP 2 with every block recomputed, and Interleaved1F1B with compiled blocks, with 2 stages per
 rank for the last two. Their loss curves are in
 the layout matrix of test_layouts.py; here, what a curve could hide. Tolerance 1e-5 as there: a micro-batch's matmuls
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from conftest import PIPELINED, SINGLE_OF
+from run_table import PIPELINED, SINGLE_OF
 from grad_dump import assert_grads_match, load_grads
 from launch import ckpt, curve, read_metrics
 from test_checkpoint import assert_continues, assert_same_state
@@ -52,7 +52,7 @@ def test_pipeline_resumes_bitwise_with_async_saves_keeping_the_latest_2(runs):
 
 
 def test_pipeline_checkpoint_resumes_on_fsdp_and_back(runs, resharded):
-    """PP 2 x FSDP 2's step 4 goes on as FSDP 4 to step 6, and that as PP 2 x FSDP 2 to step 8 (conftest.RESHARD_LEGS):
+    """PP 2 x FSDP 2's step 4 goes on as FSDP 4 to step 6, and that as PP 2 x FSDP 2 to step 8 (run_table.RESHARD_LEGS):
     the state (model, optimizer moments, data position) and curve of the FSDP 4 run that never changed layout."""
     fsdp, folder = runs["fsdp4"], resharded["pp_to_fsdp4"]
     assert_same_state(ckpt(folder, 6), ckpt(fsdp, 6))

@@ -3,7 +3,7 @@ group forms (it used to fail in gloo's connectFullMesh, see distributed._round_s
 complete checkpoint and finishes on the uninterrupted curve. The job is PP 2 x FSDP 2: the dead rank holds the last
 stage."""
 
-from conftest import SHARED_RUNS
+from run_table import SHARED_RUNS
 from launch import COMMON, GATE, STEPS, assert_same_curve, losses, read_metrics, resumes, torchrun
 
 
