@@ -1,5 +1,5 @@
-"""The suite's shared runs (run_table.py): each made once per session, on first use or ahead of it in the background (the end of
-this file says which), and read by every test that needs it.
+"""The suite's shared runs (run_table.py): each made once per session, on first use or ahead of it in the
+background (the end of this file says which), and read by every test that needs it.
 
 A torchrun job costs seconds before its first step (the launcher, every rank importing torch, the mesh), and a step's
 cost grows with the model's blocks (tiny.toml's model has 2), so a shared run is made with every shared run of its

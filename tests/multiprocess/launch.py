@@ -24,17 +24,6 @@ from torchtitan_lite.runtime.run_history import read_history, read_metrics  # no
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "assets" / "tiny.toml"
 TINY_VOCAB = 258  # the vocabulary of tiny.toml's tokenizer, the byte-level one
-
-
-def tiny_model(**changes):
-    """The ModelArgs of what tiny.toml trains: flavor "tiny", the debug model's width in 2 blocks (most of a test
-    run's time goes block by block, and no test needs more blocks than pipeline stages; the layouts of 4 stages train
-    "debugmodel"'s 6, as the reference curve does)."""
-    from torchtitan_lite.config import load_config  # noqa: PLC0415 - torch's import, for the tests that build models
-    from torchtitan_lite.models.llama import flavor_args  # noqa: PLC0415
-
-    cfg = load_config(["--job.config_file", str(TINY)])
-    return flavor_args(cfg.model.flavor, TINY_VOCAB, cfg.training.seq_len).with_(**changes)
 TRAIN = ROOT / "train.py"
 GATE = ROOT / "tests" / "multiprocess" / "gate.py"  # the shim that holds a step or kills a rank (gate.py)
 # The folder whose sitecustomize.py spares each process the suite starts its last garbage collection (its docstring
@@ -64,6 +53,17 @@ MASKED = ("--model.attn_mask_type", "block_causal", "--training.dataset", "jsonl
 
 # Float8 as the CPU runs it (torchao's emulated float8 matmuls: the numerics, not the speed).
 FLOAT8 = ("--float8.enable_float8_linear", "--float8.emulate")
+
+
+def tiny_model():
+    """The ModelArgs of what tiny.toml trains: flavor "tiny", the debug model's width in 2 blocks (most of a test
+    run's time goes block by block, and no test needs more blocks than pipeline stages; the layouts of 4 stages train
+    "debugmodel"'s 6, as the reference curve does)."""
+    from torchtitan_lite.config import load_config  # noqa: PLC0415 - torch's import, for the tests that build models
+    from torchtitan_lite.models.llama import flavor_args  # noqa: PLC0415
+
+    cfg = load_config(["--job.config_file", str(TINY)])
+    return flavor_args(cfg.model.flavor, TINY_VOCAB, cfg.training.seq_len)
 
 
 def descendants(pid: int) -> list[int]:

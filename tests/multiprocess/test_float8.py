@@ -75,7 +75,8 @@ def test_float8_curve_stays_near_fp32_and_is_not_it(runs, run):
     """One process, 4 steps of the shared runs' batch, against the fp32 run "single"'s first 4. Measured: the largest
     relative gap 1.8e-4 tensorwise, 2.1e-4 rowwise (the debug model's 6 blocks: 4.1e-4 and 4.8e-4, 2.4e-3 and
     1.9e-3 over 8 steps; over 40 steps at batch 2: 4.5e-3 and 3.6e-3, docs/float8.md); float8's rounding of each
-    element is up to 2**-4 (e4m3), but a matmul sums hundreds of them and their errors average out. A float8 that silently stayed off gives a gap of 0."""
+    element is up to 2**-4 (e4m3), but a matmul sums hundreds of them and their errors average out. A float8 that
+    silently stayed off gives a gap of 0."""
     got, fp32 = metric(runs[run], "loss"), metric(runs["single"], "loss")
     gaps = {step: abs(loss - fp32[step]) / fp32[step] for step, loss in got.items()}
     print(f"{run}: relative gap to fp32 {max(gaps.values()):.2e} at most, step 1 {abs(got[1] - fp32[1]):.2e}")

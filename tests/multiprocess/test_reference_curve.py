@@ -3,8 +3,9 @@
 tests/assets/losses/debugmodel_cpu.txt holds the debug model's loss for 50 steps on synthetic data in fp32 on one
 CPU process (tests/assets/tiny.toml with flavor "debugmodel"). Tolerance 1e-4 absolute: on one machine the curve is
 bitwise reproducible, and changing the layout (other reduction orders) moves it by < 1e-6 over 50 steps; a CPU with
-other SIMD or BLAS kernels changes every matmul's reduction order, for which 100x that is ample. A real numerics change (init, data order,
-schedule, loss normalization, a missed gradient reduction) moves the early steps by 1e-3 or more.
+other SIMD or BLAS kernels changes every matmul's reduction order, for which 100x that is ample. A real numerics
+change (init, data order, schedule, loss normalization, a missed gradient reduction) moves the early steps by 1e-3 or
+more.
 Regenerate after an intended change: `python tests/multiprocess/test_reference_curve.py --update`.
 A 2-stage pipeline (Interleaved1F1B) and context parallelism over 2 ranks reproduce the same reference, as every
 layout must (both in one 2-process job, over its first LAYOUT_STEPS steps, without the decay that the 50-step
