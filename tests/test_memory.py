@@ -12,9 +12,10 @@ from torchtitan_lite.tools.memory import LLAMA3_VOCAB, estimate_memory, model_ar
 from torchtitan_lite.training.optim import build_optimizer
 
 import memory_table  # scripts/memory_table.py (pytest.ini puts scripts/ on the path)
+from tests.multiprocess.launch import DEBUGMODEL
 
 TINY = ["--job.config_file", "tests/assets/tiny.toml"]
-DEBUG = [*TINY, "--model.flavor", "debugmodel"]  # 6 blocks: the tests below that count per block
+DEBUG = [*TINY, *DEBUGMODEL]  # 6 blocks: the tests below that count per block
 STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 

@@ -7,6 +7,7 @@ import torch
 from torchtitan_lite.config import load_config
 from torchtitan_lite.models.llama import FLAVORS, Transformer
 from torchtitan_lite.parallel.pipeline import merge_stages, split_stages, stage_blocks
+from tests.multiprocess.launch import DEBUGMODEL
 
 ARGS = FLAVORS["debugmodel"].with_(vocab_size=64)  # 6 blocks
 
@@ -66,4 +67,4 @@ CASES = {  # world size, overrides, what the one line must name: of the debug mo
 @pytest.mark.parametrize("case", CASES)
 def test_bad_pipeline_layout_is_one_line(case, error_line):
     world, overrides, expected = CASES[case]
-    assert expected in error_line(world, ["--model.flavor", "debugmodel", *overrides])
+    assert expected in error_line(world, [*DEBUGMODEL, *overrides])
