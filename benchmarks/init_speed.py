@@ -8,8 +8,9 @@ Cases, each timed whole, rounds alternating between the sides so that load on a 
   rope table, so the ratio is the cost of layout invariance alone.
 - 8B shards: one FSDP 1/8 row shard (rank 3) of a 4096 x 4096 and of a 4096 x 14336 matrix (an 8B block's attention
   and FFN weights) filled by `fill_block_`, against `normal_` on tensors of the shard's shape.
-`--other PATH` also times the init.py of another checkout (e.g. `git worktree add /tmp/old HEAD~1`), loaded beside
-this one, and checks that both give bit-identical values. Times are medians over the rounds, with torch's thread count
+Each case also times this checkout's tensor ops, the path of accelerators and of hosts without a C compiler, beside
+its host kernel (init_fill.c). `--other PATH` also times the init.py of another checkout (e.g. `git worktree add
+/tmp/old HEAD~1`), loaded beside this one. Every side's values are checked bit-identical to this one's. Times are medians over the rounds, with torch's thread count
 (the trainer's: cores per local process) unless --threads says otherwise. On one thread they are the thread's CPU
 time, which a machine shared with other jobs measures reliably (time spent waiting for a core is not the init's, and
 both sides run on that one thread); with more threads, wall time.
@@ -32,6 +33,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torchtitan_lite.models.init as this_init
+import torchtitan_lite.models.init_cpu as init_cpu
 from torchtitan_lite.config import load_config
 from torchtitan_lite.data.tokenizer import build_tokenizer
 from torchtitan_lite.models.llama import FLAVORS, Transformer
@@ -82,6 +84,11 @@ def shard_normal(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return blocks
 
 
+def tensor_ops(fn):
+    with mock.patch.object(init_cpu, "kernel", lambda: None):
+        return fn()
+
+
 def timed(fn, *args) -> tuple[float, object]:
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     start = clock()
@@ -114,6 +121,9 @@ def main() -> None:
     for side, module in sides.items():
         cases["debugmodel"][side] = lambda m=module: model_init(model, m.trunc_normal_)
         cases["8B shards"][side] = lambda m=module: shard_init(m, blocks)
+    sides["tensor ops"] = this_init
+    for fns in cases.values():
+        fns["tensor ops"] = lambda fn=fns["this"]: tensor_ops(fn)
     times = {(case, side): [] for case, fns in cases.items() for side in fns}
     values = {}
     for _ in range(args.rounds):
@@ -132,11 +142,12 @@ def main() -> None:
             t = statistics.median(times[case, side])
             ratios[case, side] = t / base
             print(f"{case}: {side} init {t * 1e3:.1f} ms, {t / base:.2f}x normal_")
-        if args.other:
-            same = all(torch.equal(a, values[case, "other"][n]) for n, a in values[case, "this"].items())
-            print(f"{case}: this and other give bit-identical values: {same}")
-            if not same:
-                raise SystemExit(f"{case}: the two checkouts' values differ")
+        for side in sides:
+            if side != "this":
+                same = all(torch.equal(a, values[case, side][n]) for n, a in values[case, "this"].items())
+                print(f"{case}: this and {side} give bit-identical values: {same}")
+                if not same:
+                    raise SystemExit(f"{case}: this and {side} give different values")
     print(f"init/normal_ time: {ratios['debugmodel', 'this']:.2f}")
 
 

@@ -1,8 +1,10 @@
 """The initializer gives every element a value that depends only on (key, global index): any split of a tensor
-into blocks, filled separately, reassembles into the same full tensor; and the fast bulk path gives exactly the values
-of the plain definition kept below."""
+into blocks, filled separately, reassembles into the same full tensor; and both fast paths, the host's fused kernel
+(init_fill.c) and the tensor ops of accelerators, give exactly the values of the plain definition kept below."""
 
+import logging
 import math
+import os
 from statistics import NormalDist
 
 import pytest
@@ -15,6 +17,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import torchtitan_lite.models.init as init
+import torchtitan_lite.models.init_cpu as init_cpu
 from torchtitan_lite.models.init import _quantile_table, _tables, fill_block_, trunc_normal_, uniform
 
 
@@ -58,6 +61,16 @@ def ref_block(shape, full_shape, offset, std, cutoff, key, dtype=torch.float32):
     return (ref_normal(ref_uniform(index, key), cutoff) * std).to(dtype)
 
 
+@pytest.fixture(params=["kernel", "tensor ops"])
+def fill_path(request, monkeypatch):
+    """Each test that uses it runs on the host's kernel, then on the tensor ops (the accelerators' path)."""
+    if request.param == "tensor ops":
+        monkeypatch.setattr(init_cpu, "kernel", lambda: None)
+    else:
+        assert init_cpu.kernel() is not None, "no C compiler: the kernel's tests would test the tensor ops twice"
+    return request.param
+
+
 def full(shape, key="0/w", std=0.02, cutoff=math.inf):
     t = torch.empty(shape)
     trunc_normal_(t, std, cutoff, key)
@@ -65,6 +78,7 @@ def full(shape, key="0/w", std=0.02, cutoff=math.inf):
 
 
 @pytest.mark.parametrize("layout", ["rows", "cols", "grid", "uneven"])
+@pytest.mark.usefixtures("fill_path")
 def test_blocks_reassemble_to_the_full_tensor(layout):
     shape = (37, 24)
     ref = full(shape)
@@ -79,6 +93,7 @@ def test_blocks_reassemble_to_the_full_tensor(layout):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.usefixtures("fill_path")
 def test_values_do_not_depend_on_thread_count_or_chunking():
     ref = full((300, 50))
     threads = torch.get_num_threads()
@@ -87,7 +102,6 @@ def test_values_do_not_depend_on_thread_count_or_chunking():
         assert torch.equal(full((300, 50)), ref)
     finally:
         torch.set_num_threads(threads)
-    import torchtitan_lite.models.init as init
     chunk, init._CHUNK = init._CHUNK, 7  # forces one row per chunk
     try:
         assert torch.equal(full((300, 50)), ref)
@@ -122,6 +136,7 @@ def test_uniform_is_uniform_and_uses_the_high_index_bits():
 
 @pytest.mark.parametrize("seed", [0, 90125])
 @pytest.mark.parametrize("cutoff", [math.inf, 3.0, 1 / 3])  # 1/3: uneven knots, a dz per bin
+@pytest.mark.usefixtures("fill_path")
 def test_blocks_are_the_definition_bit_for_bit(seed, cutoff):
     # Uneven blocks of 2-D and 3-D tensors, a scalar, and low-precision storage: each is the reference's values.
     # float64 storage shows the computation's own rounding, which float32's final rounding would almost always hide.
@@ -139,6 +154,7 @@ def test_blocks_are_the_definition_bit_for_bit(seed, cutoff):
     assert torch.equal(block, ref)
 
 
+@pytest.mark.usefixtures("fill_path")
 def test_indices_beyond_int32_are_the_definition():
     # Tensors of more than 2**31 elements hash the high word of the index too: blocks around 2**31 and 2**32.
     for offset in (2**31 - 50, 2**32 - 50, 2**33 - 200):
@@ -147,16 +163,57 @@ def test_indices_beyond_int32_are_the_definition():
         assert torch.equal(block, ref_block((100,), (2**34,), (offset,), 0.02, math.inf, "0/huge")), offset
 
 
+def knot_edges(cutoff, slot_edges):
+    """u * 2**53 (integers U) at every knot of the table and every slot edge, and one step (2**-53) either side."""
+    points = torch.cat([torch.tensor(_quantile_table(min(float(cutoff), 8.0))[1], dtype=torch.float64), slot_edges])
+    points = points * 2.0**53
+    U = torch.cat([points.floor() + d for d in (-1, 0, 1)] + [points.ceil()])
+    return U[(U >= 0) & (U < 2.0**53)].to(torch.int64).unique()
+
+
+@pytest.mark.parametrize("cutoff", [math.inf, 3.0, 1 / 3])
+def test_kernel_is_the_definition_at_every_knot_and_slot_edge(cutoff):
+    # The kernel's lookup starts from the bin of u's 2**-16-wide slot and steps over the knots up to u: its hard
+    # cases are u exactly at a knot or a slot edge, and one step either side. std 1 and float64 output show the
+    # interpolation's own rounding.
+    U = knot_edges(cutoff, torch.arange(1 << 16, dtype=torch.float64) * 2.0**-16)
+    u = U.to(torch.float64) * 2.0**-53
+    out = torch.empty_like(u)
+    init_cpu.quantiles_(out, u, 1.0, init._host_tables(min(float(cutoff), 8.0)))
+    assert torch.equal(out, ref_normal(u, cutoff))
+
+
+def test_kernel_builds_without_native_flags_and_falls_back_without_a_compiler(tmp_path, monkeypatch, caplog):
+    # A compiler that refuses -march=native still builds the kernel (the portable flags), which gives the same
+    # values; with no compiler at all, one warning, and the tensor ops fill with the same values again.
+    monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(tmp_path / "cache"))
+    picky = tmp_path / "picky-cc"
+    picky.write_text('#!/bin/sh\ncase "$*" in *-march=native*) echo "unknown flag" >&2; exit 1;; esac\n'
+                     'exec cc "$@"\n')
+    picky.chmod(0o755)
+    ref = ref_block((40, 30), (80, 30), (40, 0), 0.02, math.inf, "0/w", torch.float64)
+    for compiler, built in ((str(picky), True), (str(tmp_path / "no-such-cc"), False)):
+        monkeypatch.setenv("CC", compiler)
+        init_cpu.kernel.cache_clear()
+        try:
+            with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
+                assert (init_cpu.kernel() is not None) == built
+            block = torch.empty(40, 30, dtype=torch.float64)
+            fill_block_(block, (80, 30), (40, 0), 0.02, math.inf, "0/w")
+            assert torch.equal(block, ref), compiler
+        finally:
+            init_cpu.kernel.cache_clear()
+    assert len(os.listdir(tmp_path / "cache" / "kernels")) == 1  # the picky compiler's, under a name of its own
+    assert [r.message.split(";")[0] for r in caplog.records] == [
+        f"init: the host's fused fill could not be built ({tmp_path / 'no-such-cc'}: not found)"]
+
+
 @pytest.mark.parametrize("cutoff", [math.inf, 3.0, 1 / 3])
 def test_bin_lookup_is_searchsorted_at_every_knot_and_bucket_edge(cutoff):
     # The lookup's hard cases: u exactly at a knot, one step (2**-53) either side, and at the ends of every bucket,
     # where the lookup changes row; the far-end buckets are searched. u * 2**53 is an integer U; the bucket comes from
     # U's top 26 bits, as the signed int32 the hash leaves.
-    z_list, p_list = _quantile_table(min(float(cutoff), 8.0))
-    lower, _ = init._bucket_ranges()
-    points = torch.cat([torch.tensor(p_list, dtype=torch.float64), lower]) * 2.0**53
-    U = torch.cat([points.floor() + d for d in (-1, 0, 1)] + [points.ceil()])
-    U = U[(U >= 0) & (U < 2.0**53)].to(torch.int64).unique()
+    U = knot_edges(cutoff, init._bucket_ranges()[0])
     n = len(U)
     high = ((U >> 27) - ((U >> 52) << 26)).to(torch.int32)
     bucket, j = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
@@ -166,6 +223,7 @@ def test_bin_lookup_is_searchsorted_at_every_knot_and_bucket_edge(cutoff):
     assert torch.equal(j.long(), ref_bin(U.to(torch.float64) * 2.0**-53, cutoff))
 
 
+@pytest.mark.usefixtures("fill_path")
 def test_sharded_parameters_are_the_definition():
     # DTensors built in this process on a fake 4-process mesh: FSDP over TP (a _StridedShard over Shard) and a
     # TP row-wise Shard(1), with uneven shards; each rank's local shard is the full reference tensor's block.

@@ -7,11 +7,14 @@ makes the relative values of path options given on the command line absolute aga
 directory when something else launched us, which is then the same place). config.toml then names files a rerun
 finds from anywhere. Values read from a TOML file keep resolving against the working directory, as the configs here
 expect.
+
+cache_dir() is the one folder the package writes outside a run's dump folder: what it makes once per machine.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Iterable
 
 CALLER_DIR = "TORCHTITAN_LITE_CALLER_DIR"
@@ -34,3 +37,11 @@ def resolve_typed_paths(cfg: Any, options: Iterable[Any]) -> None:
             continue  # "": no file (byte-level tokenizer, built-in data); hf: a dataset name on the Hub
         parts = [p.strip() for p in value.split(",")] if o.path == LIST else [value]
         setattr(section, o.name, ",".join(absolute(p) for p in parts if p))
+
+
+def cache_dir() -> Path:
+    """What is made once per machine (tokenized corpora, the init's compiled fill): $TORCHTITAN_LITE_CACHE, else
+    $XDG_CACHE_HOME/torchtitan_lite."""
+    if os.environ.get("TORCHTITAN_LITE_CACHE"):
+        return Path(os.environ["TORCHTITAN_LITE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchtitan_lite"

@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 
 from torchtitan_lite.config import ConfigError
+from torchtitan_lite.config.paths import cache_dir
 
 # Token shards (scripts/pretokenize.py): a fixed-size header, then the tokens as little-endian uint16 or uint32.
 # The header is JSON padded with spaces, so `head -c 256 shard.bin` shows what a shard holds.
@@ -195,13 +196,6 @@ def open_shard(path: Path, tokenizer) -> torch.Tensor:
 
 
 # ---- The built-in corpus, tokenized once per machine
-
-
-def cache_dir() -> Path:
-    """Where tokenized corpora are kept: $TORCHTITAN_LITE_CACHE, else $XDG_CACHE_HOME/torchtitan_lite."""
-    if os.environ.get("TORCHTITAN_LITE_CACHE"):
-        return Path(os.environ["TORCHTITAN_LITE_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchtitan_lite"
 
 
 def cached_tokens(files: list[Path], tokenizer) -> torch.Tensor:

@@ -12,13 +12,14 @@ conversions (rounded to nearest even, exactly as IEEE 754 specifies); the normal
 once in Python scalars, not from erfinv or log (whose vectorized and scalar code paths differ in the last bit on the
 CPU).
 
-Host initialization (CPU offload: every rank fills its shard on the CPU) makes its speed matter, so a shard is
-filled in bulk, about 36 whole-tensor ops per chunk instead of a binary search per element: the hash runs on int32
-lanes, both of uniform()'s streams in one tensor, and a draw's bin comes from a lookup (2**16 buckets, the float16
-bits of u's top 26 bits as a signed integer: finer towards both ends of [0, 1), as the bins are) and one comparison.
-Each op writes into buffers made once, in place where it can. The values are the plain definition's, uniform() then
-a search of the table, bit for bit: tests/test_init.py keeps that definition to compare against, and
-benchmarks/init_speed.py times both against torch's `normal_`.
+Host initialization (CPU runs, and every rank under CPU offload) makes its speed matter. On the host a shard is
+filled by one fused C loop (init_fill.c, built and called by init_cpu.py), about as fast as torch's `normal_`. On
+accelerators, and on a host without a C compiler, it is filled in bulk by tensor ops, about 36 whole-tensor ops per
+chunk: the hash runs on int32 lanes, both of uniform()'s streams in one tensor, and a draw's bin comes from a lookup
+(2**16 buckets, the float16 bits of u's top 26 bits as a signed integer: finer towards both ends of [0, 1), as the
+bins are) and one comparison. Each op writes into buffers made once, in place where it can. Both paths give the
+plain definition's values, uniform() then a search of the table, bit for bit: tests/test_init.py keeps that
+definition to compare against, and benchmarks/init_speed.py times them against torch's `normal_`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from statistics import NormalDist
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from torchtitan_lite.models import init_cpu
 
 _MASK32 = 0xFFFFFFFF
 _TABLE_SIZE = 4096  # bins of the quantile table; each holds 1/4096 of [-cutoff, cutoff] in units of std
@@ -211,7 +214,7 @@ class _Fill:
     chunks share is made once: the key's words, the tables, the constants and the buffers."""
 
     def __init__(self, key: str, cutoff: float, n: int, device: torch.device):
-        self.table, self.c = _tables(min(float(cutoff), _MAX_CUTOFF), device), _constants(device)
+        self.table, self.c = _tables(cutoff, device), _constants(device)
         self.buffers = _buffers(n, device)
         k = key_words(key)
         # mix32's first step, x ^ (x >> 16), is linear: of index ^ key it is that of the index (once for both rows) ^
@@ -304,17 +307,46 @@ def fill_block_(local: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[
         return
     if local.dim() == 0:
         local, full_shape, offset = local.view(1), (1,), (0,)
-    shape, device = tuple(local.shape), local.device
-    strides = [1] * len(full_shape)
-    for d in range(len(full_shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * full_shape[d + 1]
+    cutoff = min(float(cutoff), _MAX_CUTOFF)
+    on_host = local.device.type == "cpu" and init_cpu.kernel() is not None
+    dtype = local.dtype if not on_host or local.dtype in (torch.float32, torch.float64) else torch.float64
+    out = local if local.is_contiguous() and local.dtype == dtype else torch.empty(local.shape, dtype=dtype,
+                                                                                      device=local.device)
+    (_fill_on_host if on_host else _fill_in_bulk)(out, tuple(full_shape), tuple(offset), std, cutoff, key)
+    if out is not local:
+        local.copy_(out)  # rounded once more, from float64 where the kernel wrote that, as the definition rounds
+
+
+def _strides(full_shape: tuple[int, ...]) -> list[int]:
+    return [math.prod(full_shape[d + 1:]) for d in range(len(full_shape))]
+
+
+@functools.lru_cache(maxsize=16)
+def _host_tables(cutoff: float) -> init_cpu.Tables:
+    return init_cpu.tables(*_quantile_table(cutoff))
+
+
+def _fill_on_host(out: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[int, ...], std: float,
+                  cutoff: float, key: str) -> None:
+    """The fused kernel, row by row of the last dimension (whose elements have consecutive global indices)."""
+    strides = _strides(full_shape)
+    row_start = torch.tensor(offset[-1], dtype=torch.int64)
+    for d in range(out.dim() - 1):
+        row_start = row_start.unsqueeze(-1) + (torch.arange(out.shape[d]) + offset[d]) * strides[d]
+    init_cpu.fill_(out, row_start.reshape(-1), key_words(key), std, _host_tables(cutoff))
+
+
+def _fill_in_bulk(out: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[int, ...], std: float,
+                  cutoff: float, key: str) -> None:
+    """Tensor ops, chunk by chunk of rows along dim 0: on accelerators, and on hosts without the kernel."""
+    shape, device = tuple(out.shape), out.device
+    strides = _strides(full_shape)
     dtype = torch.int32 if math.prod(full_shape) <= 1 << 31 else torch.int64
     # Global flat index of every local element except along dim 0, which is chunked below.
     inner = torch.zeros((), dtype=dtype, device=device)
     for d in range(1, len(shape)):
         inner = inner.unsqueeze(-1) + (torch.arange(shape[d], dtype=dtype, device=device) + offset[d]) * strides[d]
     inner = inner.reshape(1, -1)
-    out = local if local.is_contiguous() else torch.empty(shape, dtype=local.dtype, device=device)
     chunk = _CHUNK * torch.get_num_threads() if device.type == "cpu" else _CHUNK_ACCELERATOR
     chunks = -(-shape[0] * inner.numel() // chunk)
     rows_per_chunk = -(-shape[0] // chunks)  # even chunks: no last one of a few rows, that would cost as much
@@ -326,5 +358,3 @@ def fill_block_(local: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[
         m = (min(shape[0], r0 + rows_per_chunk) - r0) * inner.numel()
         torch.add(first[:m], r0 * strides[0], out=index[:m])
         fill(out[r0 : r0 + rows_per_chunk].view(-1), index[:m], std)
-    if out is not local:
-        local.copy_(out)
