@@ -163,6 +163,18 @@ def test_indices_beyond_int32_are_the_definition():
         assert torch.equal(block, ref_block((100,), (2**34,), (offset,), 0.02, math.inf, "0/huge")), offset
 
 
+@pytest.mark.usefixtures("fill_path")
+def test_tensor_subclasses_are_filled_through_their_ops():
+    # A wrapper subclass's memory is not where its values live (torchao's float8 weights are such a wrapper under
+    # FSDP's float8 all-gather): the fill must go through its ops, here to both of TwoTensor's inner tensors.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    block = TwoTensor(torch.empty(40, 30), torch.empty(40, 30))
+    fill_block_(block, (80, 30), (40, 0), 0.02, math.inf, "0/w")
+    ref = ref_block((40, 30), (80, 30), (40, 0), 0.02, math.inf, "0/w")
+    assert torch.equal(block.a, ref) and torch.equal(block.b, ref)
+
+
 def knot_edges(cutoff, slot_edges):
     """u * 2**53 (integers U) at every knot of the table and every slot edge, and one step (2**-53) either side."""
     points = torch.cat([torch.tensor(_quantile_table(min(float(cutoff), 8.0))[1], dtype=torch.float64), slot_edges])

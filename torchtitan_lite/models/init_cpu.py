@@ -106,6 +106,8 @@ def kernel() -> ctypes.CDLL | None:
 
 
 def _outputs(out: torch.Tensor) -> tuple[int | None, int | None]:
+    # A subclass's pointer may be its wrapper's, not the memory its values live in.
+    assert type(out) in (torch.Tensor, torch.nn.Parameter), f"a plain tensor, not {type(out).__name__}"
     assert out.is_contiguous() and out.dtype in (torch.float32, torch.float64)
     return (out.data_ptr(), None) if out.dtype == torch.float64 else (None, out.data_ptr())
 
