@@ -68,7 +68,7 @@ def test_each_rank_attends_as_its_rows_of_whole_sequence_attention(cp, balancer,
     monkeypatch.setattr(context_parallel.funcol, "all_gather_single_autograd", lambda x, gather_dim, group: gathered)
     for rank in range(cp):
         attn = Attend(FakeMesh(cp, rank, device_type), seq, balancer)
-        out = attn(*(shard(x, attn.ranges) for x in (q, k, v)), rope, mask)
+        out = attn(*(shard(x, attn.ranges) for x in (q, k, v)), attn.rows(rope), mask)
         torch.testing.assert_close(out, shard(whole, attn.ranges), rtol=0, atol=1e-6)
 
 

@@ -4,8 +4,9 @@ Attention and FFN reshape with -1 for the head count, so the same code runs on t
 shard. Layers live in a ModuleDict keyed "0".."n-1" so parameter names (and checkpoints) do not depend on wrapping.
 
 Attention is the one thing the layouts and decoding change, so it is swappable and the rest of the forward exists
-once: context parallelism replaces a block's `attend` (context_parallel.Attend), and decoding passes a KV cache
-through the forward (generation.KVCache), whose layer cache attends over the positions it holds.
+once: context parallelism replaces a block's `attend` (context_parallel.Attend) and the model's `held_rope` (the
+rotary rows of the tokens a rank holds), and decoding passes a KV cache through the forward (generation.KVCache),
+whose layer cache attends over the positions it holds.
 
 Document masking (documents.py) enters as the forward's `documents`, the document id of every token of the window:
 the forward turns them once into each token's rotary row and the mask every block attends under.
@@ -114,6 +115,10 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * rows).flatten(-2).type_as(x)
 
 
+def all_rows(rope: torch.Tensor) -> torch.Tensor:
+    return rope
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -220,6 +225,9 @@ class Transformer(nn.Module):
         # How a block_causal forward masks: documents.explicit_mask, or .block_mask (FlexAttention), chosen once at
         # start-up (train.py), like `attend`.
         self.document_mask = docs.explicit_mask
+        # The rotary rows of the tokens this process holds, cut once per forward for every block (apply_rope keeps
+        # them for backward): all of them, or a context-parallel rank's share (context_parallel.py swaps it in).
+        self.held_rope = all_rows
 
     def forward(self, tokens: torch.Tensor, cache=None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of `tokens`; with a KV cache (generation.KVCache), of the positions right after the cached ones.
@@ -230,6 +238,7 @@ class Transformer(nn.Module):
         rope, mask = self.rope, None
         if documents is not None:  # once per micro-batch, shared by every block
             rope, mask = self.rope[docs.positions(documents)], self.document_mask(documents, h.dtype)
+        rope = self.held_rope(rope)
         if cache is not None:  # decoding: one process, eager, no wrappers
             for name, layer in self.layers.items():
                 h = layer(h, self.rope, cache=cache.layer(int(name)))

@@ -9,7 +9,8 @@ for CUDA alone; the all-gather runs anywhere on plain SDPA, and is exactly testa
 
 Design. The model never learns about meshes: its Attention calls `self.attend(q, k, v, rope, mask)` (model.attend:
 rotary embeddings from the table's first rows, causal SDPA over the whole sequence) and `apply_cp` swaps in
-`Attend`, which knows this rank's positions and the cp group. The data loader hands each rank its share of every
+`Attend`, which knows this rank's positions and the cp group, and the model's `held_rope`, which cuts this rank's
+rotary rows once per forward for all blocks. The data loader hands each rank its share of every
 sequence (`shard`, inputs and labels alike), so everything but attention (norms, FFN, the loss) is token-wise and
 untouched: the loss stays a sum of token losses over the global token count, and FSDP, which shards the parameters
 over dp_shard x cp since CP ranks hold the same weights, sums the cp ranks' gradients like any data-parallel ones.
@@ -94,9 +95,8 @@ class Attend:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask` (block_causal): the explicit mask of the whole window, of which each chunk attends with its rows;
-        `rope` then holds every token's row, of which this rank takes its own."""
-        rope = shard(rope, self.ranges, dim=0 if mask is None else 1)  # the rows at this rank's positions
+        """`rope`: the rotary rows of this rank's tokens (the model's held_rope, `rows`). `mask` (block_causal): the
+        explicit mask of the whole window, of which each chunk attends with its rows."""
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         kv = self.gather(torch.cat([k, v], dim=-1))  # one collective for both
         k, v = kv.transpose(1, 2).chunk(2, dim=-1)
@@ -108,6 +108,11 @@ class Attend:
                                                        attn_mask=chunk, enable_gqa=q.shape[1] != k.shape[1]))
             start += size
         return torch.cat(outs, dim=2).transpose(1, 2)
+
+    def rows(self, rope: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of `rope`: of the table (first rows: positions 0..seq-1), or of every token's own row
+        (block_causal, (bs, seq, head_dim/2))."""
+        return shard(rope, self.ranges, dim=0 if rope.dim() == 2 else 1)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(bs, local seq, ...) -> (bs, whole seq, ...) in true order; backward: a reduce-scatter (sum) of the
@@ -133,5 +138,6 @@ def lower_right_masks(ranges: list[tuple[int, int]], device_type: str) -> list:
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, balancer: str) -> None:
     attend = Attend(cp_mesh, seq_len, balancer)
+    model.held_rope = attend.rows
     for block in model.layers.values():
         block.attention.attend = attend
