@@ -24,8 +24,8 @@ static inline uint32_t mix32(uint32_t x) {
 }
 
 /* out[i] = std * the quantile of u[i]. first_bin[t] is the bin of t / 2**16, and p_next[j] the upper knot of bin j:
-   a u's bin is that of its 2**-16-wide slot, plus the knots inside the slot at or below u (almost never one, as the
-   slots are far narrower than the bins but at the very ends). */
+   a u's bin is that of its 2**-16-wide slot, plus the knots inside the slot at or below u (almost never any: the
+   slots are far narrower than the bins, except at the very ends). */
 void quantiles(const double *u, int64_t n, double std, const int16_t *first_bin, const bin_t *bins,
                const double *p_next, double *out64, float *out32) {
     for (int64_t i = 0; i < n; i++) {
