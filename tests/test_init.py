@@ -198,14 +198,15 @@ def test_kernel_is_the_definition_at_every_knot_and_slot_edge(cutoff):
 def test_kernel_builds_without_native_flags_and_falls_back_without_a_compiler(tmp_path, monkeypatch, caplog):
     # A compiler that refuses -march=native still builds the kernel (the portable flags), which gives the same
     # values; with no compiler at all, one warning, and the tensor ops fill with the same values again.
-    monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(tmp_path / "cache"))
+    # Patched in this module, not in the environment, which the suite's background jobs copy when they start.
+    monkeypatch.setattr(init_cpu, "cache_dir", lambda: tmp_path / "cache")
     picky = tmp_path / "picky-cc"
     picky.write_text('#!/bin/sh\ncase "$*" in *-march=native*) echo "unknown flag" >&2; exit 1;; esac\n'
                      'exec cc "$@"\n')
     picky.chmod(0o755)
     ref = ref_block((40, 30), (80, 30), (40, 0), 0.02, math.inf, "0/w", torch.float64)
     for compiler, built in ((str(picky), True), (str(tmp_path / "no-such-cc"), False)):
-        monkeypatch.setenv("CC", compiler)
+        monkeypatch.setattr(init_cpu, "_compiler", lambda: compiler)
         init_cpu.kernel.cache_clear()
         try:
             with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):

@@ -61,9 +61,13 @@ def _cpu_identity() -> str:
         return platform.processor()
 
 
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
 def _build() -> Path:
     """The kernel's library in cache_dir(), built there first if no process has built it yet."""
-    compiler = os.environ.get("CC") or "cc"
+    compiler = _compiler()
     identity = repr((compiler, FLAGS, platform.machine(), _cpu_identity())).encode()
     digest = hashlib.sha256(SOURCE.read_bytes() + identity).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"init_fill-{digest}.so"
