@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from torchtitan_lite.config import LRScheduler
-from torchtitan_lite.training.optim import build_lr_scheduler, clip_grad_norm_, lr_factor
+from torchtitan_lite.config import LRScheduler, Optimizer
+from torchtitan_lite.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor
 
 
 def factors(steps, **kw):
@@ -127,6 +127,42 @@ def test_an_unchanged_schedule_resumes_as_it_was(caplog):
     cosine = dict(warmup_steps=3, decay_type="cosine", min_lr_factor=0.1)
     assert resumed(5, 9, 9, **cosine) == factors(9, **cosine)[5:]
     assert not [r for r in caplog.records if "lr schedule changed" in r.getMessage()]
+
+
+def stepped(model, **settings):
+    opt = build_optimizer(model, Optimizer(**settings), "cpu")
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
+def test_a_resume_trains_with_the_configs_optimizer_settings(implementation, caplog):
+    # torch's load_state_dict would take betas, eps, weight decay and kernel from the checkpoint: a cooldown resumed
+    # with another weight decay would silently keep the old one. The lr is the schedule's (loaded after).
+    caplog.set_level(logging.INFO, logger="torchtitan_lite")
+    model = torch.nn.Linear(4, 3)
+    saved = stepped(model, lr=0.5, weight_decay=0.1, implementation=implementation)
+    new = dict(beta2=0.99, eps=1e-6, weight_decay=0.0, implementation="foreach" if implementation != "foreach" else
+               "for-loop")
+    resumed = build_optimizer(model, Optimizer(lr=1.0, **new), "cpu")
+    resumed.load_state_dict(saved.state_dict())
+    expected = build_optimizer(model, Optimizer(lr=0.5, **new), "cpu").param_groups[0]
+    for key, value in resumed.param_groups[0].items():
+        assert value == expected[key] or key == "params", key  # lr 0.5: the checkpoint's
+    state = resumed.state[model.weight]
+    assert torch.equal(state["exp_avg"], saved.state[model.weight]["exp_avg"]) and float(state["step"]) == 1
+    model(torch.ones(2, 4)).sum().backward()
+    resumed.step()  # the loaded step counters suit the new kernel
+    said = [r.getMessage() for r in caplog.records if "optimizer's settings changed" in r.getMessage()]
+    assert said == [f"the optimizer's settings changed since the checkpoint (optimizer.beta2 0.95 -> 0.99, "
+                    f"optimizer.eps 1e-08 -> 1e-06, optimizer.weight_decay 0.1 -> 0.0, optimizer.implementation "
+                    f"{implementation} -> {new['implementation']}): the resumed steps use the new ones"]
+    caplog.clear()
+    again = build_optimizer(model, Optimizer(lr=0.5, weight_decay=0.1, implementation=implementation), "cpu")
+    again.load_state_dict(saved.state_dict())
+    assert again.param_groups[0] == {**saved.param_groups[0], "params": again.param_groups[0]["params"]}
+    assert not [r for r in caplog.records if "optimizer's settings changed" in r.getMessage()]
 
 
 def test_clip_matches_torch_on_plain_tensors():

@@ -116,16 +116,19 @@ def test_finished_run_has_nothing_to_do(fsdp_straight, tmp_path):
     assert len(read_metrics(tmp_path / "run")) == len(read_metrics(fsdp_straight))
 
 
-def test_extended_run_follows_the_new_schedule_from_its_first_step(tmp_path):
-    # tiny.toml decays over the last half: a finished 4-step run's optimizer holds lr 0, the old schedule's end.
+def test_extended_run_follows_the_new_schedule_and_optimizer_settings_from_its_first_step(tmp_path):
+    # tiny.toml decays over the last half: a finished 4-step run's optimizer holds lr 0, the old schedule's end. The
+    # extension also changes the weight decay, which DCP's load would otherwise take from the checkpoint.
     extended, fresh = tmp_path / "extended", tmp_path / "fresh"
     train_in_process(extended, "--checkpoint.enable", "--training.steps", "4")
-    proc = train_in_process(extended, "--checkpoint.enable", "--training.steps", "6")
+    proc = train_in_process(extended, "--checkpoint.enable", "--training.steps", "6", "--optimizer.weight_decay", "0")
     train_in_process(fresh, "--training.steps", "6")
     lr, expected = metric(extended, "lr"), metric(fresh, "lr")
     assert [lr[s] for s in (5, 6)] == [expected[s] for s in (5, 6)] and expected[5] > 0
     assert proc.stdout.count("the lr schedule changed since the checkpoint (training.steps 4 -> 6): the lr of step 5 "
                              "follows the new schedule") == 1
+    assert proc.stdout.count("the optimizer's settings changed since the checkpoint (optimizer.weight_decay 0.1 -> "
+                             "0.0): the resumed steps use the new ones") == 1
 
 
 # ---- Resharding: the data position is global and DCP reshards every DTensor, so the curve goes on.

@@ -24,9 +24,34 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, device_type: str) -> torch
     impl = cfg.implementation
     if impl == "fused" and device_type == "cpu" and not _fused_on_cpu():
         impl = "foreach"  # fused AdamW has no CPU kernel on older torch; foreach is the next fastest
-    return torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-        foreach=impl == "foreach", fused=impl == "fused" or None)
+    return AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                 weight_decay=cfg.weight_decay, foreach=impl == "foreach", fused=impl == "fused" or None)
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, except that a loaded state keeps this run's settings: betas, eps, weight decay and kernel are
+    the config's, not the checkpoint's. torch's load_state_dict takes them all from the checkpoint, so a resume under
+    another weight decay (a cooldown, say) would silently train with the old one. The lr stays the checkpoint's: the
+    schedule, loaded next, decides it (LRSchedule). One line says what changed."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict["param_groups"]
+        ours = [{k: v for k, v in g.items() if k not in ("params", "param_names", "lr", "initial_lr")}
+                for g in self.param_groups]
+        was, now = _settings(saved[0]), _settings(self.param_groups[0])
+        # Merged before loading: torch places the loaded state (the step counters) as the groups' kernel needs it.
+        super().load_state_dict({**state_dict, "param_groups": [{**s, **o} for s, o in zip(saved, ours)]})
+        changed = [f"optimizer.{k} {was[k]} -> {v}" for k, v in now.items() if was[k] != v]
+        if changed and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.info("the optimizer's settings changed since the checkpoint (%s): the resumed steps use the new "
+                        "ones", ", ".join(changed))
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings as the config names them."""
+    impl = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop"
+    return {"beta1": group["betas"][0], "beta2": group["betas"][1], "eps": group["eps"],
+            "weight_decay": group["weight_decay"], "implementation": impl}
 
 
 @functools.cache
