@@ -14,7 +14,8 @@ comes and goes within seconds, hits both alike (rounds of K steps each way gave 
   step run inside it. Start-up and the first --warmup steps are left out.
 - Bare: the plainest correct loop (forward, F.cross_entropy, backward, torch.nn.utils.clip_grad_norm_, AdamW,
   zero_grad, loss.item()), each step timed alone. It also runs with automatic GC off, as the trainer sets it.
-The two loss curves must agree (same numerics), which checks that both do the same work.
+The two loss curves must agree, which checks that both do the same work: to the last bits, not bitwise, as the
+trainer clips by a grad norm summed in float64 and torch's clip_grad_norm_ sums in float32.
 
 Prints each round's median step time of each side, the medians over all rounds' steps, and last
 `trainer/bare step time: R` (the ratio of medians; 1.000 = no overhead).
