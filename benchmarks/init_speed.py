@@ -10,8 +10,9 @@ Cases, each timed whole, rounds alternating between the sides so that load on a 
   and FFN weights) filled by `fill_block_`, against `normal_` on tensors of the shard's shape.
 Each case also times this checkout's tensor ops, the path of accelerators and of hosts without a C compiler, beside
 its host kernel (init_fill.c). `--other PATH` also times the init.py of another checkout (e.g. `git worktree add
-/tmp/old HEAD~1`), loaded beside this one. Every side's values are checked bit-identical to this one's. Times are medians over the rounds, with torch's thread count
-(the trainer's: cores per local process) unless --threads says otherwise. On one thread they are the thread's CPU
+/tmp/old HEAD~1`), loaded beside this one. Every side's values are checked bit-identical to this one's. Times are
+medians over the rounds, with torch's thread count (the trainer's: cores per local process) unless --threads says
+otherwise. On one thread they are the thread's CPU
 time, which a machine shared with other jobs measures reliably (time spent waiting for a core is not the init's, and
 both sides run on that one thread); with more threads, wall time.
 

@@ -40,7 +40,6 @@ _TABLE_SIZE = 4096  # bins of the quantile table; each holds 1/4096 of [-cutoff,
 _MAX_CUTOFF = 8.0  # beyond 8 std the normal holds 1e-15 of its mass: "untruncated" for all purposes
 _CHUNK = 1 << 15  # elements generated at once per CPU thread: the chunk's buffers stay in cache
 _CHUNK_ACCELERATOR = 1 << 22  # where every op is a kernel launch
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def mix32(x):
@@ -311,7 +310,7 @@ def fill_block_(local: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[
     cutoff = min(float(cutoff), _MAX_CUTOFF)
     # The kernel writes through the tensor's pointer: a plain tensor's memory. Tensor subclasses (torchao's float8
     # weights, the memory estimator's fake tensors) take the tensor ops, which dispatch through them.
-    on_host = local.device.type == "cpu" and type(local) in _PLAIN and init_cpu.kernel() is not None
+    on_host = local.device.type == "cpu" and type(local) in init_cpu.PLAIN and init_cpu.kernel() is not None
     dtype = local.dtype if not on_host or local.dtype in (torch.float32, torch.float64) else torch.float64
     out = local if local.is_contiguous() and local.dtype == dtype else torch.empty(local.shape, dtype=dtype,
                                                                                       device=local.device)

@@ -33,6 +33,8 @@ SOURCE = Path(__file__).with_name("init_fill.c")
 # The build without it is the fallback for compilers that do not know the flag.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
 _PTR, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+# What the kernel may write through: a tensor subclass's pointer may be its wrapper's, not where its values live.
+PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class Tables(NamedTuple):
@@ -110,8 +112,7 @@ def kernel() -> ctypes.CDLL | None:
 
 
 def _outputs(out: torch.Tensor) -> tuple[int | None, int | None]:
-    # A subclass's pointer may be its wrapper's, not the memory its values live in.
-    assert type(out) in (torch.Tensor, torch.nn.Parameter), f"a plain tensor, not {type(out).__name__}"
+    assert type(out) in PLAIN, f"a plain tensor, not {type(out).__name__}"
     assert out.is_contiguous() and out.dtype in (torch.float32, torch.float64)
     return (out.data_ptr(), None) if out.dtype == torch.float64 else (None, out.data_ptr())
 
