@@ -9,6 +9,11 @@ set -euo pipefail
 # Paths typed on the command line (CONFIG_FILE too) are files seen from here, where the user stands; the trainer
 # resolves them against this directory (torchtitan_lite/config/paths.py), the configs' own against the repository.
 export TORCHTITAN_LITE_CALLER_DIR=$PWD
+if [ -n "${CONFIG_FILE:-}" ] && [ ! -f "$CONFIG_FILE" ]; then
+  echo "error: CONFIG_FILE=$CONFIG_FILE: no such file (relative to $PWD): set CONFIG_FILE to a TOML config, e.g." \
+    "train_configs/debug_model.toml" >&2
+  exit 2
+fi
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-$(command -v python || command -v python3)} || {
   echo "error: neither python nor python3 is on PATH: set PYTHON to the interpreter that has torch" >&2; exit 127; }
@@ -20,21 +25,35 @@ if [ -z "${NGPU:-}" ]; then
   fi
 fi
 CONFIG_FILE=${CONFIG_FILE:-$PWD/train_configs/debug_model.toml}
+for arg in "$@"; do  # the options' help, once, from one process: no check, no worker
+  case $arg in -h|--help) exec "$PYTHON" train.py --help ;; esac
+done
 LOG_RANK=${LOG_RANK:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 export PYTHONUNBUFFERED=1
+# What torchrun sets when unset, with a five-line banner saying so; the trainer sets its own thread count anyway.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # torchrun's agent shares one store with every round of workers (torch >= 2.5): a new node then deadlocks the
 # rendezvous, and restarted workers read the dead ones' addresses. Unshared, rank 0 serves a fresh store each round.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
-# A config every rank would reject alike (a typo, degrees that do not fit NGPU, a missing file) is reported in one
-# line by one process before torchrun starts, rather than by rank 0 and then torchrun's failure summary.
-WORLD_SIZE=$NGPU "$PYTHON" train.py --check --job.config_file "$CONFIG_FILE" "$@" || exit $?
+# A config every rank would reject alike (a typo, degrees that do not fit NGPU, a missing file, a folder a live run
+# holds) is reported in one line by one process before torchrun starts, rather than by rank 0 and then torchrun's
+# failure summary. A good one prints the run's plan, and what this script needs of it goes in $plan.
+plan=${TMPDIR:-/tmp}/run_train.$$.plan errors=${TMPDIR:-/tmp}/run_train.$$.errors
+trap 'rm -f "$plan" "$errors" 2>/dev/null || :' EXIT  # set -e holds in traps too
+: >"$errors"
+TORCHTITAN_LITE_PLAN_FILE=$plan WORLD_SIZE=$NGPU "$PYTHON" train.py --check --job.config_file "$CONFIG_FILE" "$@" \
+  || exit $?
+checkpoints=$(sed -n 's/^checkpoint_folder=//p' "$plan")
+grep -qx 'nothing_to_do=1' "$plan" && exit 0  # the check said why
+echo "starting $NGPU process$([ "$NGPU" = 1 ] || echo es) (torchrun)"
+export TORCHTITAN_LITE_PLAN_SHOWN=1  # rank 0 does not print the plan again
 # Ctrl-C reaches this script and torchrun (the terminal's foreground group), not the workers (torchrun gives each a
 # session of its own). torchrun would raise a SignalException, pass the signal on, SIGKILL workers still saving 30 s
 # later and exit 1 with a traceback: it is told to leave SIGINT alone (started in the background, it then ignores
 # it), and the trap below forwards it to the workers as it does SIGTERM.
-"$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
-  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --signals-to-handle SIGTERM,SIGHUP,SIGQUIT \
+TORCHTITAN_LITE_ERROR_LOG=$errors "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+  --max-restarts="$MAX_RESTARTS" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --signals-to-handle SIGTERM,SIGHUP,SIGQUIT \
   train.py --job.config_file "$CONFIG_FILE" "$@" &
 launcher=$!
 # Preemption (SIGTERM from Slurm or Kubernetes, SIGUSR1 as Slurm's early warning) goes to the workers, torchrun's
@@ -52,14 +71,24 @@ interrupt() {
     pkill -INT -P "$launcher" || true
   else  # torchrun with them, in one call: alone it would report dead workers and restart them
     kill -KILL "$launcher" $(pgrep -P "$launcher") 2>/dev/null || true
-    echo "second Ctrl-C: stopped at once; the newest complete checkpoint is kept" >&2
   fi
+}
+kept() {  # what a job killed now leaves: a save in progress is never published (step-N.tmp)
+  if [ -z "$checkpoints" ]; then echo "checkpoint.enable is off: nothing was saved"; return; fi
+  newest=$(ls -d "$checkpoints"/step-*/.metadata 2>/dev/null | sed 's|/.metadata$||; s|.*/step-||' | sort -n | tail -1)
+  if [ -n "$newest" ]; then echo "the newest complete checkpoint is $checkpoints/step-$newest"
+  else echo "no checkpoint was complete yet in $checkpoints"; fi
 }
 trap interrupt INT
 while true; do
   status=0
   wait "$launcher" || status=$?  # returns early when a trap ran: wait again until torchrun is gone
   kill -0 "$launcher" 2>/dev/null && continue
+  # After bash's own notice of the job it killed, which it prints as it reaps it.
+  if [ "$interrupts" -gt 1 ]; then echo "second Ctrl-C: stopped at once; $(kept)" >&2; fi
   if [ "$interrupts" -gt 1 ] || { [ "$interrupts" = 1 ] && [ "$status" = 0 ]; }; then status=130; fi
+  # torchrun's failure summary names the first rank to exit, which is not always the one that explains the failure
+  # (a hung peer's survivors exit first): the job's own error line, said above, comes last again.
+  if [ "$status" != 0 ] && [ -s "$errors" ]; then tail -n 1 "$errors" >&2; fi
   exit "$status"
 done

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_lite.checkpoint.manager import CheckpointManager, CheckpointSaveError, TrainState
+from torchtitan_lite.checkpoint.folder import complete_checkpoints
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.data.loader import DataLoader, warn_if_validating_on_training_data
 from torchtitan_lite.models import documents
@@ -33,18 +34,20 @@ from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.parallel.pipeline import merge_stages, split_stages
 from torchtitan_lite.quantization import float8
-from torchtitan_lite.runtime import flight_recorder
+from torchtitan_lite.runtime import flight_recorder, run_lock
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
 from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, allocator_fields, flops_per_token, held_bytes,
                                              memory_gib, peak_flops)
 from torchtitan_lite.runtime.precision import NonFiniteError, UpdateGuard, warn_if_slow
-from torchtitan_lite.runtime.process import Env, init_distributed, peer_timeout, set_determinism, set_timeout
+from torchtitan_lite.runtime.process import (Env, cpu_threads, init_distributed, peer_timeout, set_determinism,
+                                             set_timeout)
 from torchtitan_lite.runtime.profiling import StepProfiler
 from torchtitan_lite.runtime.run_history import start_history
 from torchtitan_lite.runtime.signals import Preemption, exit_code, restore_signals, stop_with_launcher
 from torchtitan_lite.runtime.stragglers import Stragglers
 from torchtitan_lite.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from torchtitan_lite.training.plan import Plan, ending, make_plan
 from torchtitan_lite.training.preflight import preflight
 from torchtitan_lite.training.source_losses import SourceLosses
 from torchtitan_lite.training.step import Inputs, Numerics, Step, build_step
@@ -52,14 +55,28 @@ from torchtitan_lite.training.step import Inputs, Numerics, Step, build_step
 logger = logging.getLogger("torchtitan_lite")
 
 
-def summary(cfg: JobConfig, n_params: int, mesh, global_batch: int) -> str:
-    """The run in the one line the console shows at start-up; config.toml holds the rest (job.print_args shows it)."""
-    training = cfg.training
-    layout = " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape) if size > 1)
-    data = " ".join(filter(None, (training.dataset, training.dataset_path)))
-    return (f"{cfg.model.name} {cfg.model.flavor}: {n_params / 1e6:.2f}M parameters, mesh {layout or '1 process'}, "
-            f"data {data}, {training.steps} step{'s' * (training.steps != 1)} of {global_batch} x "
-            f"{training.seq_len} tokens, outputs in {os.path.abspath(cfg.job.dump_folder)}")
+def cpu_peak(dtype, threads):  # PROVISIONAL until the stable CPU peak lands
+    from torchtitan_lite.runtime.metrics import _cpu_peak
+    return _cpu_peak(dtype, threads), f"{_cpu_peak(dtype, threads) / 1e9:.1f} GFLOP/s"
+
+
+# run_train.sh sets it once its `--check` has printed the plan, so that rank 0 does not print it again.
+PLAN_SHOWN = "TORCHTITAN_LITE_PLAN_SHOWN"
+
+
+def plan(cfg: JobConfig, world_size: int, local_processes: int, preflighted) -> Plan:
+    """What the run will do (training/plan.py), with the CPU's matmul peak when it has no GPU: the slow-step
+    warning's measure."""
+    dims, model_args, _, global_batch, _, _ = preflighted
+    cpu = None if torch.cuda.is_available() else lambda dtype: cpu_peak(dtype, cpu_threads(local_processes))
+    return make_plan(cfg, dims, model_args, global_batch, cpu)
+
+
+def say_plan(the_plan: Plan) -> None:
+    for line in the_plan.lines:
+        logger.info("%s", line)
+    for line in the_plan.warnings:
+        logger.warning("%s", line)
 
 
 def start_processes(cfg: JobConfig, env: Env, dims: ParallelDims):
@@ -111,11 +128,17 @@ def validate(model_step: Step, loaders: dict[str, DataLoader], steps: int, globa
 
 def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     """Trains; `exits` closes what main opens on every way out (run()). Returns the signal that stopped it early."""
-    dims, model_args, bos_id, global_batch, source, val_sources = preflight(cfg, env.world_size)
+    preflighted = preflight(cfg, env.world_size)
+    dims, model_args, bos_id, global_batch, source, val_sources = preflighted
     training, validation = cfg.training, cfg.validation
-    warn_if_validating_on_training_data(training, validation)  # not in preflight: --check is silent on a legal config
+    if env.rank == 0:
+        exits.enter_context(run_lock.hold(cfg.job.dump_folder))  # one live run per folder, before anything is written
+        if not os.environ.get(PLAN_SHOWN):
+            say_plan(plan(cfg, env.world_size, env.local_world_size, preflighted))
+    warn_if_validating_on_training_data(training, validation)
 
     device, mesh, dp_mesh, loss_mesh = start_processes(cfg, env, dims)
+    built = time.perf_counter()
     seq_share = sharder(mesh["cp"], training.seq_len, cfg.parallelism.context_parallel_load_balancer)
     # What the model gets beside the tokens (block_causal: document ids, known before CP cuts the windows).
     inputs, seq_share = Inputs.build(bos_id, seq_share)
@@ -129,7 +152,10 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     if not cfg.compile.enable:
         flight_recorder.mark_blocks(parts)  # a hang then names the block whose forward it stalled in
     params = list(model.parameters())
-    logger.info(summary(cfg, n_params, mesh, global_batch))
+    logger.info("model built, parallelized and initialized in %.1fs", time.perf_counter() - built)
+    if cfg.compile.enable:
+        logger.info("the first step compiles each block (%s): it takes far longer than the others",
+                    cfg.compile.backend)
     optimizer = build_optimizer(model, cfg.optimizer, params[0].device.type)  # on the host under CPU offload
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, training.steps)
 
@@ -143,8 +169,8 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
                                             training.seq_len, n_embedding)
     # MFU against the peak of the units the blocks' matmuls run on: float8's when converted and not emulated, its
     # attention and output layer counted against it too (torchtitan reports none under float8; docs/float8.md).
-    matmuls = numerics.compute_dtype if (dims.fsdp or numerics.autocast) else torch.float32
-    peak = peak_flops(device, FLOAT8 if float8.enabled(cfg) and not cfg.float8.emulate else matmuls)
+    peak = peak_flops(device, FLOAT8 if float8.enabled(cfg) and not cfg.float8.emulate else numerics.compute_dtype)
+    logger.info("mfu against %.1f TFLOP/s a process", peak / 1e12)  # PROVISIONAL: helper 3's stated peak
 
     # ---- Checkpoint: resume from the newest complete checkpoint in the folder, or start from
     # checkpoint.initial_load_path.
@@ -154,13 +180,17 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
                                                        scheduler, data, train_state, guard, training.steps))
     resumed = 0 if cfg.checkpoint.create_seed_checkpoint else checkpoint.load()
     if train_state.step >= training.steps:
-        logger.info("the checkpoint is at step %d, training.steps is %d: nothing to do", train_state.step,
-                    training.steps)
+        logger.info("the checkpoint is at step %d, training.steps is %d: nothing to do (raise training.steps to "
+                    "extend the run)", train_state.step, training.steps)
         return
-    # The folder's metrics.jsonl, config.toml and tb/ become this run's, decided once the step it starts from is
-    # known and before anything is written: a resume continues them, a fresh start moves an earlier run's aside.
+    # The folder's history (metrics.jsonl, config.toml, tb/) becomes this run's, decided once the checkpoint it
+    # starts from is known and before anything is written: a resume continues its run's, a fresh start begins one.
     if env.rank == 0:
-        start_history(cfg.job.dump_folder, resumed, to_toml(cfg), cfg.metrics.save_tb_folder, env.world_size)
+        its_run, its_config = checkpoint.resumed_run
+        run_id = start_history(cfg.job.dump_folder, resumed, its_run, to_toml(cfg), cfg.metrics.save_tb_folder,
+                               env.world_size, its_config)
+        checkpoint.run = (run_id, to_toml(cfg))  # every checkpoint says whose it is and the config that wrote it
+        logger.info("run %s%s", run_id, f", resumed after step {resumed}" if resumed else "")
     if cfg.checkpoint.create_seed_checkpoint:
         checkpoint.save(0, model_only=True)
         checkpoint.close()  # an async save is written only now
@@ -168,8 +198,8 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
         return
 
     metrics = MetricLogger(cfg.job.dump_folder, env.rank, cfg.metrics.log_freq, cfg.metrics.enable_tensorboard,
-                           cfg.metrics.save_tb_folder, start_step=train_state.step, config=to_toml(cfg),
-                           enable_wandb=cfg.metrics.enable_wandb)
+                           cfg.metrics.save_tb_folder, start_step=train_state.step, total_steps=training.steps,
+                           config=to_toml(cfg), enable_wandb=cfg.metrics.enable_wandb)
     # Traces of chosen steps and, on a GPU, memory snapshots (one written when a step runs out of memory).
     profiler = exits.enter_context(StepProfiler(cfg.profiling, cfg.job.dump_folder, env.rank, device, train_state.step))
     snapshots = exits.enter_context(MemorySnapshots(cfg.profiling, cfg.job.dump_folder, env.rank, device,
@@ -183,7 +213,8 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     # Agreeing on a signal takes a collective: on the CPU, so it overlaps GPU work (gloo is the CPU's default group).
     # So does the stragglers' gather of step times at logging steps.
     host_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
-    preemption, stragglers = Preemption(host_group), Stragglers(host_group, cfg.metrics.straggler_factor)
+    preemption = Preemption(host_group, saving=cfg.checkpoint.enable, speak=env.rank == 0)
+    stragglers = Stragglers(host_group, cfg.metrics.straggler_factor)
     per_source = SourceLosses(data, model_step, training.seq_len)
     first_step, held = step + 1, {}  # the bytes held for state, measured at the first step, go in the next record
     last_log_time, last_log_step, stopped = start, step, None
@@ -193,7 +224,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
         step += 1
         if training.gc_freq > 0 and step % training.gc_freq == 0:
             gc.collect(1)
-        preemption.begin_step()
+        preemption.begin_step(step)
         with profiler.phase("data"):
             batches = stragglers.timed_data(data.next_batch)
         with profiler.phase("forward_backward"):
@@ -257,21 +288,36 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     guard.check()  # a preempted run may stop between logging steps
     checkpoint.close()  # waits for an async save still being written
     metrics.close()
-    logger.info("training done: %d steps in %.1fs", step, time.perf_counter() - start)
+    if env.rank == 0:
+        logger.info("%s", ending(cfg, first_step, step, time.perf_counter() - start, metrics.last))
     return stopped
+
+
+def checked(cfg: JobConfig, world_size: int) -> None:
+    """`--check`: the trainer's checks for `world_size` local processes, then the plan printed. For run_train.sh,
+    also written to the file TORCHTITAN_LITE_PLAN_FILE names, as the lines `checkpoint_folder=PATH` (empty with
+    checkpointing off) and `nothing_to_do=0|1`, which it reads."""
+    preflighted = preflight(cfg, world_size)
+    run_lock.check_free(cfg.job.dump_folder)
+    the_plan = plan(cfg, world_size, world_size, preflighted)
+    print("\n".join(the_plan.lines + [f"warning: {w}" for w in the_plan.warnings]
+                    + [the_plan.nothing_to_do] * bool(the_plan.nothing_to_do)), flush=True)
+    if path := os.environ.get("TORCHTITAN_LITE_PLAN_FILE"):
+        with open(path, "w") as f:
+            f.write(f"checkpoint_folder={the_plan.checkpoint_folder}\nnothing_to_do={int(bool(the_plan.nothing_to_do))}\n")
 
 
 def run(argv: list[str] | None = None, check: bool = False) -> int:
     """Trains; with `check`, only validates the config for WORLD_SIZE processes (exit 2 and one line if it is bad)."""
     env, stopped = Env.from_environ(), None
     stop_with_launcher()
-    # A check says nothing unless something is wrong: the job it precedes logs what it reads.
+    # A check prints its plan and what warns; the job it precedes logs the rest of what it reads.
     logging.basicConfig(level=logging.WARNING if check else logging.INFO, format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S")
     try:
         cfg = load_config(argv)
         if check:
-            preflight(cfg, env.world_size)
+            checked(cfg, env.world_size)
         else:
             with contextlib.ExitStack() as exits:
                 stopped = main(cfg, env, exits)
@@ -289,6 +335,10 @@ def run(argv: list[str] | None = None, check: bool = False) -> int:
             raise
         report(flight_recorder.explain(timeout, env), env)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before the loop, which handles it: start-up stops, as start-up should
+        if env.rank == 0:
+            logger.warning("Ctrl-C during start-up: stopped before the first step, nothing saved")
+        return exit_code("SIGINT")
     finally:
         gc.enable()  # main() may have turned automatic collection off; a caller in this process gets it back
         restore_signals()

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import (FlopCounterMode, bmm_flop, register_flop_f
                                       sdpa_flop_count)
 
 from tests.multiprocess.launch import TINY, ckpt, losses, read_metrics, resumes, train_in_process
+from torchtitan_lite.checkpoint.folder import read_run_files
 from torchtitan_lite.models.llama import FLAVORS, Transformer, TransformerBlock, count_params, rope_table
 from torchtitan_lite.parallel.parallelize import apply_ac
 from torchtitan_lite.quantization import float8
@@ -127,6 +128,24 @@ def test_console_line_shape(tmp_path, caplog):
     assert lines[1] == "step: 4  val_loss: 4.5000"
 
 
+def test_console_says_where_the_run_is_and_when_it_ends(tmp_path, caplog, monkeypatch):
+    """k/N and the time left: from the first logged step's window (start-up included) until a second log gives the
+    pace of steps alone, measured from the first logged step on."""
+    clock = iter([100.0, 130.0, 150.0, 170.0])  # the logger's start, then each log
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    ml = MetricLogger(str(tmp_path), rank=0, log_freq=1, enable_tensorboard=False, tb_folder="tb", start_step=0,
+                      total_steps=10)
+    with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
+        for step in (3, 5, 10):
+            ml.log(step, {"loss": 1.0})
+    ml.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "step: 3/10  loss: 1.0000  eta: 1m10s",  # 30 s for 3 steps, 7 to go
+        "step: 5/10  loss: 1.0000  eta: 50s",  # 20 s for steps 4-5, 5 to go
+        "step: 10/10  loss: 1.0000  eta: 0s"]
+    assert ml.last == {"step": 10, "loss": 1.0}
+
+
 def test_tensorboard_writes_event_file(tmp_path):
     pytest.importorskip("tensorboard")
     ml = MetricLogger(str(tmp_path), rank=0, log_freq=1, enable_tensorboard=True, tb_folder="tb")
@@ -153,9 +172,9 @@ def test_tensorboard_resumed_run_shows_each_step_once_with_its_later_value_and_t
     # metrics.jsonl: the crashed run's steps 5 and 6 cut, each step once, the resume marked, both configs kept.
     later = losses(tmp_path)
     assert list(later) == list(range(1, 9))
-    assert resumes(tmp_path) == [{"event": "resume", "step": 4, "world_size": 1,
-                                  "earlier_config": "config.step-4.toml"}]
-    assert tomllib.loads((tmp_path / "config.step-4.toml").read_text())["training"]["steps"] == 6
+    assert [(r["step"], r["changed"]) for r in resumes(tmp_path)] == [
+        (4, {"training.max_norm": [1.0, 0.01], "training.steps": [6, 8]})]
+    assert tomllib.loads(read_run_files(str(ckpt(tmp_path, 4)))[1])["training"]["steps"] == 6
 
     acc = _tensorboard_events(tmp_path / "tb")
     loss = acc.Scalars("loss")

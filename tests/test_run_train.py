@@ -1,14 +1,20 @@
 """run_train.sh before torchrun, in one process: the interpreter it picks, and paths typed beside it read from the
 directory it was started in (torchrun itself is stubbed: the multi-process tests launch it)."""
 
+import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.multiprocess.launch import ROOT, TINY
+from tests.multiprocess.launch import ROOT, TINY, kill_tree, train_in_process
+from tests.test_train import n_params
+from torchtitan_lite.runtime.run_history import history_run
 
 SCRIPT = str(ROOT / "run_train.sh")
 BASH = shutil.which("bash")
@@ -59,4 +65,108 @@ def test_paths_typed_beside_it_are_the_callers_files(tmp_path):
     proc = subprocess.run([SCRIPT, "--training.dataset", "jsonl", "--training.dataset_path", "data/corpus.jsonl",
                            "--job.dump_folder", "out"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "torchrun started", proc.stdout + proc.stderr
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "torchrun started", proc.stdout + proc.stderr
+
+
+def launcher_stub(tmp_path, torchrun: str = 'echo "torchrun started"') -> dict:
+    """run_train.sh's environment with `python -m torch.distributed.run` replaced by `torchrun` (a shell body) and
+    the real interpreter for everything else (train.py --check, --help)."""
+    python = tmp_path / "python"
+    stub(python, f'if [ "$1" = -m ]; then {torchrun}; exit 0; fi\nexec "{sys.executable}" "$@"')
+    return {**os.environ, "PYTHON": str(python), "NGPU": "2", "CONFIG_FILE": str(TINY), "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_help_is_printed_once_and_starts_nothing(tmp_path):
+    proc = subprocess.run([SCRIPT, "--training.steps", "3", "--help"], env=launcher_stub(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count("usage: train.py") == 1, proc.stdout + proc.stderr
+    assert "torchrun started" not in proc.stdout and "[training]" in proc.stdout
+
+
+def test_a_missing_config_file_is_named_as_CONFIG_FILE(tmp_path):
+    env = {**launcher_stub(tmp_path), "CONFIG_FILE": "nope.toml"}
+    proc = subprocess.run([SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.splitlines() == [
+        f"error: CONFIG_FILE=nope.toml: no such file (relative to {tmp_path}): set CONFIG_FILE to a TOML config, e.g. "
+        "train_configs/debug_model.toml"]
+
+
+def test_the_check_prints_the_plan_and_a_finished_run_starts_no_worker(tmp_path):
+    train_in_process(tmp_path / "out", "--training.steps", "2", "--checkpoint.enable")
+    env = launcher_stub(tmp_path)
+    more = subprocess.run([SCRIPT, "--job.dump_folder", str(tmp_path / "out"), "--training.steps", "4",
+                           "--checkpoint.enable"], env=env, capture_output=True, text=True, timeout=120)
+    assert more.returncode == 0, more.stdout + more.stderr
+    run = history_run(tmp_path / "out")
+    assert more.stdout.splitlines() == [
+        f"llama3 tiny: {n_params(TINY) / 1e6:.2f}M parameters, mesh dp_shard 2 on 2 processes, causal attention, "
+        "float32",
+        "data synthetic: 4 steps of 4 x 64 = 256 tokens (2 sequences a rank per micro-batch, 1 micro-batch)",
+        f"outputs in {tmp_path / 'out'}: metrics.jsonl, config.toml; checkpoints every 500 steps in "
+        f"{tmp_path / 'out' / 'checkpoint'}, resuming step-2 of run {run}",
+        "starting 2 processes (torchrun)", "torchrun started"]
+    done = subprocess.run([SCRIPT, "--job.dump_folder", str(tmp_path / "out"), "--training.steps", "2",
+                           "--checkpoint.enable"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "torchrun started" not in done.stdout, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == (
+        f"the checkpoint {tmp_path / 'out' / 'checkpoint' / 'step-2'} is at step 2 and training.steps is 2: nothing "
+        "to do (raise training.steps to extend the run)")
+
+
+def test_the_jobs_error_line_comes_last_after_torchruns_summary(tmp_path):
+    """torchrun's summary names the first rank to exit ("Root Cause ... rank 1"), which may not be the one whose line
+    explains the failure: the line a rank said (errors.py writes it to TORCHTITAN_LITE_ERROR_LOG too) comes last."""
+    said = "error: a collective waited longer than ...; rank 2 did not join all_gather #7"
+    torchrun = (f'echo "{said}" >&2; echo "{said}" >> "$TORCHTITAN_LITE_ERROR_LOG"; '
+                'printf "Root Cause (first observed failure):\\n  rank : 1\\n====\\n" >&2; exit 1')
+    proc = subprocess.run([SCRIPT, "--job.dump_folder", str(tmp_path / "out")], env=launcher_stub(tmp_path, torchrun),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.splitlines()[-1] == said, proc.stderr
+    assert proc.stderr.count(said) == 2
+
+
+def test_a_second_ctrl_c_says_what_was_kept(tmp_path):
+    """With checkpointing off, the job killed at once saved nothing, and says so (it used to say the newest
+    checkpoint was kept)."""
+    env = launcher_stub(tmp_path, 'echo "torchrun started"; sleep 60')
+    proc = subprocess.Popen([SCRIPT, "--job.dump_folder", str(tmp_path / "out")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout.readline()  # the plan: the check is done, torchrun (the stub) comes next
+        while "torchrun started" not in proc.stdout.readline():
+            pass
+        for _ in range(2):
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.2)  # two presses, not one: bash runs a trap once per signal it sees
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode == 130 and err.splitlines()[-1] == (
+        "second Ctrl-C: stopped at once; checkpoint.enable is off: nothing was saved"), err
+
+
+def test_a_folder_a_live_run_holds_is_refused_and_a_killed_one_is_not(tmp_path):
+    """A live run's rank 0 holds the folder's lock: a second run into it is refused in one line before any worker
+    starts. SIGKILLed, it leaves no lock behind: the kernel drops a dead process's lock."""
+    folder = tmp_path / "out"
+    code = f"from torchtitan_lite.runtime import run_lock\nwith run_lock.hold({str(folder)!r}):\n print('held', " \
+           "flush=True)\n import time; time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        refused = subprocess.run([SCRIPT, "--job.dump_folder", str(folder)], env=launcher_stub(tmp_path),
+                                 capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and "torchrun started" not in refused.stdout, refused.stdout + refused.stderr
+        assert refused.stderr.splitlines() == [
+            f"error: job.dump_folder {folder} is in use by a live run (pid {holder.pid} on {socket.gethostname()}, "
+            f"since {json.loads((folder / 'run.lock').read_text())['since']}): wait for it to end, or give this run "
+            "a folder of its own (--job.dump_folder)"]
+    finally:
+        holder.kill()
+        holder.wait()
+    after = subprocess.run([SCRIPT, "--job.dump_folder", str(folder)], env=launcher_stub(tmp_path),
+                           capture_output=True, text=True, timeout=120)
+    assert after.returncode == 0 and after.stdout.splitlines()[-1] == "torchrun started", after.stdout + after.stderr

@@ -1,6 +1,7 @@
 """train.py in-process on one process: gradient accumulation gives one big batch's curve."""
 
 import logging
+import re
 import subprocess
 import sys
 
@@ -43,7 +44,8 @@ def test_config_error_returns_2_and_prints_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and "training.seq_len" in err[0]
 
 
-def test_start_up_is_one_line_of_the_run_and_one_warning_of_options_its_layout_ignores(tmp_path, caplog):
+def test_start_up_says_the_plan_and_one_warning_of_options_its_layout_ignores_and_the_end_says_where_it_went(
+        tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="torchtitan_lite")
     assert train.run(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), "--training.steps", "1",
                       "--parallelism.context_parallel_load_balancer", "none"]) == 0
@@ -52,9 +54,14 @@ def test_start_up_is_one_line_of_the_run_and_one_warning_of_options_its_layout_i
         "no context parallelism in this layout (context_parallel_degree = 1): "
         "parallelism.context_parallel_load_balancer ignored"]
     # The config is in config.toml, not on the console (job.print_args puts it there: the test below).
-    assert [m for m in messages if "parameters" in m or "[training]" in m] == [
-        f"llama3 tiny: {n_params(TINY) / 1e6:.2f}M parameters, mesh 1 process, data synthetic, 1 step of 2 x 64 "
-        f"tokens, outputs in {tmp_path}"]
+    assert [m for m in messages if "parameters" in m or "[training]" in m or " tokens " in m or "outputs" in m] == [
+        f"llama3 tiny: {n_params(TINY) / 1e6:.2f}M parameters, 1 process, causal attention, float32",
+        "data synthetic: 1 step of 2 x 64 = 128 tokens (2 sequences a rank per micro-batch, 1 micro-batch)",
+        f"outputs in {tmp_path}: metrics.jsonl, config.toml; checkpoints off"]
+    loss = read_metrics(tmp_path)[0]["loss"]
+    assert re.fullmatch(rf"training done at step 1/1: 1 step in [\d.]+ s by this run; loss {loss:.4f} at step 1; "
+                        rf"metrics in {tmp_path}/metrics.jsonl; plot: python scripts/plot_metrics.py {tmp_path} --out "
+                        r"curves.png", messages[-1]), messages[-1]
 
 
 def test_dumped_config_alone_reproduces_the_run_and_print_args_shows_it(tmp_path, caplog):

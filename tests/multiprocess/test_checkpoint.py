@@ -21,6 +21,7 @@ from launch import (CHECKPOINTED, COMMON, ROOT, STEPS, TINY, TP2, TRAIN, assert_
                     curve, kill_tree, losses, metric, read_metrics, resumes, snapshot, stopped_after, torchrun,
                     torchrun_cmd, torchrun_several, train_in_process, train_job)
 from torchtitan_lite.checkpoint.folder import complete_checkpoints
+from torchtitan_lite.runtime.run_history import history_run
 from torchtitan_lite.config import ConfigError
 from torchtitan_lite.checkpoint.reader import read_tensors
 
@@ -81,7 +82,7 @@ def test_resume_is_bitwise_on_fsdp(fsdp_straight, fsdp_split):
     folder, _ = fsdp_split
     assert curve(folder) == curve(fsdp_straight)
     assert [m["step"] for m in read_metrics(folder)] == list(range(1, 9))  # appended, steps continue
-    assert resumes(folder) == [{"event": "resume", "step": 4, "world_size": 4}]
+    assert [(r["step"], r["world_size"], r["run"]) for r in resumes(folder)] == [(4, 4, history_run(folder))]
     assert [m["tokens_seen"] for m in read_metrics(folder)] == [m["tokens_seen"] for m in read_metrics(fsdp_straight)]
 
 

@@ -41,6 +41,11 @@ def test_signal_saves_the_current_step(tmp_path, signals, layout):
     folder = tmp_path / "checkpoint"
     try:
         wait_until(lambda: logged(tmp_path) >= 3, "step 3", proc)
+        if signals == ("SIGTERM",):  # a second run into the folder of this live one is refused before it starts
+            second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+            assert second.returncode == 2 and second.stdout == "", second.stdout + second.stderr
+            assert second.stderr.startswith(f"error: job.dump_folder {tmp_path} is in use by a live run (pid ")
+            assert len(second.stderr.splitlines()) == 1, second.stderr
         send(signals[0])
         if len(signals) > 1:
             wait_until(lambda: folder.exists() and any(p.suffix == ".tmp" for p in folder.iterdir()), "save", proc)
@@ -51,15 +56,25 @@ def test_signal_saves_the_current_step(tmp_path, signals, layout):
         if proc.poll() is None:
             kill_tree(proc)
     if ctrl_c_twice:
-        assert proc.returncode == 130 and "second Ctrl-C: stopped at once" in out, out[-3000:]
         # SIGKILLed, they end in a moment: then none can still publish the save it was writing.
         wait_until(lambda: not any(running(p) for p in workers), "the workers' end")
         kept, stopped_at = list(complete_checkpoints(str(folder))), int(saving.stem.removeprefix("step-"))
         assert kept and max(kept) < stopped_at and saving.is_dir(), (kept, saving)
+        assert proc.returncode == 130 and out.splitlines()[-1] == (
+            f"second Ctrl-C: stopped at once; the newest complete checkpoint is {folder}/step-{max(kept)}"), out[-3000:]
+        # The killed run left no lock: the next run into the folder may start (its check passes).
+        check = subprocess.run([sys.executable, "train.py", "--check", "--job.config_file", str(TINY), *cmd[1:]],
+                               cwd=ROOT, env={**env, "WORLD_SIZE": "2"}, capture_output=True, text=True,
+                               timeout=TIMEOUT_S)
+        assert check.returncode == 0 and f"resuming step-{max(kept)}" in check.stdout, check.stdout + check.stderr
         return
     assert proc.returncode == (130 if signals[0] == "SIGINT" else 0), out[-3000:]
     last = read_metrics(tmp_path)[-1]["step"]
     assert 3 <= last < 1000 and f"{signals[0]}: stopped after step {last}, checkpoint saved" in out
     assert out.count("rerun the same command to resume") == 1 and "Traceback" not in out, out[-3000:]
+    # Acknowledged when it came, once, by rank 0: after the step it stopped after, at the latest.
+    said = [line for line in out.splitlines() if f"{signals[0]}: stopping after step" in line]
+    assert len(said) == 1 and "saving a checkpoint" in said[0], out[-3000:]
+    assert last <= int(said[0].split("stopping after step ")[1].split()[0]), said
     assert list(complete_checkpoints(str(folder))) == [last]
     assert not any(p.name.endswith(".tmp") for p in folder.iterdir())

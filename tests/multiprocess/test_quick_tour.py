@@ -1,29 +1,36 @@
-"""The README's quick tour, run as written and in order (its bash block under "## Quick tour"), in a folder that
-holds the repository's code as a fresh clone does: each command must work on the default config, so the README
-cannot drift from what the tools accept."""
+"""The README's quick tour, run as written and in order (its bash block under "## Quick tour"), then the five-minute
+tour's first run and a later resume, in a folder that holds the repository's code as a fresh clone does: each command
+must work on the default config, so the README cannot drift from what the tools accept, and the runs that share the
+clone's outputs/ keep their histories apart."""
 
-import json
 import os
 import re
 import subprocess
 import sys
+import tomllib
 
-from launch import ROOT, TIMEOUT_S, resumes
+from launch import ROOT, TIMEOUT_S, read_metrics, resumes
+from torchtitan_lite.checkpoint.folder import read_run_files
+from torchtitan_lite.runtime.run_history import history_run
 
 LINKED = ("train.py", "run_train.sh", "torchtitan_lite", "train_configs", "scripts")
 
 
-def tour_commands() -> str:
+def tour_commands(section: str = "Quick tour") -> str:
     readme = (ROOT / "README.md").read_text()
-    block = re.search(r"^## Quick tour\n.*?```bash\n(.*?)```", readme, re.S | re.M)
-    assert block, "README.md has no '## Quick tour' section with a bash block"
+    block = re.search(rf"^## {section}\n.*?```bash\n(.*?)```", readme, re.S | re.M)
+    assert block, f"README.md has no '## {section}' section with a bash block"
     return block.group(1)
 
 
-def test_the_readme_quick_tour_runs_as_written(tmp_path):
+def test_the_readme_tours_run_as_written_and_keep_every_runs_history(tmp_path):
+    """The quick tour, then the five-minute tour's first run in the same clone (a fresh run beside the tour's
+    checkpoints), then a later --checkpoint.enable run, which resumes the tour's step 15: each run's history stays
+    whole, and the resume continues the tour's, not the latest run's."""
     for name in LINKED:  # the code, not the repository's own outputs/
         (tmp_path / name).symlink_to(ROOT / name)
-    commands = tour_commands()
+    overrides = next(line for line in tour_commands("A five-minute tour").splitlines() if "run_train.sh" in line)
+    commands = f"{tour_commands()}\n{overrides}\n./run_train.sh --checkpoint.enable --training.steps 16\n"
     # `python` is the interpreter running the suite, as in the README's venv.
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
            "CUDA_VISIBLE_DEVICES": ""}
@@ -33,13 +40,23 @@ def test_the_readme_quick_tour_runs_as_written(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
 
-    # The run and its extension: every step once, the extension resumed from the first run's last checkpoint.
+    # The tour's run and its two extensions: every step once, each resume from the tour's own checkpoint.
     outputs = tmp_path / "outputs"
-    steps = [r["step"] for r in map(json.loads, (outputs / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-    assert steps == list(range(1, 16)), steps
-    assert {"step-10", "step-15"} <= {p.name for p in (outputs / "checkpoint").iterdir()}
-    assert "training continues after step 10" in out, out[-4000:]
-    assert [r["step"] for r in resumes(outputs)] == [10] and (outputs / "config.step-10.toml").is_file()
+    tour = history_run(outputs)
+    assert [r["step"] for r in read_metrics(outputs)] == list(range(1, 17))
+    assert [(r["step"], r["run"]) for r in resumes(outputs)] == [(10, tour), (15, tour)]
+    assert {"step-10", "step-15", "step-16"} <= {p.name for p in (outputs / "checkpoint").iterdir()}
+    assert "training continues after step 10" in out and "training continues after step 15" in out, out[-4000:]
+    # Each checkpoint holds the config that wrote it.
+    for step in (5, 10, 15, 16):
+        saved_by, config = read_run_files(str(outputs / "checkpoint" / f"step-{step}"))
+        assert saved_by == tour and tomllib.loads(config)["training"]["steps"] == (10 if step <= 10 else step), step
+    # The five-minute tour's run, fresh beside them: told so, its history whole and apart.
+    assert f"{outputs / 'checkpoint'} holds step-5, step-10 and step-15 of run {tour}: checkpoint.enable is off, " \
+           "so this run starts afresh" in out, out[-4000:]
+    steps = int(re.search(r"--training\.steps[ =](\d+)", overrides).group(1))
+    apart = next(outputs.glob("metrics.*.jsonl"))
+    assert history_run(apart) != tour and [r["step"] for r in read_metrics(apart)] == list(range(1, steps + 1))
     # generate.py prints the prompt and its continuation; the export and the plot are files.
     assert re.search(r"^def main\(.+", proc.stdout, re.M), proc.stdout[-2000:]
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()

@@ -5,6 +5,7 @@ stage."""
 
 from run_table import SHARED_RUNS
 from launch import COMMON, GATE, STEPS, assert_same_curve, losses, read_metrics, resumes, torchrun
+from torchtitan_lite.runtime.run_history import history_run
 
 
 def test_killed_worker_is_restarted_and_finishes_on_the_uninterrupted_curve(runs, tmp_path):
@@ -21,6 +22,7 @@ def test_killed_worker_is_restarted_and_finishes_on_the_uninterrupted_curve(runs
     assert len([line for line in output.splitlines() if "error: " in line]) <= 1, output[-3000:]
     # Step 5, logged before the death, is dropped at the restart: each step once, the resume marked.
     assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, STEPS + 1))
-    assert resumes(tmp_path) == [{"event": "resume", "step": 4, "world_size": 4}]
+    # The restarted workers continue the run that saved step 4: one history.
+    assert [(r["step"], r["world_size"], r["run"]) for r in resumes(tmp_path)] == [(4, 4, history_run(tmp_path))]
     assert sorted(losses(tmp_path)) == sorted(losses(runs["pp2_fsdp2"]))
     assert_same_curve(tmp_path, runs["pp2_fsdp2"], 1e-6)

@@ -4,12 +4,43 @@ alike."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
 from torchtitan_lite.config import Checkpoint, ConfigError
 
 _STEP = re.compile(r"step-(\d+)")
+# Beside DCP's files in each step-N: the id of the run that saved it (runtime/run_history.py) and that run's config,
+# so a checkpoint says whose it is and how it was made, wherever it is copied.
+RUN, CONFIG = "run.json", "config.toml"
+
+
+def write_run_files(path: str, run: str, config: str) -> None:
+    """Writes the run's id and config into a checkpoint folder being saved (before DCP's `.metadata`, which makes it
+    complete)."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, RUN), "w") as f:
+        json.dump({"run": run}, f)
+    with open(os.path.join(path, CONFIG), "w") as f:
+        f.write(config)
+
+
+def read_run_files(path: str) -> tuple[str | None, str | None]:
+    """(the id of the run that saved the checkpoint at `path`, its config as TOML); None for what a checkpoint older
+    than run ids lacks."""
+    run = config = None
+    try:
+        with open(os.path.join(path, RUN)) as f:
+            run = str(json.load(f)["run"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        with open(os.path.join(path, CONFIG)) as f:
+            config = f.read()
+    except OSError:
+        pass
+    return run, config
 
 
 def complete_checkpoints(folder: str) -> dict[int, str]:

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan_lite.checkpoint.folder import checkpoint_to_load, complete_checkpoints, steps_to_delete
+from torchtitan_lite.checkpoint.folder import (checkpoint_to_load, complete_checkpoints, read_run_files, steps_to_delete,
+                                               write_run_files)
 from torchtitan_lite.checkpoint.reader import SafePlanner, SafeReader, check_fits, flatten_state, read_metadata
 from torchtitan_lite.checkpoint.trash import Trash, fsync_dir
 from torchtitan_lite.config import Checkpoint, ConfigError
@@ -185,6 +186,10 @@ class CheckpointManager:
         self._group = dist.new_group(backend="gloo") if is_async else None
         self._control = dist.new_group(backend="gloo") if is_async else None
         self._trash, self._closed = Trash(), False
+        # The run each save is labelled with (rank 0's: the run's id and config, set once its history is decided),
+        # and what the checkpoint a resume loaded says of its own run: (id, config), None when older than run ids.
+        self.run: tuple[str, str] | None = None
+        self.resumed_run: tuple[str | None, str | None] = (None, None)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -203,6 +208,8 @@ class CheckpointManager:
             return 0
         path, what, step, metadata = plan
         resumed = step if os.path.dirname(path) == self.folder else 0  # not checkpoint.initial_load_path's
+        if resumed and dist.get_rank() == 0:
+            self.resumed_run = read_run_files(path)
         if what == "skip":
             self.train_state.step = step
             return resumed
@@ -265,6 +272,8 @@ class CheckpointManager:
         if dist.get_rank() == 0:
             os.makedirs(self.folder, exist_ok=True)
             self._trash.sweep(self.folder)  # a crashed save's or deletion's leftovers
+            if self.run is not None:
+                write_run_files(tmp, *self.run)
         dist.barrier()  # no rank writes into step-N.tmp before rank 0 has moved an old one away
         states = {"model": _model_state(self.model, dtype)} if model_only else self.states
         t0 = time.perf_counter()

@@ -220,6 +220,8 @@ def cached_tokens(files: list[Path], tokenizer) -> torch.Tensor:
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not path.exists():  # write_shard publishes by rename: a shard that exists is complete
+                logger.warning("tokenizing %d files once for this machine (cached in %s for later runs)",
+                               len(files), path.parent)
                 write_shard(path, [tokenize_documents(docs(), tokenizer)], tokenizer)
         return open_shard(path, tokenizer)
     except (OSError, ConfigError) as e:  # read-only or full disk, a lock the filesystem refuses, a damaged shard

@@ -374,6 +374,9 @@ def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int | str,
             chunks = [datasets.cached_tokens(files, tokenizer)]
         else:  # the user's files: large corpora belong in pre-tokenized shards (scripts/pretokenize.py)
             kind = "jsonl" if name == "jsonl" else "text"
+            if (size := sum(f.stat().st_size for f in files)) > 10 * 2**20:
+                logger.warning("%s %s: tokenizing %d files (%.0f MB) at every start", section, name, len(files),
+                               size / 2**20)
             docs = (doc for f in files for doc in datasets.read_documents(f, kind, text_field))
             chunks = [datasets.as_tensor(datasets.tokenize_documents(docs, tokenizer))]
         if not len(chunks[0]):

@@ -50,6 +50,11 @@ class ParallelDims:
                               "copies): pass --no-parallelism.fsdp_offload_pin_memory to offload on this machine")
         return cls(replicate, shard, tp, world_size, pp, cp)
 
+    def layout(self) -> str:
+        """The mesh in words: its dims of degree > 1, outermost first ("dp_shard 2 x tp 2")."""
+        degrees = zip(DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp))
+        return " x ".join(f"{name} {d}" for name, d in degrees if d > 1) or "1 process"
+
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard

@@ -62,6 +62,11 @@ def _key(name: str) -> str:
 
 
 def _say(line: str, env: Env) -> None:
+    # run_train.sh repeats the line after torchrun's failure summary, whose "root cause" is the first rank to exit,
+    # not the one that explains the failure: the job's own line comes last.
+    if job_log := os.environ.get("TORCHTITAN_LITE_ERROR_LOG"):
+        with open(job_log, "a") as f:
+            f.write(line + "\n")
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if env.rank != 0 and error_file:  # torchrun's summary prints an error file's "py_callstack" for its rank
         with open(error_file, "w") as f:

@@ -187,14 +187,44 @@ _CONSOLE = [
 ]
 
 
+class Eta:
+    """Time left, from the pace of the steps logged so far by this process. The first logged step's window holds the
+    start-up and, compiled, the compilation: it is the estimate only until a second log gives the pace of steps
+    alone, from then on measured from the first. Validation, checkpoints and logging are in the pace, as in the
+    time left."""
+
+    def __init__(self, start_step: int):
+        self._first: tuple[int, float] = (start_step, time.perf_counter())
+        self._from_first = False
+
+    def __call__(self, step: int, total: int) -> float | None:
+        now = time.perf_counter()
+        first_step, first_time = self._first
+        if total <= step or step <= first_step:
+            return 0.0 if total and step >= total else None
+        eta = (now - first_time) / (step - first_step) * (total - step)
+        if not self._from_first:  # the first log: from now on, the pace is measured from this step
+            self._first, self._from_first = (step, now), True
+        return eta
+
+
+def _clock(seconds: float) -> str:
+    """1h02m, 3m05s, 42s."""
+    seconds = round(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
 class MetricLogger:
     """Writes each logged step to metrics.jsonl, the console and optionally TensorBoard and W&B; rank 0 only."""
 
     def __init__(self, dump_folder: str, rank: int, log_freq: int, enable_tensorboard: bool, tb_folder: str, *,
-                 start_step: int = 0, config: str = "", enable_wandb: bool = False):
-        """`start_step`: the step this run resumes after (0 for a fresh run); `config`: the resolved config as TOML,
-        shown in TensorBoard's text tab and W&B's config."""
-        self.log_freq = log_freq
+                 start_step: int = 0, total_steps: int = 0, config: str = "", enable_wandb: bool = False):
+        """`start_step`: the step this run resumes after (0 for a fresh run); `total_steps`: training.steps, for the
+        console's k/N and ETA; `config`: the resolved config as TOML, shown in TensorBoard's text tab and W&B's."""
+        self.log_freq, self.total_steps, self.last = log_freq, total_steps, {}
+        self._eta = Eta(start_step)
         self._file = None
         self._tb = None
         self._wandb = None
@@ -232,11 +262,15 @@ class MetricLogger:
         if self._file is None:
             return
         values = {k: _plain(v) for k, v in values.items()}
+        self.last.update(values, step=step)
         self._file.write(json.dumps({"step": step, **values}) + "\n")
         self._file.flush()  # readers (loss_compare, tests, a crashed run's post-mortem) see every step written
+        eta = self._eta(step, self.total_steps)
         if "loss" in values:
-            fields = [f"step: {step}", f"loss: {values['loss']:.4f}"]
+            fields = [f"step: {step}/{self.total_steps}" if self.total_steps else f"step: {step}",
+                      f"loss: {values['loss']:.4f}"]
             fields += [f"{label}: {fmt.format(values[k])}" for k, label, fmt in _CONSOLE if k in values]
+            fields += [f"eta: {_clock(eta)}"] if eta is not None else []
             logger.info("  ".join(fields))
         if "val_loss" in values:  # a mixture's sources beside it (val_loss/NAME)
             sources = "".join(f"  {k}: {v:.4f}" for k, v in values.items() if k.startswith("val_loss/"))

@@ -27,6 +27,12 @@ class Env:
         return cls(get("RANK", 0), get("LOCAL_RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_WORLD_SIZE", 1))
 
 
+def cpu_threads(local_processes: int) -> int:
+    """Threads each of `local_processes` CPU processes computes with: this machine's cores shared among them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // local_processes)
+
+
 def init_distributed(env: Env, timeout_s: int = 600) -> torch.device:
     """CUDA + NCCL when there are GPUs, else CPU + gloo with the cores shared among the local processes."""
     if torch.cuda.is_available():
@@ -35,8 +41,7 @@ def init_distributed(env: Env, timeout_s: int = 600) -> torch.device:
         backend = "nccl"
     else:
         device = torch.device("cpu")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // env.local_world_size))
+        torch.set_num_threads(cpu_threads(env.local_world_size))
         backend = "gloo"
     timeout = timedelta(seconds=timeout_s)
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:

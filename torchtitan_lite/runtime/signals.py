@@ -11,6 +11,12 @@ to it, and every rank reads the same value, so all stop after the same step and 
 rank that left. A second SIGTERM or SIGUSR1 only records itself again: the save in progress is not interrupted (and
 were the job killed outright, the save is atomic: checkpoint.py). A second Ctrl-C is someone who will not wait: it
 kills the process at once (run_train.sh kills the whole job instead), which the atomic save makes safe.
+
+The stop comes at a step boundary, which on a slow machine may be minutes away, so the signal is acknowledged at
+once, in one line saying after which step the run stops and whether it saves. Python runs a signal's handler only
+between two bytecodes of the main thread, which may be inside one long matmul or collective; so the C-level handler
+also writes the signal's number to a pipe (signal.set_wakeup_fd), and a thread waiting on that pipe says the line
+while the main thread computes on.
 """
 
 from __future__ import annotations
@@ -31,18 +37,34 @@ _installed: list[Preemption] = []
 
 
 class Preemption:
-    def __init__(self, group: dist.ProcessGroup | None):
+    def __init__(self, group: dist.ProcessGroup | None, saving: bool = False, speak: bool = False):
+        """`saving`: whether the stop saves a checkpoint; `speak`: whether this rank acknowledges signals (rank 0)."""
         self.received: int | None = None
+        self.step, self.saving, self._acknowledged = 0, saving, False  # the step in progress, for the acknowledgement
         self._group, self._flag, self._work = group, torch.zeros(1, dtype=torch.int32), None
         self._previous = {s: signal.signal(s, self._record) for s in SIGNALS}
+        self._wakeup = _listen(self._acknowledge) if speak else None
         _installed.append(self)
+
+    def _acknowledge(self, signum: int) -> None:
+        """Says at once what the first signal does (from the listening thread: see the module's docstring)."""
+        if self._acknowledged or signum not in SIGNALS:
+            return  # a later signal: the first one's line stands
+        self._acknowledged = True
+        name = signal.Signals(signum).name
+        # Sent now, it misses the agreement of the step in progress, which began before it: the next step's
+        # catches it (unless another rank received a signal earlier, and then the stop comes sooner).
+        then = ("saving a checkpoint" if self.saving else "without saving (checkpoint.enable is off)")
+        again = "; Ctrl-C again stops at once, without saving" if signum == signal.SIGINT else ""
+        logger.warning("%s: stopping after step %d at the latest, %s%s", name, self.step + 1, then, again)
 
     def _record(self, signum: int, frame) -> None:
         self.received = signum
         if signum == signal.SIGINT:  # the default action, not KeyboardInterrupt: it ends even a rank stuck in C++
             signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    def begin_step(self) -> None:
+    def begin_step(self, step: int) -> None:
+        self.step = step
         self._flag.fill_(self.received is not None)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
 
@@ -58,6 +80,27 @@ class Preemption:
         """Gives the signals back to their previous handlers."""
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+        if self._wakeup is not None:
+            previous, write_end = self._wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(write_end)  # the listening thread reads the end of its pipe and ends
+
+
+def _listen(acknowledge) -> tuple[int, int]:
+    """Calls `acknowledge(signum)` from a thread of its own as each signal arrives; returns (the wakeup fd it
+    replaced, its pipe's write end) for close()."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)  # set_wakeup_fd's requirement: the C handler must never block
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def listen() -> None:
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while data := pipe.read(64):
+                for signum in data:
+                    acknowledge(signum)
+
+    threading.Thread(target=listen, name="signal-acknowledgement", daemon=True).start()
+    return previous, write_end
 
 
 def stop_requested() -> bool:

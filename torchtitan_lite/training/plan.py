@@ -1,0 +1,158 @@
+"""What a run will do, said before it does it: a few lines that `train.py --check` prints (run_train.sh shows them
+before any worker starts) and rank 0 logs at start-up otherwise, so the console says what is coming while the
+processes start, the data is tokenized and the model is built.
+
+Three things a user cannot see from a config file are said here rather than discovered later:
+- what the run does with the folder it writes: where its outputs go, and which checkpoint it resumes, or that it
+  starts afresh beside another run's checkpoints and leaves them as they are;
+- that it has nothing to do (its checkpoint is already at training.steps), before any worker starts;
+- that its first step will obviously not finish soon on this machine: a CPU given a GPU-sized step (the defaults are
+  torchtitan's, sized for GPUs) or half precision it multiplies slowly. The bound is the step's FLOPs at this CPU's
+  measured matmul peak: a run never goes faster, so a warning is never a false alarm by more than the MFU it reaches.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from torchtitan_lite.checkpoint.folder import checkpoint_to_load, complete_checkpoints, read_run_files
+from torchtitan_lite.config import JobConfig
+from torchtitan_lite.models.llama import ModelArgs, Transformer, count_params
+from torchtitan_lite.parallel.dims import ParallelDims
+from torchtitan_lite.quantization import float8
+from torchtitan_lite.runtime.metrics import flops_per_token
+from torchtitan_lite.training.step import Numerics
+
+# A first step that needs longer than this at the machine's peak is one a user would take for a hang.
+SLOW_STEP_S = 60.0
+
+
+@dataclass
+class Plan:
+    lines: list[str]  # what the run is and where it writes
+    warnings: list[str] = field(default_factory=list)  # what the user would want to change before it starts
+    nothing_to_do: str = ""  # the line of a run whose checkpoint is already at training.steps
+    checkpoint_folder: str = ""  # "" with checkpointing off: run_train.sh's second Ctrl-C names what it kept
+
+
+def _steps(steps: list[int]) -> str:
+    named = [f"step-{s}" for s in steps]
+    return named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
+
+
+def _model(cfg: JobConfig, n_params: int, dims: ParallelDims) -> str:
+    extras = [f"{cfg.model.attn_mask_type} attention" + (" (documents masked at each BOS)"
+                                                         if cfg.model.attn_mask_type == "block_causal" else ""),
+              cfg.training.mixed_precision_param]
+    if float8.enabled(cfg):
+        extras.append(f"float8 {cfg.float8.recipe_name} matmuls" + (" (emulated)" if cfg.float8.emulate else ""))
+    if cfg.compile.enable:
+        extras.append(f"compiled ({cfg.compile.backend})")
+    if cfg.activation_checkpoint.mode != "none":
+        extras.append(f"{cfg.activation_checkpoint.mode} activation checkpointing")
+    mesh = f"mesh {dims.layout()} on {dims.world_size} processes" if dims.world_size > 1 else "1 process"
+    return f"{cfg.model.name} {cfg.model.flavor}: {n_params / 1e6:,.2f}M parameters, {mesh}, {', '.join(extras)}"
+
+
+def _data(cfg: JobConfig, dims: ParallelDims, global_batch: int) -> str:
+    t, m = cfg.training, cfg.mixture
+    if t.dataset == "mixture":
+        total = sum(s.weight for s in m.sources) or 1
+        data = "mixture of " + ", ".join(f"{s.name} {s.weight / total:.0%}" for s in m.sources)
+        data += f" ({len(m.phases)} later phase{'s' * (len(m.phases) != 1)})" if m.phases else ""
+    else:
+        data = " ".join(filter(None, (t.dataset, t.dataset_path)))
+    micro = global_batch // (t.local_batch_size * dims.dp)
+    return (f"data {data}: {t.steps:,} step{'s' * (t.steps != 1)} of {global_batch} x {t.seq_len} = "
+            f"{global_batch * t.seq_len:,} tokens ({t.local_batch_size} sequences a rank per micro-batch, {micro} "
+            f"micro-batch{'es' * (micro > 1)})")
+
+
+def _outputs(cfg: JobConfig) -> tuple[str, list[str], str, str]:
+    """(the outputs line, warnings about the folder, the nothing-to-do line, the checkpoint folder)."""
+    ck, folder = cfg.checkpoint, os.path.abspath(cfg.job.dump_folder)
+    written = ["metrics.jsonl", "config.toml"]
+    written += [f"{cfg.metrics.save_tb_folder}/"] * cfg.metrics.enable_tensorboard
+    written += [f"{cfg.profiling.save_traces_folder}/"] * cfg.profiling.enable_profiling
+    line = f"outputs in {folder}: {', '.join(written)}"
+    checkpoints = os.path.join(folder, ck.folder)
+    if not ck.enable:
+        if not (found := complete_checkpoints(checkpoints)):
+            return line + "; checkpoints off", [], "", ""
+        newest = max(found)
+        run = f" of run {r}" if (r := read_run_files(found[newest])[0]) else ""
+        return line + "; checkpoints off", [
+            f"{checkpoints} holds {_steps(list(found))}{run}: checkpoint.enable is off, so this run starts afresh and "
+            f"leaves them as they are (with --checkpoint.enable it would resume step-{newest})"], "", ""
+    if ck.create_seed_checkpoint:
+        return line + f"; a seed checkpoint (step-0) in {checkpoints}", [], "", checkpoints
+    line += f"; checkpoints every {ck.interval} steps in {checkpoints}"
+    step, found, initial = checkpoint_to_load(ck, checkpoints)
+    if step is None:
+        return line + (f", starting from {initial}" if initial else ", starting afresh"), [], "", checkpoints
+    run = f" of run {r}" if (r := read_run_files(found[step])[0]) else ""
+    if step >= cfg.training.steps:
+        return line, [], (f"the checkpoint {found[step]} is at step {step} and training.steps is "
+                          f"{cfg.training.steps}: nothing to do (raise training.steps to extend the run)"), checkpoints
+    return line + f", resuming step-{step}{run}", [], "", checkpoints
+
+
+def slow_step(cfg: JobConfig, model_args: ModelArgs, n_params: int, n_embedding: int, global_batch: int,
+              world_size: int, peak: tuple[float, str]) -> str:
+    """The warning for a first step that needs more than SLOW_STEP_S at `peak` (FLOP/s of one process, and what it
+    is), or ""."""
+    t = cfg.training
+    flops = flops_per_token(n_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len,
+                            n_embedding) * global_batch * t.seq_len / world_size
+    seconds = flops / peak[0]
+    if seconds < SLOW_STEP_S:
+        return ""
+    return (f"each step needs {flops / 1e12:,.1f} TFLOP per process: at least {_duration(seconds)} at {peak[1]}, so "
+            f"the first step will not finish soon ({t.steps:,} steps: at least {_duration(seconds * t.steps)}); on "
+            f"a CPU start from train_configs/debug_model.toml, or lower training.local_batch_size and seq_len"
+            + (" and use training.mixed_precision_param float32" if t.mixed_precision_param != "float32" else ""))
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:,.0f} {unit}"
+    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+
+
+def make_plan(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, global_batch: int,
+              cpu_peak=None) -> Plan:
+    """The run's plan; `cpu_peak(dtype) -> (FLOP/s of one process, what it is)` on a machine without a GPU."""
+    with torch.device("meta"):
+        n_params, n_embedding = count_params(Transformer(model_args))
+    outputs, warnings, done, checkpoints = _outputs(cfg)
+    plan = Plan([_model(cfg, n_params, dims), _data(cfg, dims, global_batch), outputs], warnings, done, checkpoints)
+    if cpu_peak is not None and not done:
+        dtype = Numerics.from_config(cfg, dims).compute_dtype
+        if slow := slow_step(cfg, model_args, n_params, n_embedding, global_batch, dims.world_size, cpu_peak(dtype)):
+            plan.warnings.append(slow)
+    return plan
+
+
+def ending(cfg: JobConfig, first_step: int, last_step: int, seconds: float, logged: dict) -> str:
+    """The run's last line: how far it got, its last logged loss (and validation loss), its time, and where each
+    output went. `logged`: the last logged step's values (MetricLogger.last)."""
+    t, folder = cfg.training, os.path.abspath(cfg.job.dump_folder)
+    trained = last_step - first_step + 1
+    line = (f"training {'done' if last_step >= t.steps else 'stopped'} at step {last_step}/{t.steps}: {trained} step"
+            f"{'s' * (trained != 1)} in {_duration(seconds)} by this run")
+    if "loss" in logged:
+        line += f"; loss {logged['loss']:.4f} at step {logged['step']}"
+        line += f", val_loss {logged['val_loss']:.4f}" if "val_loss" in logged else ""
+    outputs = [f"metrics in {os.path.join(folder, 'metrics.jsonl')}"]
+    if cfg.checkpoint.enable and (found := complete_checkpoints(os.path.join(folder, cfg.checkpoint.folder))):
+        outputs.append(f"checkpoint {found[max(found)]}")
+    if cfg.metrics.enable_tensorboard:
+        outputs.append(f"TensorBoard in {os.path.join(folder, cfg.metrics.save_tb_folder)}")
+    if cfg.profiling.enable_profiling:
+        outputs.append(f"traces in {os.path.join(folder, cfg.profiling.save_traces_folder)}")
+    outputs.append(f"plot: python scripts/plot_metrics.py {folder} --out curves.png")
+    return f"{line}; {'; '.join(outputs)}"
