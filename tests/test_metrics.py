@@ -68,6 +68,9 @@ def test_float8_peak_is_the_datasheets_dense_fp8_figure(monkeypatch, name, fp8, 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
     assert peak_flops(torch.device("cuda"), FLOAT8) == fp8
     assert peak_flops(torch.device("cuda"), torch.bfloat16) == bf16
+    kind = "bf16" if fp8 == bf16 else "fp8"  # stated as what it is
+    stated = stated_peak_flops(torch.device("cuda"), FLOAT8)
+    assert stated == (fp8, f"{kind} dense peak of {name} (datasheet): {fp8 / 1e12:.1f} TFLOP/s")
 
 
 def test_a_float8_run_measures_mfu_against_the_fp8_peak_unless_emulated(tmp_path, monkeypatch):
@@ -96,6 +99,8 @@ def test_unknown_gpu_warns_and_uses_h100(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
         assert peak_flops(torch.device("cuda"), torch.bfloat16) == 989e12
     assert "Mystery GPU 9000" in caplog.text
+    assert stated_peak_flops(torch.device("cuda"), torch.bfloat16)[1] == (
+        "bf16 dense peak of Mystery GPU 9000 (unknown GPU: the H100 SXM's datasheet): 989.0 TFLOP/s")
 
 
 def test_memory_gib_cpu_positive():

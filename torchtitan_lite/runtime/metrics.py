@@ -122,8 +122,8 @@ def _cpu_peak(dtype: torch.dtype, num_threads: int) -> tuple[float, str]:
     model made of them cannot beat it, and MFU stays at most 100%. Keyed on the thread count because torchrun ranks on
     one host may each be given fewer threads.
 
-    Measured at every start, the peak moved with whatever else ran (ranks that measure at once on shared cores
-    measure each other's load), and MFU with it, for the same model at the same speed. So it is measured once per
+    A peak each process measures at its start moves with whatever else runs (ranks measuring at once on shared
+    cores time each other's load), and MFU with it, for the same model at the same speed. So it is measured once per
     machine, by one process under a file lock while the others wait, and kept in cache_dir() under a key of the
     dtype, thread count, CPU (model and instruction sets), torch version (its matmul kernels) and the method: every
     later run on this machine divides by the same number. Deleting the file measures again.
@@ -182,9 +182,12 @@ def stated_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, 
     if device.type == "cuda":
         name, tf32 = torch.cuda.get_device_name(device), _tf32_allowed()
         flops = _gpu_peak(name, dtype, tf32)
-        kind = "fp8" if dtype == FLOAT8 else "tf32" if dtype == torch.float32 and tf32 else _SHORT.get(dtype, dtype)
-        known = any(e[0] in name for e in _GPU_PEAKS)
-        source = "datasheet" if known else "unknown GPU: the H100 SXM's datasheet"
+        entry = next((e for e in _GPU_PEAKS if e[0] in name), None)
+        if dtype == FLOAT8:  # a part without fp8 units is at its bf16 peak (_gpu_peak)
+            kind = "fp8" if entry is None or entry[2] is not None else "bf16"
+        else:
+            kind = "tf32" if dtype == torch.float32 and tf32 else _SHORT.get(dtype, str(dtype))
+        source = "datasheet" if entry else "unknown GPU: the H100 SXM's datasheet"
         return flops, f"{kind} dense peak of {name} ({source}): {flops / 1e12:.1f} TFLOP/s"
     return _cpu_peak(dtype, torch.get_num_threads())
 
