@@ -81,7 +81,7 @@ def table(e: Estimate, cfg: JobConfig) -> str:
 
 
 class Elapsed(logging.Formatter):
-    """`estimate_memory [ 12.3 s]: step 1 of 2: backward`, the time counted from this formatter's creation."""
+    """`estimate_memory [ 12.1 s]: step 1 of 2: optimizer step`, the time counted from this formatter's creation."""
 
     def __init__(self):
         super().__init__()
