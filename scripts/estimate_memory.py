@@ -6,17 +6,22 @@
 is -1, else to the config's usual cluster (DEFAULT_WORLD): the degrees leave the world size open, the estimate needs
 one. Everything else is a trainer option. How the figures are obtained and what they leave out: see
 torchtitan_lite/tools/memory.py.
+
+The figures go to stdout; what the estimate is doing as it goes goes to stderr, one line as each piece starts (so
+also when the one before it finished), with the time since the start: a big config traces for minutes.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
+import time
 
 from torchtitan_lite.config import ConfigError, JobConfig, load_config
 from torchtitan_lite.quantization import float8
-from torchtitan_lite.tools.memory import Estimate, estimate_memory
+from torchtitan_lite.tools.memory import Estimate, estimate_memory, progress
 
 # torchtitan's usual cluster per flavor; any other flavor: one 8-GPU node.
 DEFAULT_WORLD = {"8B": 8, "70B": 64, "405B": 128}
@@ -75,14 +80,33 @@ def table(e: Estimate, cfg: JobConfig) -> str:
     return "\n".join(lines)
 
 
+class Elapsed(logging.Formatter):
+    """`estimate_memory [ 12.1 s]: step 1 of 2: optimizer step`, the time counted from this formatter's creation."""
+
+    def __init__(self):
+        super().__init__()
+        self.start = time.time()
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"estimate_memory [{record.created - self.start:5.1f} s]: {record.getMessage()}"
+
+
 def main(argv: list[str]) -> int:
+    shown = logging.StreamHandler(sys.stderr)
+    shown.setFormatter(Elapsed())
+    progress.addHandler(shown)
+    progress.setLevel(logging.INFO)
     try:
         world, rest = split_world_size(argv)
         cfg = load_config(rest)
-        print(table(estimate_memory(cfg, world or default_world_size(cfg)), cfg))
+        estimate = estimate_memory(cfg, world or default_world_size(cfg))
+        progress.info("done")
+        print(table(estimate, cfg))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        progress.removeHandler(shown)
     return 0
 
 

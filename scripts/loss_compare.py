@@ -8,22 +8,32 @@ The loss alone is a blind spot: AdamW divides each update by the root of its own
 scaled by a constant (a reduction that forgot to divide by the data-parallel degree) leaves the curve almost where
 it was while the gradient norm moves by that factor. So the grad norm is compared too, relative to run A's.
 
+Runs trained first (--run_a, --run_b) show each step they log on stderr as they train (`run_a: step: 3/10  loss:
+...`); stdout holds the comparison alone.
+
 Exit status: 0 when both agree within tolerance, 1 when either does not, 2 on bad input or a failed run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchtitan_lite.runtime.run_history import HistoryError, read_metrics  # needs no torch: starts at once
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent  # repo root: where run_train.sh and train_configs/ live
 
@@ -128,12 +138,66 @@ def run_training(overrides: str, dump: Path, config: str | None, ngpu: int | Non
     cmd = [str(ROOT / "run_train.sh"), *shlex.split(overrides), "--job.dump_folder", str(dump)]
     log = dump.parent / f"{dump.name}.log"
     print(f"running {dump.name}: {shlex.join(cmd)}  (log: {log})", flush=True)
-    with open(log, "w") as f:
+    with open(log, "w") as f, Progress(f"run_{dump.name}", dump):
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         tail = log.read_text(errors="replace").splitlines()[-20:]
         raise InputError(f"run {dump.name} failed with exit status {rc}; last lines of {log}:\n" + "\n".join(tail))
     return dump / "metrics.jsonl"
+
+
+class Progress:
+    """While a run trains, one line on stderr per step it logs (stdout stays the comparison's): `run_a: step: 3/10
+    loss: 7.9878 ...`, read from the run's metrics.jsonl as rank 0 appends to it, so that a run of minutes shows where
+    it is. A thread polls the file: the run's own output goes to its log, whose format this does not depend on."""
+
+    POLL_S = 0.5
+
+    def __init__(self, name: str, dump: Path):
+        self.name, self.dump, self.read, self.total = name, dump, 0, ""
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> Progress:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _watch(self) -> None:
+        while not self.stop.wait(self.POLL_S):
+            self.report()
+        self.report()  # what the run wrote last
+
+    def report(self) -> None:
+        try:
+            with open(self.dump / "metrics.jsonl", "rb") as f:
+                f.seek(self.read)
+                text = f.read()
+        except OSError:  # not written yet
+            return
+        done = text.rfind(b"\n") + 1  # whole lines only: the writer may be mid-line
+        self.read += done
+        for line in text[:done].decode(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "step" in record and ("loss" in record or "val_loss" in record):
+                print(f"{self.name}: {self._line(record)}", file=sys.stderr, flush=True)
+
+    def _line(self, record: dict) -> str:
+        if not self.total:  # config.toml is written before the first step
+            try:
+                self.total = f"/{tomllib.loads((self.dump / 'config.toml').read_text())['training']['steps']}"
+            except (OSError, ValueError, KeyError):
+                pass
+        fields = [f"step: {record['step']}{self.total}"]
+        fields += [f"{key}: {record[key]:{fmt}}" for key, fmt in (("loss", ".4f"), ("val_loss", ".4f"),
+                   ("grad_norm", ".4f"), ("tps", ",.0f"), ("elapsed_s", ".1f")) if isinstance(record.get(key), float)]
+        return "  ".join(fields)
 
 
 def plot(result: Result, key: str, out: str) -> None:
@@ -174,7 +238,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no_grad_norm", action="store_true", help="compare --key alone, not the grad norm as well")
     p.add_argument("--steps", type=int, help="compare only steps <= N")
     p.add_argument("--plot", metavar="OUT.png", help="save both curves and their difference (needs matplotlib)")
-    g = p.add_argument_group("train both runs first, through ./run_train.sh (instead of A and B)")
+    g = p.add_argument_group("train both runs first, through ./run_train.sh (instead of A and B); each logged step "
+                             "shows on stderr as it trains")
     g.add_argument("--run_a", metavar="OVERRIDES", help='config overrides of run A, e.g. "--training.steps 10" (run from the repo root)')
     g.add_argument("--run_b", metavar="OVERRIDES", help="config overrides of run B")
     g.add_argument("--config", help="CONFIG_FILE for both runs (default: run_train.sh's)")

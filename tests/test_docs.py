@@ -24,9 +24,10 @@ import pytest
 
 import train
 from torchtitan_lite.data import files as datasets
-from torchtitan_lite.config import load_config
+from torchtitan_lite.config import help_text, load_config
 from torchtitan_lite.config.paths import CALLER_DIR
 from torchtitan_lite.data.tokenizer import build_tokenizer
+from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,3 +164,83 @@ def test_every_documented_command_is_valid(page, command, sandbox, monkeypatch, 
     monkeypatch.chdir(sandbox)  # the configs' own paths are read from here (run_train.sh's cd)
     monkeypatch.setenv(CALLER_DIR, str(sandbox))  # and the typed ones too
     check(command, monkeypatch, capsys)
+
+
+# ---- Pointers that lead where they say
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def headings(page: Path) -> list[str]:
+    """The page's headings, outside its code blocks (a `# comment` in a bash block is none)."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    return [line.lstrip("#").strip() for line in text.splitlines() if re.match(r"#{1,6} ", line)]
+
+
+# `docs/x.md`, `docs/x.md#anchor`, `docs/x.md: Heading`, `README: Heading`, or a bare README.
+POINTER = re.compile(r"(README(?:\.md)?|docs/[\w.-]+\.md)(?:#([\w-]+)|: ([A-Z][^();]*))?")
+
+
+def broken_pointers(text: str) -> list[str]:
+    """What is wrong with each docs pointer in `text`: a page that does not exist, an anchor or heading it lacks,
+    or the README named without a section (it is an overview now; the reference lives in docs/)."""
+    wrong = []
+    for match in POINTER.finditer(text):
+        name, fragment, heading = match.groups()
+        page = ROOT / ("README.md" if name.startswith("README") else name)
+        if not page.is_file():
+            wrong.append(f"{match[0]}: no such page")
+        elif fragment is not None and fragment not in map(anchor, headings(page)):
+            wrong.append(f"{match[0]}: {page.name} has no heading with that anchor")
+        elif heading is not None and heading.strip() not in headings(page):
+            wrong.append(f"{match[0]}: {page.name} has no such heading")
+        elif page.name == "README.md" and fragment is heading is None:
+            wrong.append(f"{match[0]}: which section? (the options' reference is in docs/)")
+    return wrong
+
+
+def test_help_points_at_pages_and_headings_that_exist():
+    text = help_text()
+    assert POINTER.search(text), "the help names no docs page: has the pattern gone stale?"
+    assert not broken_pointers(text), broken_pointers(text)
+
+
+def test_a_pointer_to_a_moved_section_is_caught():
+    assert broken_pointers("(README: Data and tokenizers)") == [
+        "README: Data and tokenizers: README.md has no such heading"]
+    assert broken_pointers("(see README)") == ["README: which section? (the options' reference is in docs/)"]
+    assert broken_pointers("docs/data.md#packing") == ["docs/data.md#packing: data.md has no heading with that anchor"]
+    assert not broken_pointers("(docs/data.md: Mixtures; docs/observability.md#weights--biases, docs/float8.md)")
+
+
+# ---- The README's layouts say the mesh their commands build
+
+LAYOUT_NAMES = {"PP": "pp", "DP": "dp_replicate", "FSDP": "dp_shard", "CP": "cp", "TP": "tp"}
+
+
+def readme_layouts() -> list[tuple[str, str]]:
+    """(command, comment) of each line of the README's Layouts block."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"\*\*Layouts\.\*\*.*?^```bash\n(.*?)^```", text, re.S | re.M)[1]
+    return [tuple(part.strip() for part in line.split("#", 1)) for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("command, comment", readme_layouts())
+def test_each_readme_layout_comment_is_the_mesh_its_command_builds(command, comment, monkeypatch):
+    """debug_model.toml sets tensor_parallel_degree 2: a command that only adds another degree keeps TP 2, and the
+    data-parallel shard takes what is left of NGPU."""
+    monkeypatch.chdir(ROOT)
+    words = shlex.split(command)
+    env = dict(w.split("=", 1) for w in words if ENV_ASSIGNMENT.match(w))
+    assert words[len(env)] == "./run_train.sh", command
+    cfg = load_config(["--job.config_file", env.get("CONFIG_FILE", "train_configs/debug_model.toml"),
+                       *words[len(env) + 1:]])
+    dims = ParallelDims.from_config(cfg.parallelism, int(env["NGPU"]))
+    built = {name: getattr(dims, name) for name in LAYOUT_NAMES.values() if getattr(dims, name) > 1}
+    said = {LAYOUT_NAMES[name]: int(size) for name, size in re.findall(r"\b(PP|DP|FSDP|CP|TP) (\d+)", comment)}
+    assert said == built, f"{command}: the comment says {comment!r}, the command builds {built}"
+    schedules = re.findall(r"\b(GPipe|1F1B|Interleaved1F1B|LoopedBFS)\b", comment)
+    assert schedules in ([], [cfg.parallelism.pipeline_parallel_schedule]), comment

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -224,3 +225,59 @@ def test_gradients_doubled_on_one_run_fail_on_the_grad_norm_alone(tmp_path, monk
     assert "grad_norm max rel diff: 1.000e+00" in r.stdout  # B's norm is twice A's at every step
     with pytest.raises(AssertionError, match="grad_norm differs by 1.00e"):  # and so does the suite's parity check
         assert_same_curve(tmp_path / "b", tmp_path / "a", 1e-5)
+
+
+# ---- Training both runs first: each shows its progress while it trains
+
+FAKE_RUN = '''#!{python}
+"""Stands in for run_train.sh: writes config.toml and three steps' records as the trainer does, and after step 1
+waits for the test to have seen that step's progress line (as long as a real step takes), failing after 20 s."""
+import json, os, sys, time
+from pathlib import Path
+dump = Path(sys.argv[sys.argv.index("--job.dump_folder") + 1])
+(dump / "config.toml").write_text("[training]\\nsteps = 3\\n")
+go = Path(os.environ["FAKE_GO"]) / dump.name
+with open(dump / "metrics.jsonl", "a") as f:
+    for step, loss in enumerate({losses}, 1):
+        f.write(json.dumps({{"step": step, "loss": loss, "grad_norm": 1.5, "tps": 1234.5, "elapsed_s": 0.5 * step}}))
+        f.write("\\n")
+        f.flush()
+        waited = 0.0
+        while step == 1 and not go.exists():
+            time.sleep(0.05)
+            waited += 0.05
+            if waited > 20:
+                sys.exit("no progress line seen for step 1")
+'''
+
+
+def test_runs_trained_first_show_each_logged_step_on_stderr_while_they_train(tmp_path):
+    """A copy of the script beside a stand-in for run_train.sh. Each run's step 1 must be reported while the run is
+    still going (the stand-in waits for the line before it writes step 2); stdout is the comparison, unchanged."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, repo / "scripts" / "loss_compare.py")
+    fake = repo / "run_train.sh"
+    fake.write_text(FAKE_RUN.format(python=sys.executable, losses=LOSSES[:3]))
+    fake.chmod(0o755)
+    go = tmp_path / "go"
+    go.mkdir()
+    work = tmp_path / "work"
+    command = [sys.executable, str(repo / "scripts" / "loss_compare.py"), "--run_a", "--training.steps 3",
+               "--run_b", "--training.steps 3", "--workdir", str(work), "--tolerance", "0"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "FAKE_GO": str(go)}) as proc:
+        progress = []
+        for line in proc.stderr:
+            progress.append(line.rstrip("\n"))
+            if line.startswith(("run_a: step: 1/3", "run_b: step: 1/3")):
+                (go / line[4]).touch()  # the run may go on
+        out = proc.stdout.read()
+    assert proc.returncode == 0, out + "\n".join(progress)
+    expected = [f"run_{name}: step: {step}/3  loss: {loss:.4f}  grad_norm: 1.5000  tps: 1,234  elapsed_s: "
+                f"{0.5 * step:.1f}" for name in "ab" for step, loss in enumerate(LOSSES[:3], 1)]
+    assert progress == expected
+    # stdout: the two "running" lines, then what comparing the finished runs prints.
+    running, compared = out.splitlines()[:2], out.splitlines()[2:]
+    assert [line.split(":")[0] for line in running] == ["running a", "running b"]
+    assert compared == run(work / "a", work / "b", "--tolerance", 0).stdout.splitlines()

@@ -1,8 +1,14 @@
 import logging
 import math
 import os
+import re
 import shutil
+import subprocess
+import sys
+import threading
+import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,7 +22,8 @@ from torchtitan_lite.models.llama import FLAVORS, Transformer, TransformerBlock,
 from torchtitan_lite.parallel.parallelize import apply_ac
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import metrics
-from torchtitan_lite.runtime.metrics import FLOAT8, MetricLogger, _cpu_peak, flops_per_token, memory_gib, peak_flops
+from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, _cpu_peak, flops_per_token, memory_gib, peak_flops,
+                                            stated_peak_flops)
 
 CPU = torch.device("cpu")
 
@@ -26,13 +33,17 @@ def test_flops_per_token_matches_hand_count():
     assert flops_per_token(1000, n_layers=2, n_heads=3, head_dim=4, seq_len=5, embedding_params=200) == 6240.0
 
 
-def test_peak_flops_cpu_is_positive_and_measured_once():
-    first = peak_flops(CPU, torch.float32)
-    assert first > 1e8  # any CPU does well over 0.1 GFLOP/s on a 1024^3 matmul
-    hits = _cpu_peak.cache_info().hits
-    second = peak_flops(CPU, torch.float32)
-    assert _cpu_peak.cache_info().hits == hits + 1  # cached, not re-measured
-    assert second is first
+def test_peak_flops_cpu_is_positive_and_measured_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(tmp_path))
+    _cpu_peak.cache_clear()
+    try:
+        first = peak_flops(CPU, torch.float32)
+        assert first > 1e8  # any CPU does well over 0.1 GFLOP/s on a 512^3 matmul
+        hits = _cpu_peak.cache_info().hits
+        assert peak_flops(CPU, torch.float32) is first
+        assert _cpu_peak.cache_info().hits == hits + 1  # cached in the process too: not even the file is read again
+    finally:
+        _cpu_peak.cache_clear()
 
 
 def test_peak_flops_gpu_table(monkeypatch):
@@ -44,6 +55,8 @@ def test_peak_flops_gpu_table(monkeypatch):
     assert not metrics._tf32_allowed()
     monkeypatch.setattr(metrics, "_tf32_allowed", lambda: True)
     assert peak_flops(torch.device("cuda"), torch.float32) == 989e12 / 2
+    assert stated_peak_flops(torch.device("cuda"), torch.float32) == (
+        989e12 / 2, "tf32 dense peak of NVIDIA H100 80GB HBM3 (datasheet): 494.5 TFLOP/s")
 
 
 @pytest.mark.parametrize("name, fp8, bf16", [
@@ -56,6 +69,9 @@ def test_float8_peak_is_the_datasheets_dense_fp8_figure(monkeypatch, name, fp8, 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
     assert peak_flops(torch.device("cuda"), FLOAT8) == fp8
     assert peak_flops(torch.device("cuda"), torch.bfloat16) == bf16
+    kind = "bf16" if fp8 == bf16 else "fp8"  # stated as what it is
+    stated = stated_peak_flops(torch.device("cuda"), FLOAT8)
+    assert stated == (fp8, f"{kind} dense peak of {name} (datasheet): {fp8 / 1e12:.1f} TFLOP/s")
 
 
 def test_a_float8_run_measures_mfu_against_the_fp8_peak_unless_emulated(tmp_path, monkeypatch):
@@ -84,6 +100,8 @@ def test_unknown_gpu_warns_and_uses_h100(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
         assert peak_flops(torch.device("cuda"), torch.bfloat16) == 989e12
     assert "Mystery GPU 9000" in caplog.text
+    assert stated_peak_flops(torch.device("cuda"), torch.bfloat16)[1] == (
+        "bf16 dense peak of Mystery GPU 9000 (unknown GPU: the H100 SXM's datasheet): 989.0 TFLOP/s")
 
 
 def test_memory_gib_cpu_positive():
@@ -268,8 +286,83 @@ def test_cpu_peak_is_the_fastest_matmul_layout(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "__matmul__", timed)
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
-    _cpu_peak.cache_clear()
-    try:
-        assert _cpu_peak(torch.float16, 1) == pytest.approx(2 * 512**3 / 0.05)
-    finally:
-        _cpu_peak.cache_clear()
+    assert metrics._measure_cpu_peak(torch.float16) == pytest.approx(2 * 512**3 / 0.05)
+
+
+# ---- The CPU's peak: measured once per machine, so that MFU is against one stated number
+
+
+class Measurements:
+    """Stands in for the timing: counts the measurements, each a new value (a re-measurement shows)."""
+
+    def __init__(self, seconds: float = 0.0):
+        self.calls, self.seconds, self.lock = [], seconds, threading.Lock()
+
+    def __call__(self, dtype: torch.dtype) -> float:
+        with self.lock:
+            self.calls.append(dtype)
+            value = 1e10 * len(self.calls) + 0.123456789
+        time.sleep(self.seconds)  # another process asking now finds no file yet
+        return value
+
+
+@pytest.fixture
+def measurements(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(tmp_path))
+    measure = Measurements()
+    monkeypatch.setattr(metrics, "_measure_cpu_peak", measure)
+    return measure
+
+
+def test_the_cpu_peak_is_measured_once_and_read_back_by_later_processes(measurements, tmp_path):
+    peak = _cpu_peak.__wrapped__  # not the process's cache: each call is a new run's first
+    flops, text = peak(torch.float32, 1)
+    assert measurements.calls == [torch.float32]
+    assert peak(torch.float32, 1) == (flops, text) and len(measurements.calls) == 1  # read, not measured again
+    [cached] = (tmp_path / "cpu_peak").glob("*.json")
+    assert re.fullmatch(rf"fp32 matmul peak of this CPU, 1 thread: 10\.0 GFLOP/s, measured once \(\d{{4}}-[\d-]+ "
+                        rf"[\d:]+\), cached in {re.escape(str(cached))}", text), text
+    # A later run is another process: it reads the same number, to the last bit, and measures nothing.
+    code = ("import torch; from torchtitan_lite.runtime import metrics\n"
+            "metrics._measure_cpu_peak = None  # a measurement would fail\n"
+            "print(repr(metrics.peak_flops(torch.device('cpu'), torch.float32)))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert float(other.stdout) == flops
+
+
+def test_the_cpu_peak_s_key_separates_dtype_threads_cpu_and_torch(measurements, monkeypatch):
+    peak = _cpu_peak.__wrapped__
+    values = {peak(torch.float32, 1)[0], peak(torch.float32, 2)[0], peak(torch.bfloat16, 1)[0]}
+    with monkeypatch.context() as m:
+        m.setattr(metrics, "cpu_identity", lambda: "model name : another CPU\n")
+        values.add(peak(torch.float32, 1)[0])
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__version__", "99.0")  # another torch: other matmul kernels
+        values.add(peak(torch.float32, 1)[0])
+    assert len(measurements.calls) == len(values) == 5
+    assert {peak(torch.float32, 1)[0], peak(torch.float32, 2)[0]} < values  # each kept apart
+    assert len(measurements.calls) == 5
+
+
+def test_concurrent_first_calls_measure_once(tmp_path, monkeypatch):
+    """The ranks of a node start together: one measures while the others wait for its number (measuring at once,
+    they would time each other's load). Threads stand in for the ranks: each opens the lock file anew, and flock
+    locks one open file against another, in one process as across processes."""
+    monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(tmp_path))
+    measure = Measurements(seconds=0.5)
+    monkeypatch.setattr(metrics, "_measure_cpu_peak", measure)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: _cpu_peak.__wrapped__(torch.float32, 1), range(4)))
+    assert len(measure.calls) == 1
+    assert len(set(results)) == 1
+
+
+def test_an_unwritable_cache_measures_in_process_and_says_so(tmp_path, monkeypatch, caplog):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(tmp_path / "file" / "cache"))
+    monkeypatch.setattr(metrics, "_measure_cpu_peak", Measurements())
+    with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
+        flops, text = _cpu_peak.__wrapped__(torch.float32, 1)
+    assert flops > 0 and "measured at start (not cached:" in text
+    assert "cannot keep the CPU's peak" in caplog.text

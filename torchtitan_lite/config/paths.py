@@ -14,6 +14,7 @@ cache_dir() is the one folder the package writes outside a run's dump folder: wh
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -45,3 +46,14 @@ def cache_dir() -> Path:
     if os.environ.get("TORCHTITAN_LITE_CACHE"):
         return Path(os.environ["TORCHTITAN_LITE_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchtitan_lite"
+
+
+def cpu_identity() -> str:
+    """What tells CPUs apart for what cache_dir() keeps per machine: their model and instruction sets (a cache shared
+    by nodes of one CPU model is shared on purpose)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+            return "".join(sorted({line for line in f if line.startswith(keys)}))
+    except OSError:  # not Linux
+        return platform.processor()

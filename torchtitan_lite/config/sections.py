@@ -111,10 +111,11 @@ class Parallelism:
     pipeline_parallel_schedule: str = opt("1F1B", "torch's schedule name: GPipe, 1F1B, Interleaved1F1B, LoopedBFS")
     pipeline_parallel_microbatches: int = opt(-1, "micro-batches per local batch; -1 = the pipeline degree",
                                               rule=or_auto(at_least(1)))
-    pipeline_parallel_layers_per_stage: int = opt(-1, "blocks per stage; -1 = split over 1 stage a rank (see README)",
-                                                  rule=or_auto(at_least(1)))
-    context_parallel_degree: int = opt(1, "each sequence split across this many ranks (long context; see README)",
-                                       rule=at_least(1))
+    pipeline_parallel_layers_per_stage: int = opt(
+        -1, "blocks per stage; -1 = split over 1 stage a rank (docs/parallelism.md#pipeline-parallelism)",
+        rule=or_auto(at_least(1)))
+    context_parallel_degree: int = opt(1, "each sequence split across this many ranks (long context; "
+                                       "docs/parallelism.md#long-sequences-context-parallelism)", rule=at_least(1))
     context_parallel_load_balancer: str = opt("headtail", "a rank's share of the sequence: headtail = chunks i and "
                                               "2cp-1-i (equal causal work), none = one contiguous chunk",
                                               choices=("headtail", "none"))
@@ -187,7 +188,8 @@ class Metrics:
     log_freq: int = opt(10, "log every N steps", rule=at_least(1))
     enable_tensorboard: bool = opt(False, "also write TensorBoard events")
     save_tb_folder: str = opt("tb", "TensorBoard folder, under job.dump_folder")
-    enable_wandb: bool = opt(False, "also log to Weights & Biases (pip install wandb; WANDB_* variables: README)")
+    enable_wandb: bool = opt(False, "also log to Weights & Biases (pip install wandb; WANDB_* variables: "
+                             "docs/observability.md#weights--biases)")
     straggler_factor: float = opt(1.5, "warn when a rank's step or data wait runs this many median steps slower "
                                   "at 3 logging steps in a row", rule=finite_above(1))
 
@@ -210,7 +212,7 @@ class Profiling:
 class Validation:
     """periodic evaluation on held-out data"""
     enable: bool = opt(False, "run validation during training")
-    dataset: str = opt("", '"" = the training data\'s held-out part (README: Data and tokenizers); else a dataset')
+    dataset: str = opt("", '"" = the training data\'s held-out part (docs/data.md#sources); else a dataset')
     dataset_path: str = opt("", "local path of that dataset, if it needs one", path=LIST)
     freq: int = opt(100, "validate every N steps", rule=at_least(1))
     steps: int = opt(10, "batches per validation", rule=at_least(1))
@@ -240,7 +242,7 @@ class Phase:
 
 @dataclass
 class Mixture:
-    """weighted data sources and phases; training.dataset = "mixture" selects them (docs/data.md: Mixtures)"""
+    """weighted data sources and phases; training.dataset = "mixture" selects them (docs/data.md#mixtures)"""
     sources: list[Source] = opt([], "the sources, one [[mixture.sources]] table each")
     phases: list[Phase] = opt([], "later weights, one [[mixture.phases]] table each, in step order")
     weights: str = opt("", '"" = the sources\' weights; else NAME=W,NAME=W replaces them (the command line\'s form)')

@@ -6,20 +6,26 @@ imported only when enabled; it gets the run's resolved config as text, and a res
 the stale tail a crash leaves (see MetricLogger). W&B, optional too, gets the same records (wandb_run.py).
 """
 
+import fcntl
 import functools
+import hashlib
 import json
 import logging
 import os
+import platform
 import resource
 import sys
+import tempfile
 import time
 import tomllib
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from torchtitan_lite.config.paths import cache_dir, cpu_identity
 from torchtitan_lite.runtime.wandb_run import WandbRun
 
 logger = logging.getLogger("torchtitan_lite")
@@ -81,32 +87,108 @@ def _tf32_allowed() -> bool:
     return matmul.allow_tf32
 
 
-@functools.cache
-def _cpu_peak(dtype: torch.dtype, num_threads: int) -> float:
-    # A CPU has no datasheet peak we can trust (turbo, AVX-512/AMX, shared cores), so "peak" is what matmuls in the
-    # training dtype achieve here with this thread count; MFU is the model's share of that rate. A step multiplies in
-    # three layouts (forward x @ W^T, backward g @ W and g^T @ x), and a CPU may run them at rates an order of
-    # magnitude apart (fp16 on CPUs without fp16 units; docs/performance.md), so the peak is the fastest layout's: a
-    # model made of them cannot beat it, and MFU stays at most 100%. Keyed on the thread count because torchrun ranks on
-    # one host may each be given fewer threads.
+# How the CPU's peak is measured; part of its cache key, so a change of method measures anew.
+_CPU_METHOD = "512^3 matmuls in 3 layouts, best time of >= 5 calls and >= 0.5 s each"
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def _measure_cpu_peak(dtype: torch.dtype) -> float:
+    """FLOP/s of this process's fastest matmul layout in `dtype` (see _cpu_peak for why the fastest)."""
     n = 512
     g = torch.Generator().manual_seed(0)  # not the global generator: a run's RNG state never depends on the cache
     a, b = torch.randn(n, n, dtype=dtype, generator=g), torch.randn(n, n, dtype=dtype, generator=g)
     best = float("inf")
     for x, y in ((a, b), (a, b.t()), (a.t(), b)):
         x @ y  # warm up: the first call pays for allocation and kernel selection
-        for _ in range(3):  # best of several timings: the peak, not the average under noise
+        # The best of many calls over half a second: a peak, not an average, taken past the moments another process
+        # has the core (the best of three calls moved with the machine's load several times as much: performance.md).
+        calls, start = 0, time.perf_counter()
+        while calls < 5 or time.perf_counter() - start < 0.5:
             t0 = time.perf_counter()
             x @ y
             best = min(best, time.perf_counter() - t0)
+            calls += 1
     return 2.0 * n**3 / best
 
 
+@functools.cache
+def _cpu_peak(dtype: torch.dtype, num_threads: int) -> tuple[float, str]:
+    """(FLOP/s, what it is) of this CPU's matmuls in `dtype` on `num_threads` threads, measured once per machine.
+
+    A CPU has no datasheet peak we can trust (turbo, AVX-512/AMX, shared cores), so "peak" is what matmuls in the
+    training dtype achieve here with this thread count; MFU is the model's share of that rate. A step multiplies in
+    three layouts (forward x @ W^T, backward g @ W and g^T @ x), and a CPU may run them at rates an order of
+    magnitude apart (fp16 on CPUs without fp16 units; docs/performance.md), so the peak is the fastest layout's: a
+    model made of them cannot beat it, and MFU stays at most 100%. Keyed on the thread count because torchrun ranks on
+    one host may each be given fewer threads.
+
+    A peak each process measures at its start moves with whatever else runs (ranks measuring at once on shared
+    cores time each other's load), and MFU with it, for the same model at the same speed. So it is measured once per
+    machine, by one process under a file lock while the others wait, and kept in cache_dir() under a key of the
+    dtype, thread count, CPU (model and instruction sets), torch version (its matmul kernels) and the method: every
+    later run on this machine divides by the same number. Deleting the file measures again.
+    """
+    what = f"{_SHORT.get(dtype, str(dtype))} matmul peak of this CPU, {num_threads} thread{'s' * (num_threads > 1)}"
+    key = repr((str(dtype), num_threads, platform.machine(), cpu_identity(), torch.__version__, _CPU_METHOD))
+    path = cache_dir() / "cpu_peak" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+            record = _read_peak(path, key)
+            if record is None:
+                record = {"flops": _measure_cpu_peak(dtype), "measured": time.strftime("%Y-%m-%d %H:%M"),
+                          "key": key}
+                _write_atomically(path, json.dumps(record))
+    except OSError as e:  # no cache folder to write: measured by each process, as before
+        logger.warning("cannot keep the CPU's peak in %s (%s): measured now, and MFU may differ between runs",
+                       path, e)
+        flops = _measure_cpu_peak(dtype)
+        return flops, f"{what}: {flops / 1e9:.1f} GFLOP/s, measured at start (not cached: {e})"
+    flops = record["flops"]
+    return flops, f"{what}: {flops / 1e9:.1f} GFLOP/s, measured once ({record['measured']}), cached in {path}"
+
+
+def _read_peak(path: Path, key: str) -> dict | None:
+    """The cached record of `key`, or None when there is none or it is unreadable."""
+    try:
+        record = json.loads(path.read_text())
+        valid = record.get("key") == key and isinstance(record.get("flops"), float) and record["flops"] > 0
+        return record if valid else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Written under a name of its own and renamed into place: a reader sees the whole file or none."""
+    fd, partial = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Peak FLOP/s of one device for matmuls in `dtype`: a datasheet table on GPU, a cached measurement on CPU.
-    `FLOAT8`: the fp8 tensor cores' peak, which a float8 run's MFU is against (docs/float8.md says why)."""
+    """Peak FLOP/s of one device for matmuls in `dtype`: a datasheet table on GPU, a measurement kept per machine on
+    CPU. `FLOAT8`: the fp8 tensor cores' peak, which a float8 run's MFU is against (docs/float8.md says why)."""
+    return stated_peak_flops(device, dtype)[0]
+
+
+def stated_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """peak_flops and a line saying what it is, for the start-up summary: which figure MFU is a share of."""
     if device.type == "cuda":
-        return _gpu_peak(torch.cuda.get_device_name(device), dtype, _tf32_allowed())
+        name, tf32 = torch.cuda.get_device_name(device), _tf32_allowed()
+        flops = _gpu_peak(name, dtype, tf32)
+        entry = next((e for e in _GPU_PEAKS if e[0] in name), None)
+        if dtype == FLOAT8:  # a part without fp8 units is at its bf16 peak (_gpu_peak)
+            kind = "fp8" if entry is None or entry[2] is not None else "bf16"
+        else:
+            kind = "tf32" if dtype == torch.float32 and tf32 else _SHORT.get(dtype, str(dtype))
+        source = "datasheet" if entry else "unknown GPU: the H100 SXM's datasheet"
+        return flops, f"{kind} dense peak of {name} ({source}): {flops / 1e12:.1f} TFLOP/s"
     return _cpu_peak(dtype, torch.get_num_threads())
 
 

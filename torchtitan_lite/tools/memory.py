@@ -59,6 +59,7 @@ size (tests/test_memory.py counts the gathered bytes).
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from unittest import mock
 
@@ -86,6 +87,7 @@ from torchtitan_lite.training.preflight import check_layout
 from torchtitan_lite.training.step import Inputs, Numerics, Step
 
 LLAMA3_VOCAB = LLAMA3_N_RANKS + len(LLAMA3_SPECIALS)  # 128256: the vocabulary the 8B/70B/405B configs are made for
+progress = logging.getLogger(__name__)  # what the estimate is doing, as it goes (estimate_memory.py shows it)
 
 
 @dataclass
@@ -218,6 +220,8 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = dims.build_mesh("cpu")[0]
+        layout = " x ".join(f"{n} {d}" for n, d in zip(mesh.mesh_dim_names, mesh.shape) if d > 1) or "1 rank"
+        progress.info("rank 0 of %d (mesh %s): building and parallelizing its model on meta", world_size, layout)
         with torch.device("meta"):
             parts = split_stages(args, 0, cfg.parallelism) if dims.pp > 1 else [Transformer(args)]
         unmasked = mock.patch.object(context_parallel, "lower_right_masks", lambda ranges, _: [None] * len(ranges))
@@ -228,6 +232,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
                 parallelize(part, mesh, dims, cfg)
         # Real tensors may still come in (mesh coordinates, DTensor's bookkeeping): fake mode lets them through.
         fake = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+        progress.info("materializing rank 0's shards as fake tensors")
         with fake:
             for part in parts:
                 part.to_empty(device="cpu")
@@ -281,6 +286,7 @@ def _two_steps(parts: list[Transformer], optimizer: torch.optim.Optimizer, cfg: 
     float8_scales = float8.ScalePrecompute(cfg, dims.fsdp, parts)  # as train.py: before step 1, after each step
     float8_scales()
     for step in (1, 2):
+        progress.info("step %d of 2 (%s): forward", step, "creates the optimizer state" if step == 1 else "measured")
         tracker.reset_mod_stats()  # per-module statistics only; the peaks carry over
         tracker.device_peak = 0
         if dims.pp == 1:
@@ -289,6 +295,7 @@ def _two_steps(parts: list[Transformer], optimizer: torch.optim.Optimizer, cfg: 
             with numerics.context("cpu"):
                 activations = _first_rank_stages(parts, cfg, dims, args, numerics.compute_dtype, tracker)
         clip_grad_norm_(list(model.parameters()), training.max_norm, dims.world_size)
+        progress.info("step %d of 2: optimizer step", step)
         optimizer.step()
         float8_scales()
         if step == 1:
@@ -307,6 +314,7 @@ class _MeasuredStep(Step):
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         loss = super().loss(inputs, labels, tokens)
         self.after_forward = self.tracker.now()["ACT"]
+        progress.info("backward")
         return loss
 
 
@@ -353,6 +361,7 @@ def _first_rank_stages(parts: list[Transformer], cfg: JobConfig, dims: ParallelD
                               inputs)
                for stage in order]
     activations = tracker.now()["ACT"] - before
+    progress.info("backward, after %d micro-batch forwards of rank 0's stages", len(order))
     last = {stage: i for i, stage in enumerate(order)}
     for i, (stage, out) in enumerate(zip(order, outputs)):
         if isinstance(parts[stage], FSDPModule):
