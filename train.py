@@ -37,8 +37,8 @@ from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import flight_recorder, run_lock
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
-from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, allocator_fields, flops_per_token, held_bytes,
-                                             memory_gib, peak_flops)
+from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, allocator_fields, cpu_peak, flops_per_token,
+                                             held_bytes, memory_gib, stated_peak_flops)
 from torchtitan_lite.runtime.precision import NonFiniteError, UpdateGuard, warn_if_slow
 from torchtitan_lite.runtime.process import (Env, cpu_threads, init_distributed, peer_timeout, set_determinism,
                                              set_timeout)
@@ -53,11 +53,6 @@ from torchtitan_lite.training.source_losses import SourceLosses
 from torchtitan_lite.training.step import Inputs, Numerics, Step, build_step
 
 logger = logging.getLogger("torchtitan_lite")
-
-
-def cpu_peak(dtype, threads):  # PROVISIONAL until the stable CPU peak lands
-    from torchtitan_lite.runtime.metrics import _cpu_peak
-    return _cpu_peak(dtype, threads), f"{_cpu_peak(dtype, threads) / 1e9:.1f} GFLOP/s"
 
 
 # run_train.sh sets it once its `--check` has printed the plan, so that rank 0 does not print it again.
@@ -169,8 +164,9 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
                                             training.seq_len, n_embedding)
     # MFU against the peak of the units the blocks' matmuls run on: float8's when converted and not emulated, its
     # attention and output layer counted against it too (torchtitan reports none under float8; docs/float8.md).
-    peak = peak_flops(device, FLOAT8 if float8.enabled(cfg) and not cfg.float8.emulate else numerics.compute_dtype)
-    logger.info("mfu against %.1f TFLOP/s a process", peak / 1e12)  # PROVISIONAL: helper 3's stated peak
+    peak, peak_said = stated_peak_flops(device, FLOAT8 if float8.enabled(cfg) and not cfg.float8.emulate
+                                 else numerics.compute_dtype)
+    logger.info("mfu against the %s", peak_said)
 
     # ---- Checkpoint: resume from the newest complete checkpoint in the folder, or start from
     # checkpoint.initial_load_path.

@@ -22,7 +22,7 @@ from torchtitan_lite.models.llama import FLAVORS, Transformer, TransformerBlock,
 from torchtitan_lite.parallel.parallelize import apply_ac
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import metrics
-from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, _cpu_peak, flops_per_token, memory_gib, peak_flops,
+from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, cpu_peak, flops_per_token, memory_gib, peak_flops,
                                             stated_peak_flops)
 
 CPU = torch.device("cpu")
@@ -35,15 +35,15 @@ def test_flops_per_token_matches_hand_count():
 
 def test_peak_flops_cpu_is_positive_and_measured_once(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(tmp_path))
-    _cpu_peak.cache_clear()
+    cpu_peak.cache_clear()
     try:
         first = peak_flops(CPU, torch.float32)
         assert first > 1e8  # any CPU does well over 0.1 GFLOP/s on a 512^3 matmul
-        hits = _cpu_peak.cache_info().hits
+        hits = cpu_peak.cache_info().hits
         assert peak_flops(CPU, torch.float32) is first
-        assert _cpu_peak.cache_info().hits == hits + 1  # cached in the process too: not even the file is read again
+        assert cpu_peak.cache_info().hits == hits + 1  # cached in the process too: not even the file is read again
     finally:
-        _cpu_peak.cache_clear()
+        cpu_peak.cache_clear()
 
 
 def test_peak_flops_gpu_table(monkeypatch):
@@ -86,7 +86,7 @@ def test_a_float8_run_measures_mfu_against_the_fp8_peak_unless_emulated(tmp_path
     def asked(device, dtype):
         raise Asked(dtype)
 
-    monkeypatch.setattr(train, "peak_flops", asked)
+    monkeypatch.setattr(train, "stated_peak_flops", asked)
     monkeypatch.setattr(float8, "has_float8_matmul", lambda: True)  # what an H100 answers
     for emulate, expected in (("--no-float8.emulate", FLOAT8), ("--float8.emulate", torch.float32)):
         with pytest.raises(Asked) as peak:
@@ -286,7 +286,7 @@ def test_cpu_peak_is_the_fastest_matmul_layout(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "__matmul__", timed)
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
-    assert metrics._measure_cpu_peak(torch.float16) == pytest.approx(2 * 512**3 / 0.05)
+    assert metrics._measure_cpu_peak(torch.float16, 1) == pytest.approx(2 * 512**3 / 0.05)
 
 
 # ---- The CPU's peak: measured once per machine, so that MFU is against one stated number
@@ -298,7 +298,7 @@ class Measurements:
     def __init__(self, seconds: float = 0.0):
         self.calls, self.seconds, self.lock = [], seconds, threading.Lock()
 
-    def __call__(self, dtype: torch.dtype) -> float:
+    def __call__(self, dtype: torch.dtype, num_threads: int) -> float:
         with self.lock:
             self.calls.append(dtype)
             value = 1e10 * len(self.calls) + 0.123456789
@@ -315,7 +315,7 @@ def measurements(tmp_path, monkeypatch):
 
 
 def test_the_cpu_peak_is_measured_once_and_read_back_by_later_processes(measurements, tmp_path):
-    peak = _cpu_peak.__wrapped__  # not the process's cache: each call is a new run's first
+    peak = cpu_peak.__wrapped__  # not the process's cache: each call is a new run's first
     flops, text = peak(torch.float32, 1)
     assert measurements.calls == [torch.float32]
     assert peak(torch.float32, 1) == (flops, text) and len(measurements.calls) == 1  # read, not measured again
@@ -332,7 +332,7 @@ def test_the_cpu_peak_is_measured_once_and_read_back_by_later_processes(measurem
 
 
 def test_the_cpu_peak_s_key_separates_dtype_threads_cpu_and_torch(measurements, monkeypatch):
-    peak = _cpu_peak.__wrapped__
+    peak = cpu_peak.__wrapped__
     values = {peak(torch.float32, 1)[0], peak(torch.float32, 2)[0], peak(torch.bfloat16, 1)[0]}
     with monkeypatch.context() as m:
         m.setattr(metrics, "cpu_identity", lambda: "model name : another CPU\n")
@@ -353,7 +353,7 @@ def test_concurrent_first_calls_measure_once(tmp_path, monkeypatch):
     measure = Measurements(seconds=0.5)
     monkeypatch.setattr(metrics, "_measure_cpu_peak", measure)
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda _: _cpu_peak.__wrapped__(torch.float32, 1), range(4)))
+        results = list(pool.map(lambda _: cpu_peak.__wrapped__(torch.float32, 1), range(4)))
     assert len(measure.calls) == 1
     assert len(set(results)) == 1
 
@@ -363,6 +363,19 @@ def test_an_unwritable_cache_measures_in_process_and_says_so(tmp_path, monkeypat
     monkeypatch.setenv("TORCHTITAN_LITE_CACHE", str(tmp_path / "file" / "cache"))
     monkeypatch.setattr(metrics, "_measure_cpu_peak", Measurements())
     with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
-        flops, text = _cpu_peak.__wrapped__(torch.float32, 1)
+        flops, text = cpu_peak.__wrapped__(torch.float32, 1)
     assert flops > 0 and "measured at start (not cached:" in text
     assert "cannot keep the CPU's peak" in caplog.text
+
+
+def test_the_cpu_peak_is_measured_on_the_workers_thread_count(monkeypatch):
+    """train.py --check measures for the workers it precedes, which share the cores (fewer threads than it has)."""
+    seen = []
+    monkeypatch.setattr(metrics, "_time_matmuls", lambda dtype: seen.append(torch.get_num_threads()) or 1.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        metrics._measure_cpu_peak(torch.float32, 1)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -92,8 +92,17 @@ _CPU_METHOD = "512^3 matmuls in 3 layouts, best time of >= 5 calls and >= 0.5 s 
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
-def _measure_cpu_peak(dtype: torch.dtype) -> float:
-    """FLOP/s of this process's fastest matmul layout in `dtype` (see _cpu_peak for why the fastest)."""
+def _measure_cpu_peak(dtype: torch.dtype, num_threads: int) -> float:
+    """FLOP/s of the fastest matmul layout in `dtype` on `num_threads` threads (see cpu_peak for why the fastest)."""
+    before = torch.get_num_threads()  # a check measures for the workers, which get fewer threads than it has
+    torch.set_num_threads(num_threads)
+    try:
+        return _time_matmuls(dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _time_matmuls(dtype: torch.dtype) -> float:
     n = 512
     g = torch.Generator().manual_seed(0)  # not the global generator: a run's RNG state never depends on the cache
     a, b = torch.randn(n, n, dtype=dtype, generator=g), torch.randn(n, n, dtype=dtype, generator=g)
@@ -112,7 +121,7 @@ def _measure_cpu_peak(dtype: torch.dtype) -> float:
 
 
 @functools.cache
-def _cpu_peak(dtype: torch.dtype, num_threads: int) -> tuple[float, str]:
+def cpu_peak(dtype: torch.dtype, num_threads: int) -> tuple[float, str]:
     """(FLOP/s, what it is) of this CPU's matmuls in `dtype` on `num_threads` threads, measured once per machine.
 
     A CPU has no datasheet peak we can trust (turbo, AVX-512/AMX, shared cores), so "peak" is what matmuls in the
@@ -137,13 +146,13 @@ def _cpu_peak(dtype: torch.dtype, num_threads: int) -> tuple[float, str]:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
             record = _read_peak(path, key)
             if record is None:
-                record = {"flops": _measure_cpu_peak(dtype), "measured": time.strftime("%Y-%m-%d %H:%M"),
+                record = {"flops": _measure_cpu_peak(dtype, num_threads), "measured": time.strftime("%Y-%m-%d %H:%M"),
                           "key": key}
                 _write_atomically(path, json.dumps(record))
     except OSError as e:  # no cache folder to write: measured by each process, as before
         logger.warning("cannot keep the CPU's peak in %s (%s): measured now, and MFU may differ between runs",
                        path, e)
-        flops = _measure_cpu_peak(dtype)
+        flops = _measure_cpu_peak(dtype, num_threads)
         return flops, f"{what}: {flops / 1e9:.1f} GFLOP/s, measured at start (not cached: {e})"
     flops = record["flops"]
     return flops, f"{what}: {flops / 1e9:.1f} GFLOP/s, measured once ({record['measured']}), cached in {path}"
@@ -189,7 +198,7 @@ def stated_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, 
             kind = "tf32" if dtype == torch.float32 and tf32 else _SHORT.get(dtype, str(dtype))
         source = "datasheet" if entry else "unknown GPU: the H100 SXM's datasheet"
         return flops, f"{kind} dense peak of {name} ({source}): {flops / 1e12:.1f} TFLOP/s"
-    return _cpu_peak(dtype, torch.get_num_threads())
+    return cpu_peak(dtype, torch.get_num_threads())
 
 
 def memory_gib(device: torch.device) -> float:
