@@ -26,8 +26,9 @@ from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.metrics import flops_per_token
 from torchtitan_lite.training.step import Numerics
 
-# A first step that needs longer than this at the machine's peak is one a user would take for a hang.
-SLOW_STEP_S = 60.0
+# A step that needs this long at the machine's matmul peak takes minutes as it runs (a CPU's MFU is a few tens of
+# percent at best, far less in half precision): a first step a user would take for a hang.
+SLOW_STEP_S = 20.0
 
 
 @dataclass
@@ -107,12 +108,13 @@ def slow_step(cfg: JobConfig, model_args: ModelArgs, n_params: int, n_embedding:
     t = cfg.training
     flops = flops_per_token(n_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len,
                             n_embedding) * global_batch * t.seq_len / world_size
-    seconds = flops / peak[0]
+    seconds, rate = flops / peak[0], peak[1].split(", measured")[0]  # what the peak is, not where it is kept
     if seconds < SLOW_STEP_S:
         return ""
-    return (f"each step needs {flops / 1e12:,.1f} TFLOP per process: at least {_duration(seconds)} at {peak[1]}, so "
-            f"the first step will not finish soon ({t.steps:,} steps: at least {_duration(seconds * t.steps)}); on "
-            f"a CPU start from train_configs/debug_model.toml, or lower training.local_batch_size and seq_len"
+    return (f"each step needs {flops / 1e12:,.1f} TFLOP per process, at least {_duration(seconds)} at the {rate} "
+            f"and several times that in practice: the first step will not finish soon ({t.steps:,} steps: at least "
+            f"{_duration(seconds * t.steps)}); on a CPU, start from train_configs/debug_model.toml, or lower "
+            "training.local_batch_size and seq_len"
             + (" and use training.mixed_precision_param float32" if t.mixed_precision_param != "float32" else ""))
 
 

@@ -1,0 +1,75 @@
+"""torchtitan_lite/training/plan.py: the lines a run says before it starts: what it is (block_causal, float8, a
+mixture named when on), where it writes and what it does with the folder's checkpoints, and that its steps will
+obviously not finish soon on this machine. And a user's TOML that leaves keys out gets the defaults --help shows."""
+
+import re
+
+import torch
+
+from tests.multiprocess.launch import ROOT, TINY, train_in_process
+from torchtitan_lite.config import OPTIONS, help_text, load_config
+from torchtitan_lite.config.job_config import _default
+from torchtitan_lite.training.plan import make_plan
+from torchtitan_lite.training.preflight import preflight
+
+# What the user of issue 41 wrote: their data, nothing else.
+USERS_OWN = '[training]\ndataset = "jsonl"\ndataset_path = "{path}"\n'
+BF16_PEAK = (19.9e9, "bf16 matmul peak of this CPU, 1 thread: 19.9 GFLOP/s, measured once (...), cached in X")
+
+
+def plan_of(argv, world_size=4, peak=BF16_PEAK):
+    cfg = load_config(argv)
+    dims, model_args, _, global_batch, _, _ = preflight(cfg, world_size)
+    return make_plan(cfg, dims, model_args, global_batch, (lambda dtype: peak) if peak else None)
+
+
+def users_toml(tmp_path):
+    (tmp_path / "data.jsonl").write_text('{"text": "the user\'s own words"}\n' * 500)
+    (tmp_path / "my.toml").write_text(USERS_OWN.format(path=tmp_path / "data.jsonl"))
+    return ["--job.config_file", str(tmp_path / "my.toml"), "--job.dump_folder", str(tmp_path / "out")]
+
+
+def test_a_users_toml_gets_the_defaults_help_shows(tmp_path):
+    cfg = load_config(users_toml(tmp_path))
+    shown = {m.group(1): m.group(2) for m in re.finditer(r"^  --(\S+) \S+ = (.*?)(?:  \{|  must|$)", help_text(), re.M)}
+    for key, o in OPTIONS.items():
+        if key not in ("training.dataset", "training.dataset_path", "job.config_file", "job.dump_folder"):
+            assert _default(o) == shown[key] and getattr(getattr(cfg, o.section), o.name) == o.default, key
+
+
+def test_a_gpu_sized_step_on_a_cpu_says_so_before_it_starts(tmp_path):
+    """The issue's run: 10,000 steps of 32 x 2048 tokens in bf16 on 4 CPU processes. At this CPU's bf16 peak each
+    step needs at least 57 s (it ran 11 minutes without finishing one): one warning with the fix."""
+    plan = plan_of(users_toml(tmp_path))
+    assert plan.warnings == [
+        "each step needs 1.1 TFLOP per process, at least 57 s at the bf16 matmul peak of this CPU, 1 thread: 19.9 "
+        "GFLOP/s and several times that in practice: the first step will not finish soon (10,000 steps: at least 7 "
+        "days); on a CPU, start from train_configs/debug_model.toml, or lower training.local_batch_size and seq_len "
+        "and use training.mixed_precision_param float32"]
+    assert plan_of(users_toml(tmp_path), peak=None).warnings == []  # a GPU: no CPU bound to give
+    debug = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder",
+             str(tmp_path / "d")]
+    assert plan_of(debug, peak=(20e9, "fp32 ...")).warnings == []  # 0.2 TFLOP/s would be needed: it is not said
+
+
+def test_the_plan_names_what_is_on(tmp_path):
+    masked = plan_of(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), "--model.attn_mask_type",
+                      "block_causal", "--training.dataset", "python_stdlib", "--float8.enable_float8_linear",
+                      "--float8.emulate", "--compile.enable", "--activation_checkpoint.mode", "full",
+                      "--parallelism.tensor_parallel_degree", "2"], peak=None)
+    assert masked.lines[0].endswith(
+        "mesh dp_shard 2 x tp 2 on 4 processes, block_causal attention (documents masked at each BOS), float32, "
+        "float8 tensorwise matmuls (emulated), compiled (inductor), full activation checkpointing")
+    mixture = plan_of(["--job.config_file", str(ROOT / "train_configs" / "debug_mixture.toml"), "--job.dump_folder",
+                       str(tmp_path)], peak=None)
+    assert re.match(r"data mixture of code 75%, synthetic 25% \(1 later phase\): ", mixture.lines[1]), mixture.lines
+
+
+def test_a_finished_run_has_nothing_to_do_before_any_worker(tmp_path):
+    train_in_process(tmp_path, "--training.steps", "2", "--checkpoint.enable")
+    argv = ["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), "--checkpoint.enable"]
+    assert plan_of([*argv, "--training.steps", "2"], peak=None).nothing_to_do == (
+        f"the checkpoint {tmp_path / 'checkpoint' / 'step-2'} is at step 2 and training.steps is 2: nothing to do "
+        "(raise training.steps to extend the run)")
+    assert plan_of([*argv, "--training.steps", "3"], peak=None).nothing_to_do == ""
+    assert torch.cuda.is_available() is False  # the suite's machines: the CPU bound above is the one they get
