@@ -41,6 +41,9 @@ def test_stopped_rank_ends_the_job_naming_it(tmp_path, nproc, layout, stopped, p
                             str(tmp_path), *COMMON, "--training.steps", "20", "--comm.train_timeout_seconds",
                             str(TRAIN_TIMEOUT_S), *layout)
     env.update(store_env)
+    # run_train.sh's file, where the rank that speaks for the job writes its line too: said again after torchrun's
+    # failure summary, whose root cause is the first survivor to exit (test_run_train.py)
+    env["TORCHTITAN_LITE_ERROR_LOG"] = str(tmp_path / "error_line")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers = []
     try:
@@ -75,6 +78,7 @@ def test_stopped_rank_ends_the_job_naming_it(tmp_path, nproc, layout, stopped, p
     assert len(lines) == 1 and speaker in lines[0], out[-3000:]
     assert f"comm.train_timeout_seconds = {TRAIN_TIMEOUT_S} s: a peer rank is hung" in lines[0], out[-3000:]
     assert said in lines[0] and point in lines[0], lines[0]
+    assert (tmp_path / "error_line").read_text() == lines[0][lines[0].index("error: "):] + "\n"
     # every survivor's flight record, none of the stopped rank's
     traces = Path(tmp_path, "comm_traces")
     assert sorted(p.name for p in traces.iterdir()) == [f"rank_{r}" for r in range(nproc) if r != stopped]
