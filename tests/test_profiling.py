@@ -7,10 +7,15 @@ import importlib.util
 import json
 from collections import Counter
 
+import pytest
+import torch
 import torch.profiler._memory_profiler as memory_profiler
+from torch.profiler import ProfilerAction
 
 import train
 from launch import ROOT, TINY, read_metrics, train_in_process
+from torchtitan_lite.config import load_config
+from torchtitan_lite.runtime import profiling
 
 _spec = importlib.util.spec_from_file_location("trace_summary", ROOT / "scripts" / "trace_summary.py")
 trace_summary = importlib.util.module_from_spec(_spec)
@@ -46,3 +51,46 @@ def test_cpu_memory_timeline_holds_exactly_the_parameters_gradients_and_optimize
             assert min(series) == series.most_common(1)[0][0] == held[key]
         else:  # gradients come and go (zero_grad frees them); the optimizer's moments are held all along
             assert max(series) == held[key], category
+
+
+def profiled(*overrides: str):
+    return load_config(["--profiling.enable_profiling", *overrides]).profiling
+
+
+@pytest.mark.parametrize("freq, warmup, active", [(6, 2, 2), (5, 3, 1), (4, 0, 2), (3, 2, 1)])
+def test_every_traced_window_has_its_warmup_whatever_step_a_run_resumes_at(freq, warmup, active):
+    """Whatever step of a window a run resumes at, it traces a window (its warm-up steps, then its traced steps, the
+    last of which, a multiple of profile_freq, writes it) if and only if the run holds the window's first warm-up
+    step: the window it resumes inside after that step is skipped, and every later one is traced whole."""
+    cfg = profiled("--profiling.profile_freq", str(freq), "--profiling.profiler_warmup", str(warmup),
+                   "--profiling.profiler_active", str(active))
+    for start in range(3 * freq, 4 * freq):  # the step a run resumes after: its first is start + 1
+        cycle = profiling.cycle(cfg, start)
+        for n in range(3 * freq):
+            step = start + 1 + n  # the global step the profiler's n-th step runs
+            end = -(-step // freq) * freq  # the step its window is written at
+            begin = end - warmup - active + 1  # its first warm-up step
+            expected = ProfilerAction.NONE
+            if begin <= step and begin > start:
+                expected = (ProfilerAction.WARMUP if step < begin + warmup else ProfilerAction.RECORD_AND_SAVE
+                            if step == end else ProfilerAction.RECORD)
+            assert cycle(n) == expected, (start, step)
+
+
+def run_steps(profiler: profiling.StepProfiler, steps: int, step_fn=lambda: torch.ones(1000).sum()) -> None:
+    with profiler:
+        for _ in range(steps):
+            with profiler.phase("forward_backward"):
+                step_fn()
+            profiler.step()
+
+
+def test_a_run_resumed_inside_a_warmup_skips_that_window(tmp_path):
+    """Resumed after step 6 with windows of 1 warm-up and 1 traced step every 4: step 7 would be the warm-up of
+    step 8's window and is: traced. Resumed after step 7, step 8 would be traced without its warm-up: only step 12's
+    window is."""
+    cfg = profiled("--profiling.profile_freq", "4", "--profiling.profiler_warmup", "1")
+    for start, traced in ((6, [8, 12]), (7, [12])):
+        folder = tmp_path / str(start)
+        run_steps(profiling.StepProfiler(cfg, str(folder), 0, torch.device("cpu"), start), 12 - start)
+        assert sorted(int(p.parent.name.split("_")[1]) for p in folder.rglob("*_trace.json.gz")) == traced, start

@@ -6,7 +6,8 @@ on a cycle (torchtitan's `[profiling]` keys and meaning): every `profile_freq` s
 `profiler_warmup` steps, then records `profiler_active` steps and writes one gzipped Chrome trace per rank,
 `<save_traces_folder>/iteration_<step>/rank<R>_trace.json.gz`, named by the window's last global step. The cycle
 counts global steps, so a resumed run traces the same steps an uninterrupted one would and continues the numbering;
-a window the run ends inside is dropped rather than written under a step that never ran.
+a window the run ends inside is dropped rather than written under a step that never ran, and so is one a resumed run
+enters after its first warm-up step, which would be traced with fewer warm-up steps than asked for.
 
 On the CPU, `enable_memory_snapshot` adds the profiler's memory timeline of each window beside its trace
 (`rank<R>_memory_timeline.json.gz`: bytes held per category, parameters, gradients, optimizer state, activations...);
@@ -22,9 +23,10 @@ import logging
 import os
 import time
 import warnings
+from typing import Callable
 
 import torch
-from torch.profiler import ProfilerActivity, record_function
+from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 
 from torchtitan_lite.config import ConfigError
 from torchtitan_lite.config.sections import Profiling
@@ -41,6 +43,17 @@ def check_profiling(cfg: Profiling) -> None:
                           "lower the other two")
 
 
+def cycle(cfg: Profiling, start_step: int) -> Callable[[int], ProfilerAction]:
+    """The profiler's action for its n-th step (counted from 0) of a run that starts after `start_step`: the cycle
+    read at the global step, so a resumed run traces the steps a straight run would, but for a window the run enters
+    after its first warm-up step, which is skipped: its trace would lack warm-up (or traced) steps."""
+    wait = cfg.profile_freq - cfg.profiler_warmup - cfg.profiler_active
+    schedule = torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active)
+    entered = start_step % cfg.profile_freq  # the first step's place in its window
+    first = start_step - entered + cfg.profile_freq if entered > wait else start_step
+    return lambda n: schedule(start_step + n) if start_step + n >= first else ProfilerAction.NONE
+
+
 def trace_path(folder: str, step: int, rank: int, kind: str = "trace") -> str:
     return os.path.join(folder, f"iteration_{step}", f"rank{rank}_{kind}.json.gz")
 
@@ -55,13 +68,9 @@ class StepProfiler:
         self._prof, self._closing = None, False
         if not cfg.enable_profiling:
             return
-        cycle = torch.profiler.schedule(wait=cfg.profile_freq - cfg.profiler_warmup - cfg.profiler_active,
-                                        warmup=cfg.profiler_warmup, active=cfg.profiler_active)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        # The profiler counts its steps from 0; the cycle is read at the global step, so a resumed run traces the
-        # steps a straight run would.
         self._prof = torch.profiler.profile(
-            activities=activities, schedule=lambda n: cycle(n + start_step), on_trace_ready=self._write,
+            activities=activities, schedule=cycle(cfg, start_step), on_trace_ready=self._write,
             record_shapes=True, profile_memory=self._memory, with_stack=self._memory)  # the timeline's needs
 
     def __enter__(self) -> StepProfiler:
