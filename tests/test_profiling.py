@@ -5,11 +5,13 @@ The multi-process traces (their collectives, a resumed run's numbering) are test
 import gzip
 import importlib.util
 import json
+import threading
 from collections import Counter
 
 import pytest
 import torch
 import torch.profiler._memory_profiler as memory_profiler
+from torch._C._profiler import _EventType, _ExperimentalConfig
 from torch.profiler import ProfilerAction
 
 import train
@@ -94,3 +96,49 @@ def test_a_run_resumed_inside_a_warmup_skips_that_window(tmp_path):
         folder = tmp_path / str(start)
         run_steps(profiling.StepProfiler(cfg, str(folder), 0, torch.device("cpu"), start), 12 - start)
         assert sorted(int(p.parent.name.split("_")[1]) for p in folder.rglob("*_trace.json.gz")) == traced, start
+
+
+@pytest.mark.parametrize("world_size, gpu, refused", [(2, False, True), (1, False, False), (2, True, False)])
+def test_check_refuses_the_cpu_memory_timeline_of_several_processes(capsys, monkeypatch, world_size, gpu, refused):
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    code = train.run(["--job.config_file", str(TINY), "--profiling.enable_profiling",
+                      "--profiling.enable_memory_snapshot"], check=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (code, len(err)) == ((2, 1) if refused else (0, 0)), err
+    if refused:
+        assert "profiling.enable_memory_snapshot on the CPU (the profiler's memory timeline) needs one process, " \
+               "not 2" in err[0] and "NGPU=1" in err[0]
+
+
+def freed_on_another_thread():
+    """What gloo's threads do to a collective's buffers: the last reference dropped on a thread of theirs, then a new
+    tensor allocated (at the freed address, as malloc reuses it)."""
+    for _ in range(20):
+        held = [torch.ones(1000) * 2]
+        freeing = threading.Thread(target=held.clear)
+        freeing.start()
+        freeing.join()
+        torch.ones(1000) * 3
+
+
+@pytest.mark.parametrize("all_threads", [False, True])
+def test_torchs_memory_profiler_cannot_follow_frees_on_other_threads(all_threads):
+    """Why check_profiling refuses the CPU's timeline on several processes: torch's memory profiler rejects a window
+    with a free on a thread it does not follow, and following every thread records no allocation at all. When a
+    torch release changes either, this fails: the refusal can then go."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=True, with_stack=True,
+                                experimental_config=_ExperimentalConfig(profile_all_threads=all_threads)) as prof:
+        freed_on_another_thread()
+    events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), 0
+    while events:
+        event = events.pop()
+        allocations += event.typed[0] == _EventType.Allocation
+        events += event.children
+    if all_threads:
+        assert allocations == 0
+    else:
+        assert allocations >= 80  # 4 tensors an iteration, each allocated and freed (one free unseen)
+        with pytest.raises(AssertionError, match="version mismatch|duplicate outputs"):
+            memory_profiler.MemoryProfile(prof.profiler.kineto_results)

@@ -10,8 +10,8 @@ a window the run ends inside is dropped rather than written under a step that ne
 enters after its first warm-up step, which would be traced with fewer warm-up steps than asked for.
 
 On the CPU, `enable_memory_snapshot` adds the profiler's memory timeline of each window beside its trace
-(`rank<R>_memory_timeline.json.gz`: bytes held per category, parameters, gradients, optimizer state, activations...);
-the GPU's allocator snapshots are memory_snapshot.py's.
+(`rank<R>_memory_timeline.json.gz`: bytes held per category, parameters, gradients, optimizer state, activations...),
+in one process only (check_profiling says why); the GPU's allocator snapshots are memory_snapshot.py's.
 
 Off, it costs nothing: `phase` hands out one shared null context and `step` returns at once.
 """
@@ -35,12 +35,31 @@ logger = logging.getLogger("torchtitan_lite")
 _OFF = contextlib.nullcontext()
 
 
-def check_profiling(cfg: Profiling) -> None:
-    """The cycle must hold its warmup and its traced steps (train.py --check)."""
-    if cfg.enable_profiling and cfg.profile_freq < cfg.profiler_warmup + cfg.profiler_active:
+def check_profiling(cfg: Profiling, world_size: int) -> None:
+    """The cycle must hold its warmup and its traced steps, and the CPU's memory timeline a single process (train.py
+    --check).
+
+    torch's memory profiler sees the allocations and frees of the threads it profiles. gloo runs each collective on
+    a thread of its own, whose work object holds the collective's tensors: when it holds the last reference (a copy
+    it made of the input, as the functional reduce-scatter of TP's sequence parallelism does; a buffer the caller has
+    dropped by the time the thread lets go), the tensor is freed there, unseen. The profiler then takes the next
+    tensor allocated at that address for the freed one and rejects the window's data flow ("version mismatch",
+    "duplicate outputs" in export_memory_timeline): on TP and FSDP layouts, on some ranks in most windows. The
+    references are torch's, not ours, and profiling every thread (`profile_all_threads`) records no allocation at
+    all in torch 2.13. One process, whose few collectives are the loop's own small ones (the signal flag, the logged
+    losses and step times), has written its timeline in every run, exactly what the trainer holds
+    (tests/test_profiling.py)."""
+    if not cfg.enable_profiling:
+        return
+    if cfg.profile_freq < cfg.profiler_warmup + cfg.profiler_active:
         raise ConfigError(f"profiling.profile_freq = {cfg.profile_freq} is shorter than profiler_warmup + "
                           f"profiler_active = {cfg.profiler_warmup + cfg.profiler_active}: raise profile_freq or "
                           "lower the other two")
+    if cfg.enable_memory_snapshot and world_size > 1 and not torch.cuda.is_available():
+        raise ConfigError(f"profiling.enable_memory_snapshot on the CPU (the profiler's memory timeline) needs one "
+                          f"process, not {world_size}: torch's memory profiler misses the frees on gloo's threads and "
+                          "fails; profile memory in one process (NGPU=1, every parallelism degree 1), or profile "
+                          "without --profiling.enable_memory_snapshot")
 
 
 def cycle(cfg: Profiling, start_step: int) -> Callable[[int], ProfilerAction]:
