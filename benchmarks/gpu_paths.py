@@ -20,6 +20,7 @@ Each check is a real train.run (one process; a one-rank mesh) or the model's own
 - float8_8b: four 8B blocks compiled, bf16 against float8 tensorwise and rowwise: tokens/s, MFU (against the bf16
   peak, so the ratio reads as a speed-up), peak memory;
 - masked: block_causal with FlexAttention's block mask against the explicit mask, eager, compiled and bf16;
+- mask_memory: the block mask's peak bytes at 8192 and 32k tokens, ours beside create_block_mask's (on a CPU too);
 - observe: a profiled run's trace holds the GPU's kernels, memory snapshots every profile_freq steps, and a step that
   runs out of memory writes its snapshot and exits 1 with its one line.
 """
@@ -37,12 +38,14 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 import train  # noqa: E402
 from torchtitan_lite.data.loader import DataLoader  # noqa: E402
 from torchtitan_lite.models.llama import Transformer, flavor_args  # noqa: E402
 from torchtitan_lite.parallel.dims import ParallelDims  # noqa: E402
+from torchtitan_lite.runtime.metrics import storage_bytes  # noqa: E402
 from torchtitan_lite.runtime.run_history import read_metrics  # noqa: E402
 from speed_8b import blocks8b, float8_linear_ms  # noqa: E402 - benchmarks/, beside this script
 
@@ -278,6 +281,57 @@ def masked() -> dict:
     return out
 
 
+def _peak(device: torch.device, fn) -> tuple:
+    """(fn(), the most bytes it had allocated at once beyond what was allocated before)."""
+    if device.type == "cuda":  # the allocator's statistics are the host's: no sync needed before
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - base
+    with MemTracker() as tracker:  # the CPU has no allocator statistics: the tensors' storages, followed
+        out = fn()
+    return out, tracker.get_tracker_snapshot("peak")[device]["Total"]
+
+
+def mask_memory(device: str | None = None, seqs: tuple[int, ...] = (8192, 32768)) -> dict:
+    """block_causal's block mask of a window (documents of ~1000 tokens) built from the ids (ours), by torch's
+    create_block_mask (ours before) and by it compiled (torchtitan's; GPU): its peak and bytes held, and on a GPU the
+    peak of building and using it (compiled FlexAttention forward and backward, 8B's 32 heads of 128, bf16)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torchtitan_lite.models import documents
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torchs = {"create_block_mask": create_block_mask}
+    if device.type == "cuda":
+        torchs["create_block_mask compiled"] = torch.compile(create_block_mask)
+    builders = {"from ids": lambda ids: documents.block_mask(ids, torch.bfloat16), **{
+        name: (lambda ids, f=f: f(documents.document_causal(ids), 1, None, ids.shape[1], ids.shape[1], device=device))
+        for name, f in torchs.items()}}
+    flex, out = torch.compile(flex_attention), {}
+    for seq in seqs:
+        ids = documents.document_ids((torch.rand(1, seq, generator=torch.Generator().manual_seed(seq)) < 1e-3)
+                                     .long(), 1).to(device)
+        row, reference = {"estimate (block_mask_bytes)": documents.block_mask_bytes(1, seq)}, None
+        for name, build in builders.items():
+            if device.type == "cuda":
+                build(ids)  # compiled: compiles outside the measurement
+            mask, peak = _peak(device, lambda build=build: build(ids))
+            tensors = [t for t in mask.as_tuple() if isinstance(t, torch.Tensor)]
+            reference = reference or tensors
+            row[name] = {"build peak MiB": round(peak / 2**20, 3), "held bytes": storage_bytes(tensors),
+                         "equal to ours": all(a.equal(b) for a, b in zip(tensors, reference))}
+            if device.type == "cuda":
+                q, k, v = (torch.randn(1, 32, seq, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+                           for _ in range(3))
+                flex(q, k, v, block_mask=mask).sum().backward()  # compiles (per length) outside the measurement
+                del mask
+                _, peak = _peak(device, lambda build=build: flex(q, k, v, block_mask=build(ids)).sum().backward())
+                row[name]["build, forward and backward peak MiB"] = round(peak / 2**20, 1)
+        out[f"seq {seq}"] = row
+    return out
+
+
 def observe() -> dict:
     """Profiler traces with GPU kernels, periodic memory snapshots, and the snapshot an out-of-memory step writes."""
     import gzip
@@ -316,7 +370,8 @@ def observe() -> dict:
 
 CHECKS = {"reference": reference, "init": init, "precisions": precisions, "offload": offload, "syncs": syncs, "step8b": step8b,
           "float8": float8_numerics, "float8_8b": float8_8b, "observe": observe, "masked": masked,
-          "float8_fsdp": float8_fsdp}
+          "float8_fsdp": float8_fsdp, "mask_memory": mask_memory}
+RUN_ON_CPU = {"mask_memory"}  # what a machine without a GPU measures too; the others are reported skipped there
 
 
 def main() -> None:
@@ -324,12 +379,12 @@ def main() -> None:
     p.add_argument("--only", nargs="*", choices=list(CHECKS), default=list(CHECKS))
     p.add_argument("--out", help="also write the results here, as JSON")
     a = p.parse_args()
-    assert torch.cuda.is_available(), "gpu_paths.py checks GPU-only paths: run it on a GPU"
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    cuda = torch.cuda.is_available()
+    results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     for name in a.only:
         t0 = time.perf_counter()
         try:
-            results[name] = CHECKS[name]()
+            results[name] = CHECKS[name]() if cuda or name in RUN_ON_CPU else "skipped: needs a GPU"
         except Exception as e:  # noqa: BLE001 - one broken check must not hide the others
             results[name] = {"error": f"{type(e).__name__}: {e}"[:500], "where": traceback.format_exc()[-1500:]}
         results[name + " s"] = round(time.perf_counter() - t0, 1)

@@ -5,9 +5,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from torchtitan_lite.models import documents
 from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.runtime.metrics import storage_bytes
 
 BOS, EOS, VOCAB = 256, 257, 258  # the byte-level tokenizer's
 SEQ = 96
@@ -110,6 +113,98 @@ def test_flex_attention_forward_matches_the_explicit_mask():
     torch.testing.assert_close(flex, explicit, rtol=0, atol=1e-5)
     assert documents.kernel("cuda", cp=1) == "flex" and documents.kernel("cpu", cp=1) == "sdpa"
     assert documents.kernel("cuda", cp=2) == "sdpa"
+
+
+def layouts(n: int = 40):
+    """(name, document ids) of windows of random and edge-case layouts: lengths below, at and past multiples of the
+    128-token block, documents aligned to blocks (full tiles), one document, one token each."""
+    gen = torch.Generator().manual_seed(5)
+    cases = [("one_document", torch.ones(2, 300, dtype=torch.long)),
+             ("every_token_a_document", torch.arange(1, 201).expand(2, -1)),
+             ("aligned_to_blocks", (torch.arange(640) // 256).expand(1, -1)),
+             ("aligned_then_cut", (torch.arange(700) // 384).expand(3, -1))]
+    for i in range(n):
+        batch, seq = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 900, (1,), generator=gen))
+        seq = (seq, 128 * (1 + seq // 300), 128 * (1 + seq // 300) + 1)[i % 3]  # and at and just past a block
+        bos = torch.rand(batch, seq, generator=gen) < float(torch.rand(1, generator=gen)) ** 3 / 4
+        cases.append((f"random_{i}", documents.document_ids(bos.long(), 1)))
+    return cases
+
+
+def test_block_mask_equals_torchs_create_block_mask():
+    """The mask built from the ids at block granularity is torch's create_block_mask (the dense path) tensor for
+    tensor: partial and full blocks by rows and by columns, their order, the sequence lengths, and the dense mask;
+    across the layouts, tiles of all three kinds (empty, partial, full) occur."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    kinds = torch.zeros(3)
+    for name, ids in layouts():
+        batch, seq = ids.shape
+        ours = documents.block_mask(ids, torch.float32)
+        torchs = create_block_mask(documents.document_causal(ids), batch, None, seq, seq, device="cpu")
+        for got, want in zip(ours.as_tuple()[:-1], torchs.as_tuple()[:-1]):  # all but the mask_mod
+            assert (got.equal(want) if isinstance(want, torch.Tensor) else got == want), name
+        assert ours.to_dense().equal(torchs.to_dense()), name
+        n = ours.kv_num_blocks.shape[-1]
+        partial, full = ours.kv_num_blocks.sum(), ours.full_kv_num_blocks.sum()
+        kinds += torch.tensor([batch * n * n - partial - full, partial, full])
+    assert (kinds > 0).all(), kinds
+
+
+class LargestOutput(TorchDispatchMode):
+    """Records the most elements any op's output has."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+def test_building_the_block_mask_allocates_nothing_of_seq_squared():
+    """No op of the build makes a tensor larger than the block grid (batch x n x (n + 1) for n blocks): nothing of
+    batch x seq x seq, which torch's uncompiled create_block_mask materializes (the same probe sees it there)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, seq = 2, 1000
+    n = -(-seq // documents.BLOCK)
+    ids = documents.document_ids(torch.randint(0, 40, (batch, seq), generator=torch.Generator().manual_seed(3)), 0)
+    with LargestOutput() as ours:
+        documents.block_mask(ids, torch.float32)
+    with LargestOutput() as torchs:
+        create_block_mask(documents.document_causal(ids), batch, None, seq, seq, device="cpu")
+    assert ours.numel <= batch * n * (n + 1) < batch * seq * seq <= torchs.numel
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 96), (2, 1000), (3, 1024), (1, 8192)])
+def test_the_estimate_counts_what_the_block_mask_holds(batch, seq):
+    """tools/memory.py adds block_mask_bytes for each micro-batch's mask: every byte of the mask's tensors."""
+    ids = documents.document_ids(torch.randint(0, 300, (batch, seq), generator=torch.Generator().manual_seed(4)), 0)
+    mask = documents.block_mask(ids, torch.float32)
+    held = storage_bytes(t for t in mask.as_tuple() if isinstance(t, torch.Tensor))
+    assert held == documents.block_mask_bytes(batch, seq) > 0
+
+
+def test_the_gpu_sessions_mask_memory_check_runs_on_the_cpu(monkeypatch, capsys):
+    """benchmarks/gpu_paths.py's mask_memory, which a GPU session runs at 8192 and 32k tokens, on the CPU at 1000:
+    ours peaks far below one seq x seq bool, torch's at it or above, both hold the estimate's bytes and are equal;
+    the checks only a GPU can run are reported skipped there."""
+    import gpu_paths  # noqa: PLC0415 - benchmarks/, on pytest's path
+
+    row = gpu_paths.mask_memory("cpu", (1000,))["seq 1000"]
+    ours, torchs, square = row["from ids"], row["create_block_mask"], 1000 * 1000 / 2**20
+    assert ours["build peak MiB"] < square / 100 and torchs["build peak MiB"] >= square
+    assert ours["held bytes"] == torchs["held bytes"] == row["estimate (block_mask_bytes)"]
+    assert ours["equal to ours"] and torchs["equal to ours"]
+    monkeypatch.setattr("sys.argv", ["gpu_paths.py", "--only", "init"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gpu_paths.main()
+    assert '"init": "skipped: needs a GPU"' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("device, cp, masked, kernel, warned", [

@@ -1,6 +1,7 @@
 """flight_recorder.py in one process: the line a hang gets from the surviving ranks' posts, the posts pooled through
 the witness store (ranks as threads), and torch's flight record of a real gloo collective written where the docs say."""
 
+import os
 import pickle
 import signal
 import threading
@@ -92,6 +93,21 @@ def test_a_rank_the_launcher_stops_while_it_waits_waits_moments_more(witness):
 def test_gather_through_a_stopped_witness_returns_this_ranks_post(witness):
     witness(StoppedStore())
     assert gather_on([0], wait_s=30) == {0: {0: "post 0"}}
+
+
+def test_the_folder_nccl_dumps_into_exists_once_recording_is_on(tmp_path, monkeypatch):
+    """NCCL's watchdog writes its record to TORCH_FR_DUMP_TEMP_FILE + rank on a timeout and creates no folder: enable
+    makes it before any collective can time out; with recording off, nothing is made."""
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test: enable() sets them
+    flight_recorder.enable(0, str(tmp_path / "off"))
+    assert not (tmp_path / "off").exists() and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+    try:
+        flight_recorder.enable(100, str(tmp_path / "run"))
+        prefix = os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+        assert prefix == str(tmp_path / "run" / "comm_traces" / "rank_") and os.path.isdir(os.path.dirname(prefix))
+    finally:
+        flight_recorder.enable(0, str(tmp_path))  # no recording for later in-process runs
 
 
 def test_a_gloo_collective_is_recorded_and_written_for_torchs_analyzer(tmp_path, monkeypatch):

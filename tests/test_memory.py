@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_lite.config import load_config
+from torchtitan_lite.models import documents
 from torchtitan_lite.models.llama import Transformer
 from torchtitan_lite.runtime.metrics import held_bytes, storage_bytes
 from torchtitan_lite.tools.memory import LLAMA3_VOCAB, estimate_memory, model_args
@@ -92,16 +93,21 @@ def test_the_memory_table_lists_the_scripts_rows_and_quotes_the_first_exactly(fi
 
 @pytest.mark.parametrize("world_size, layout", [(1, []), (2, ["--parallelism.context_parallel_degree", "2"])])
 def test_document_mask_is_counted(world_size, layout):
-    """block_causal's cost is in the estimate: on one rank (a GPU's FlexAttention) the block mask, added to what the
-    trace holds, and every token's rotary row; under CP the explicit mask of the whole window, one per micro-batch
-    (local batch 2 x 64 x 64 fp32), which the trace builds and keeps, and this rank's rotary rows: each once, with no
-    copy per block or chunk (cut in every block's attention, they cost 10,240 bytes more on these 6 blocks)."""
+    """block_causal's cost is in the estimate: on one rank (a GPU's FlexAttention) the bytes the block mask of a
+    micro-batch really holds, added to what the trace holds, and every token's rotary row; under CP the explicit mask
+    of the whole window, one per micro-batch (local batch 2 x 64 x 64 fp32), which the trace builds and keeps, and
+    this rank's rotary rows: each once, with no copy per block or chunk (cut in every block's attention, they cost
+    10,240 bytes more on these 6 blocks)."""
     causal = estimate_memory(load_config([*DEBUG, *layout]), world_size)
     masked = estimate_memory(load_config([*DEBUG, *layout, "--model.attn_mask_type", "block_causal"]), world_size)
     batch, seq = 2, 64
     rows = batch * seq // world_size * 8 * 8  # this rank's tokens' complex64 rows of head_dim 16 / 2
     assert causal.mask_bytes == 0
-    expected = 16 * batch * 1 * 2 if world_size == 1 else batch * seq * seq * 4
+    if world_size == 1:  # what the block mask of such a micro-batch really holds
+        mask = documents.block_mask(torch.zeros(batch, seq, dtype=torch.long), torch.float32)
+        expected = storage_bytes(t for t in mask.as_tuple() if isinstance(t, torch.Tensor))
+    else:
+        expected = batch * seq * seq * 4
     assert masked.mask_bytes == expected
     assert masked.activation_bytes - causal.activation_bytes == expected + rows
     assert masked.peak_bytes - causal.peak_bytes >= expected

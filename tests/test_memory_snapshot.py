@@ -2,11 +2,17 @@
 no device behind them (what only a GPU can show: README, "What only GPUs can show")."""
 
 import contextlib
+from datetime import timedelta
+from functools import partial
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from launch import TINY, TINY_VOCAB
 from torchtitan_lite.config import load_config
+from torchtitan_lite.models.llama import flavor_args
+from torchtitan_lite.parallel.pipeline import Pipeline, split_stages
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
 from torchtitan_lite.runtime.metrics import allocator_fields
 
@@ -48,6 +54,57 @@ def test_an_out_of_memory_step_writes_a_snapshot_and_one_line_naming_it(tmp_path
         s = exits.enter_context(snapshots(tmp_path))  # snapshots off: the OOM still writes one
         s.step(1)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\n(many lines)")
+    path = tmp_path / "memory_snapshot" / "iteration_2_exit" / "rank3_memory_snapshot.pickle"
+    assert cuda_memory == [("dump", str(path))] and path.exists()
+    line = str(error.value)
+    assert "\n" not in line and str(path) in line and "scripts/estimate_memory.py" in line and "step 2" in line
+
+
+@pytest.fixture
+def pipeline():
+    """A one-stage pipeline of the tests' model on a one-process gloo group, run by torch's schedule
+    (parallel/pipeline.py), that has trained one step: the stage's shape inference is done."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = load_config(["--job.config_file", str(TINY)])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        [part] = split_stages(flavor_args("tiny", TINY_VOCAB, 64), 0, cfg.parallelism)
+        part.to_empty(device="cpu").init_weights()
+        pipe = Pipeline([part], init_device_mesh("cpu", (1,), mesh_dim_names=("pp",)), torch.device("cpu"), cfg,
+                        lambda logits, labels, tokens: logits.sum(), torch.Tensor.detach, lambda loss: loss)
+        tokens = torch.randint(0, TINY_VOCAB, (2, 65))
+        step = partial(pipe.forward_backward, tokens[:, :-1], tokens[:, 1:], {}, tokens.numel())
+        step()
+        yield part, step
+    finally:
+        dist.destroy_process_group()
+
+
+def out_of_memory(*args):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\n(many lines)")
+
+
+def out_of_memory_in_backward(module, args, output):
+    output.register_hook(out_of_memory)  # the forward's output unchanged
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_out_of_memory_under_pipeline_parallelism_writes_a_snapshot_and_one_line(tmp_path, cuda_memory, pipeline,
+                                                                                   where):
+    """torch's pipelining raises a RuntimeError from a stage's error (after the first step's shape inference), in its
+    forward as in its backward: the out-of-memory error underneath is found and said as without PP."""
+    part, step = pipeline
+    block = part.layers["1"]
+    if where == "forward":
+        block.forward = out_of_memory
+    else:
+        block.register_forward_hook(out_of_memory_in_backward)
+    with pytest.raises(OutOfMemory) as error, contextlib.ExitStack() as exits:
+        exits.enter_context(snapshots(tmp_path)).step(1)
+        step()
+    wrapped = error.value.__context__  # what reached the snapshots' exit
+    assert type(wrapped) is RuntimeError and isinstance(wrapped.__cause__, torch.OutOfMemoryError)
     path = tmp_path / "memory_snapshot" / "iteration_2_exit" / "rank3_memory_snapshot.pickle"
     assert cuda_memory == [("dump", str(path))] and path.exists()
     line = str(error.value)

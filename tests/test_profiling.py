@@ -5,12 +5,19 @@ The multi-process traces (their collectives, a resumed run's numbering) are test
 import gzip
 import importlib.util
 import json
+import threading
 from collections import Counter
 
+import pytest
+import torch
 import torch.profiler._memory_profiler as memory_profiler
+from torch._C._profiler import _EventType, _ExperimentalConfig
+from torch.profiler import ProfilerAction
 
 import train
 from launch import ROOT, TINY, read_metrics, train_in_process
+from torchtitan_lite.config import load_config
+from torchtitan_lite.runtime import profiling
 
 _spec = importlib.util.spec_from_file_location("trace_summary", ROOT / "scripts" / "trace_summary.py")
 trace_summary = importlib.util.module_from_spec(_spec)
@@ -46,3 +53,92 @@ def test_cpu_memory_timeline_holds_exactly_the_parameters_gradients_and_optimize
             assert min(series) == series.most_common(1)[0][0] == held[key]
         else:  # gradients come and go (zero_grad frees them); the optimizer's moments are held all along
             assert max(series) == held[key], category
+
+
+def profiled(*overrides: str):
+    return load_config(["--profiling.enable_profiling", *overrides]).profiling
+
+
+@pytest.mark.parametrize("freq, warmup, active", [(6, 2, 2), (5, 3, 1), (4, 0, 2), (3, 2, 1)])
+def test_every_traced_window_has_its_warmup_whatever_step_a_run_resumes_at(freq, warmup, active):
+    """Whatever step of a window a run resumes at, it traces a window (its warm-up steps, then its traced steps, the
+    last of which, a multiple of profile_freq, writes it) if and only if the run holds the window's first warm-up
+    step: the window it resumes inside after that step is skipped, and every later one is traced whole."""
+    cfg = profiled("--profiling.profile_freq", str(freq), "--profiling.profiler_warmup", str(warmup),
+                   "--profiling.profiler_active", str(active))
+    for start in range(3 * freq, 4 * freq):  # the step a run resumes after: its first is start + 1
+        cycle = profiling.cycle(cfg, start)
+        for n in range(3 * freq):
+            step = start + 1 + n  # the global step the profiler's n-th step runs
+            end = -(-step // freq) * freq  # the step its window is written at
+            begin = end - warmup - active + 1  # its first warm-up step
+            expected = ProfilerAction.NONE
+            if begin <= step and begin > start:
+                expected = (ProfilerAction.WARMUP if step < begin + warmup else ProfilerAction.RECORD_AND_SAVE
+                            if step == end else ProfilerAction.RECORD)
+            assert cycle(n) == expected, (start, step)
+
+
+def run_steps(profiler: profiling.StepProfiler, steps: int, step_fn=lambda: torch.ones(1000).sum()) -> None:
+    with profiler:
+        for _ in range(steps):
+            with profiler.phase("forward_backward"):
+                step_fn()
+            profiler.step()
+
+
+def test_a_run_resumed_inside_a_warmup_skips_that_window(tmp_path):
+    """Resumed after step 6 with windows of 1 warm-up and 1 traced step every 4: step 7 would be the warm-up of
+    step 8's window and is: traced. Resumed after step 7, step 8 would be traced without its warm-up: only step 12's
+    window is."""
+    cfg = profiled("--profiling.profile_freq", "4", "--profiling.profiler_warmup", "1")
+    for start, traced in ((6, [8, 12]), (7, [12])):
+        folder = tmp_path / str(start)
+        run_steps(profiling.StepProfiler(cfg, str(folder), 0, torch.device("cpu"), start), 12 - start)
+        assert sorted(int(p.parent.name.split("_")[1]) for p in folder.rglob("*_trace.json.gz")) == traced, start
+
+
+@pytest.mark.parametrize("world_size, gpu, refused", [(2, False, True), (1, False, False), (2, True, False)])
+def test_check_refuses_the_cpu_memory_timeline_of_several_processes(capsys, monkeypatch, world_size, gpu, refused):
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    code = train.run(["--job.config_file", str(TINY), "--profiling.enable_profiling",
+                      "--profiling.enable_memory_snapshot"], check=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (code, len(err)) == ((2, 1) if refused else (0, 0)), err
+    if refused:
+        assert "profiling.enable_memory_snapshot on the CPU (the profiler's memory timeline) needs one process, " \
+               "not 2" in err[0] and "NGPU=1" in err[0]
+
+
+def freed_on_another_thread():
+    """What gloo's threads do to a collective's buffers: the last reference dropped on a thread of theirs, then a new
+    tensor allocated (at the freed address, as malloc reuses it)."""
+    for _ in range(20):
+        held = [torch.ones(1000) * 2]
+        freeing = threading.Thread(target=held.clear)
+        freeing.start()
+        freeing.join()
+        torch.ones(1000) * 3
+
+
+@pytest.mark.parametrize("all_threads", [False, True])
+def test_torchs_memory_profiler_cannot_follow_frees_on_other_threads(all_threads):
+    """Why check_profiling refuses the CPU's timeline on several processes: torch's memory profiler rejects a window
+    with a free on a thread it does not follow, and following every thread records no allocation at all. When a
+    torch release changes either, this fails: the refusal can then go."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=True, with_stack=True,
+                                experimental_config=_ExperimentalConfig(profile_all_threads=all_threads)) as prof:
+        freed_on_another_thread()
+    events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), 0
+    while events:
+        event = events.pop()
+        allocations += event.typed[0] == _EventType.Allocation
+        events += event.children
+    if all_threads:
+        assert allocations == 0
+    else:
+        assert allocations >= 80  # 4 tensors an iteration, each allocated and freed (one free unseen)
+        with pytest.raises(AssertionError, match="version mismatch|duplicate outputs"):
+            memory_profiler.MemoryProfile(prof.profiler.kineto_results)

@@ -13,8 +13,10 @@ Two kernels, chosen once at start-up (`Transformer.document_mask`):
 - `explicit_mask`: an additive float mask (0 or -inf) for SDPA, (batch, 1, seq, seq) in the activations' dtype, so
   neither FSDP's input cast nor SDPA copies it. The CPU's path (FlexAttention has no CPU backward in torch 2.13) and
   context parallelism's, whose ranks attend with the mask's rows of their chunks.
-- `block_mask`: FlexAttention's BlockMask, as torchtitan uses on GPUs: blocks of 128 x 128 keys that are all masked
-  are skipped, and no seq x seq tensor exists. Its forward is checked on the CPU against the explicit mask.
+- `block_mask`: FlexAttention's BlockMask, as torchtitan uses on GPUs: tiles of 128 queries x 128 keys that are all
+  masked are skipped, those all unmasked computed without the mask. Built from the ids at tile granularity, so no
+  seq x seq tensor exists, not even while it is built (tests/test_documents.py records every op's output); its
+  tensors equal those of torch's create_block_mask, and its forward the explicit mask's, on the CPU.
 """
 
 from __future__ import annotations
@@ -53,21 +55,56 @@ def explicit_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed(documents), float("-inf"))
 
 
-def block_mask(documents: torch.Tensor, dtype: torch.dtype):
-    """FlexAttention's BlockMask of `documents` (`dtype` unused: a block mask holds block indices, not scores)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+BLOCK = 128  # FlexAttention's block (torch's default): the kernel skips or fully computes each BLOCK x BLOCK tile
 
+
+def document_causal(documents: torch.Tensor):
+    """FlexAttention's mask_mod of `documents`: query q sees key kv of its own document at or before it. The kernel
+    evaluates it only inside the tiles that block_mask marks as partly masked."""
     def mask_mod(b, h, q, kv):
         return (documents[b, q] == documents[b, kv]) & (q >= kv)
+    return mask_mod
+
+
+def block_mask(documents: torch.Tensor, dtype: torch.dtype):
+    """FlexAttention's BlockMask of `documents` (`dtype` unused: a block mask holds block indices, not scores), equal
+    to torch's `create_block_mask(document_causal(documents), batch, None, seq, seq)` tensor for tensor.
+
+    Built from each block's first and last document id, in batch x n x n memory for n blocks, never from the
+    (batch, seq, seq) mask that torch's uncompiled create_block_mask materializes (docs/performance.md has both
+    peaks): ids never decrease along a window (document_ids), so a key block wholly before a query block shares a
+    document with it only if its last id is the query block's first, and is all one document with it only if its
+    first id is the query block's last. Diagonal tiles are partly masked (causality inside them), those after them
+    empty. Past a sequence that does not fill its last block, torch pads the mask with masked entries: tiles of the
+    last query row are then never full."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     batch, seq = documents.shape
-    return create_block_mask(mask_mod, batch, None, seq, seq, device=documents.device)
+    starts = torch.arange(0, seq, BLOCK, device=documents.device)
+    first, last = documents[:, starts], documents[:, (starts + BLOCK).clamp(max=seq) - 1]  # (batch, n blocks)
+    blocks = torch.arange(len(starts), device=documents.device)
+    before = blocks[:, None] > blocks[None, :]  # key block j wholly before query block i
+    full = before & (first[:, None, :] == last[:, :, None])  # [b, i, j]: both blocks in one document
+    if seq % BLOCK:
+        full[:, -1] = False
+    partial = (before & (last[:, None, :] == first[:, :, None]) & ~full) | (blocks[:, None] == blocks[None, :])
+    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=BLOCK,
+                                    mask_mod=document_causal(documents), seq_lengths=(seq, seq))
 
 
-def block_mask_bytes(batch: int, seq: int, block: int = 128) -> int:
-    """The bytes of `block_mask` for `batch` windows of `seq` tokens: int32 counts and indices of the partly and the
-    fully unmasked blocks, by rows (forward) and by columns (backward): 4 x 4 x batch x n x (n + 1), n = seq / block
-    rounded up. Megabytes where the explicit mask takes gigabytes (batch x seq^2 in the activations' dtype)."""
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, n, n) bool -> a BlockMask's (count, indices) per query block, with a head dimension of 1: the marked
+    key blocks in ascending order first, then the others, as torch orders them."""
+    blocks = blocks[:, None].to(torch.int32)
+    order = torch.argsort(blocks, dim=-1, descending=True, stable=True)
+    return blocks.sum(dim=-1, dtype=torch.int32), order.to(torch.int32)
+
+
+def block_mask_bytes(batch: int, seq: int, block: int = BLOCK) -> int:
+    """The bytes `block_mask` holds for `batch` windows of `seq` tokens: int32 counts and indices of the partly and
+    the fully unmasked blocks, by rows (forward) and by columns (backward): 4 x 4 x batch x n x (n + 1), n = seq /
+    block rounded up (tests/test_documents.py counts them). Megabytes where the explicit mask takes gigabytes (batch x
+    seq^2 in the activations' dtype)."""
     n = -(-seq // block)
     return 16 * batch * n * (n + 1)
 

@@ -43,11 +43,14 @@ def at(point: str) -> None:
 
 
 def enable(size: int, dump_folder: str) -> None:
-    """Before the process group exists: record `size` collectives per rank (0: none), dumped to dump_folder."""
+    """Before the process group exists: record `size` collectives per rank (0: none), dumped to dump_folder's
+    comm_traces/, made here: NCCL's watchdog writes its files there itself and creates no folder (the dump is lost
+    without one)."""
     global _folder
     os.environ["TORCH_FR_BUFFER_SIZE"] = str(size)  # torch's default is 2000 when unset: 0 must be said
     _folder = os.path.join(dump_folder, TRACES) if size > 0 else ""
     if size > 0:
+        os.makedirs(_folder, exist_ok=True)
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(os.path.abspath(_folder), PREFIX)
 

@@ -6,7 +6,9 @@ With `profiling.enable_memory_snapshot` on a GPU, the caching allocator records 
 draws (torchtitan's layout and names). A step that runs out of device memory writes one more, `iteration_<step>_exit`,
 whether or not the history was on (without it the snapshot still shows every block held, without their stacks), and
 the run ends with one line naming the file and scripts/estimate_memory.py, instead of torch's page-long message: the
-snapshot says what filled the memory, the estimator what each layout and batch would need.
+snapshot says what filled the memory, the estimator what each layout and batch would need. Under pipeline
+parallelism the error arrives as the cause of torch's RuntimeError (the schedule wraps a stage's errors), so the
+error's causes are searched.
 
 The CPU build has these calls but no device behind them; on the CPU the profiler's memory timeline stands in
 (profiling.py). The tests stub the device module.
@@ -27,6 +29,18 @@ MAX_ENTRIES = 100_000  # allocator events kept (a ring buffer): how far back a s
 
 class OutOfMemory(RuntimeError):
     """A step ran out of device memory; the message is the one line the user reads."""
+
+
+def out_of_memory(error: BaseException | None) -> bool:
+    """Whether `error` is an out-of-memory error or was raised from one: torch's pipelining raises a RuntimeError
+    from whatever a stage's forward or backward raised."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class MemorySnapshots:
@@ -57,7 +71,7 @@ class MemorySnapshots:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            if self.cuda and isinstance(exc, torch.OutOfMemoryError):
+            if self.cuda and out_of_memory(exc):
                 step = self.last_step + 1  # the step that failed
                 path = self.dump(f"iteration_{step}_exit")
                 raise OutOfMemory(

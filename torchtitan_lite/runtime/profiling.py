@@ -6,11 +6,12 @@ on a cycle (torchtitan's `[profiling]` keys and meaning): every `profile_freq` s
 `profiler_warmup` steps, then records `profiler_active` steps and writes one gzipped Chrome trace per rank,
 `<save_traces_folder>/iteration_<step>/rank<R>_trace.json.gz`, named by the window's last global step. The cycle
 counts global steps, so a resumed run traces the same steps an uninterrupted one would and continues the numbering;
-a window the run ends inside is dropped rather than written under a step that never ran.
+a window the run ends inside is dropped rather than written under a step that never ran, and so is one a resumed run
+enters after its first warm-up step, which would be traced with fewer warm-up steps than asked for.
 
 On the CPU, `enable_memory_snapshot` adds the profiler's memory timeline of each window beside its trace
-(`rank<R>_memory_timeline.json.gz`: bytes held per category, parameters, gradients, optimizer state, activations...);
-the GPU's allocator snapshots are memory_snapshot.py's.
+(`rank<R>_memory_timeline.json.gz`: bytes held per category, parameters, gradients, optimizer state, activations...),
+in one process only (check_profiling says why); the GPU's allocator snapshots are memory_snapshot.py's.
 
 Off, it costs nothing: `phase` hands out one shared null context and `step` returns at once.
 """
@@ -22,9 +23,10 @@ import logging
 import os
 import time
 import warnings
+from typing import Callable
 
 import torch
-from torch.profiler import ProfilerActivity, record_function
+from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 
 from torchtitan_lite.config import ConfigError
 from torchtitan_lite.config.sections import Profiling
@@ -33,12 +35,42 @@ logger = logging.getLogger("torchtitan_lite")
 _OFF = contextlib.nullcontext()
 
 
-def check_profiling(cfg: Profiling) -> None:
-    """The cycle must hold its warmup and its traced steps (train.py --check)."""
-    if cfg.enable_profiling and cfg.profile_freq < cfg.profiler_warmup + cfg.profiler_active:
+def check_profiling(cfg: Profiling, world_size: int) -> None:
+    """The cycle must hold its warmup and its traced steps, and the CPU's memory timeline a single process (train.py
+    --check).
+
+    torch's memory profiler sees the allocations and frees of the threads it profiles. gloo runs each collective on
+    a thread of its own, whose work object holds the collective's tensors: when it holds the last reference (a copy
+    it made of the input, as the functional reduce-scatter of TP's sequence parallelism does; a buffer the caller has
+    dropped by the time the thread lets go), the tensor is freed there, unseen. The profiler then takes the next
+    tensor allocated at that address for the freed one and rejects the window's data flow ("version mismatch",
+    "duplicate outputs" in export_memory_timeline): on TP and FSDP layouts, on some ranks in most windows. The
+    references are torch's, not ours, and profiling every thread (`profile_all_threads`) records no allocation at
+    all in torch 2.13. One process, whose few collectives are the loop's own small ones (the signal flag, the logged
+    losses and step times), has written its timeline in every run, exactly what the trainer holds
+    (tests/test_profiling.py)."""
+    if not cfg.enable_profiling:
+        return
+    if cfg.profile_freq < cfg.profiler_warmup + cfg.profiler_active:
         raise ConfigError(f"profiling.profile_freq = {cfg.profile_freq} is shorter than profiler_warmup + "
                           f"profiler_active = {cfg.profiler_warmup + cfg.profiler_active}: raise profile_freq or "
                           "lower the other two")
+    if cfg.enable_memory_snapshot and world_size > 1 and not torch.cuda.is_available():
+        raise ConfigError(f"profiling.enable_memory_snapshot on the CPU (the profiler's memory timeline) needs one "
+                          f"process, not {world_size}: torch's memory profiler misses the frees on gloo's threads and "
+                          "fails; profile memory in one process (NGPU=1, every parallelism degree 1), or profile "
+                          "without --profiling.enable_memory_snapshot")
+
+
+def cycle(cfg: Profiling, start_step: int) -> Callable[[int], ProfilerAction]:
+    """The profiler's action for its n-th step (counted from 0) of a run that starts after `start_step`: the cycle
+    read at the global step, so a resumed run traces the steps a straight run would, but for a window the run enters
+    after its first warm-up step, which is skipped: its trace would lack warm-up (or traced) steps."""
+    wait = cfg.profile_freq - cfg.profiler_warmup - cfg.profiler_active
+    schedule = torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active)
+    entered = start_step % cfg.profile_freq  # the first step's place in its window
+    first = start_step - entered + cfg.profile_freq if entered > wait else start_step
+    return lambda n: schedule(start_step + n) if start_step + n >= first else ProfilerAction.NONE
 
 
 def trace_path(folder: str, step: int, rank: int, kind: str = "trace") -> str:
@@ -55,13 +87,9 @@ class StepProfiler:
         self._prof, self._closing = None, False
         if not cfg.enable_profiling:
             return
-        cycle = torch.profiler.schedule(wait=cfg.profile_freq - cfg.profiler_warmup - cfg.profiler_active,
-                                        warmup=cfg.profiler_warmup, active=cfg.profiler_active)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        # The profiler counts its steps from 0; the cycle is read at the global step, so a resumed run traces the
-        # steps a straight run would.
         self._prof = torch.profiler.profile(
-            activities=activities, schedule=lambda n: cycle(n + start_step), on_trace_ready=self._write,
+            activities=activities, schedule=cycle(cfg, start_step), on_trace_ready=self._write,
             record_shapes=True, profile_memory=self._memory, with_stack=self._memory)  # the timeline's needs
 
     def __enter__(self) -> StepProfiler:

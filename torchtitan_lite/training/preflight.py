@@ -54,7 +54,7 @@ def preflight(cfg: JobConfig, world_size: int):
     model_args = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
     check_layout(cfg, dims, model_args)
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
-    check_profiling(cfg.profiling)
+    check_profiling(cfg.profiling, world_size)
     check_wandb(cfg.metrics.enable_wandb)
     bos_id = document_start(cfg, tokenizer)
     training = cfg.training
