@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_lite.checkpoint.manager import CheckpointManager, CheckpointSaveError, TrainState
-from torchtitan_lite.checkpoint.folder import complete_checkpoints
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.data.loader import DataLoader, warn_if_validating_on_training_data
 from torchtitan_lite.models import documents
@@ -37,17 +36,16 @@ from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import flight_recorder, run_lock
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
-from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, allocator_fields, cpu_peak, flops_per_token,
-                                             held_bytes, memory_gib, stated_peak_flops)
+from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, allocator_fields, flops_per_token, held_bytes,
+                                             memory_gib, stated_peak_flops)
 from torchtitan_lite.runtime.precision import NonFiniteError, UpdateGuard, warn_if_slow
-from torchtitan_lite.runtime.process import (Env, cpu_threads, init_distributed, peer_timeout, set_determinism,
-                                             set_timeout)
+from torchtitan_lite.runtime.process import Env, init_distributed, peer_timeout, set_determinism, set_timeout
 from torchtitan_lite.runtime.profiling import StepProfiler
 from torchtitan_lite.runtime.run_history import start_history
 from torchtitan_lite.runtime.signals import Preemption, exit_code, restore_signals, stop_with_launcher
 from torchtitan_lite.runtime.stragglers import Stragglers
 from torchtitan_lite.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from torchtitan_lite.training.plan import Plan, ending, make_plan
+from torchtitan_lite.training.plan import ending, machine_plan
 from torchtitan_lite.training.preflight import preflight
 from torchtitan_lite.training.source_losses import SourceLosses
 from torchtitan_lite.training.step import Inputs, Numerics, Step, build_step
@@ -57,21 +55,6 @@ logger = logging.getLogger("torchtitan_lite")
 
 # run_train.sh sets it once its `--check` has printed the plan, so that rank 0 does not print it again.
 PLAN_SHOWN = "TORCHTITAN_LITE_PLAN_SHOWN"
-
-
-def plan(cfg: JobConfig, world_size: int, local_processes: int, preflighted) -> Plan:
-    """What the run will do (training/plan.py), with the CPU's matmul peak when it has no GPU: the slow-step
-    warning's measure."""
-    dims, model_args, _, global_batch, _, _ = preflighted
-    cpu = None if torch.cuda.is_available() else lambda dtype: cpu_peak(dtype, cpu_threads(local_processes))
-    return make_plan(cfg, dims, model_args, global_batch, cpu)
-
-
-def say_plan(the_plan: Plan) -> None:
-    for line in the_plan.lines:
-        logger.info("%s", line)
-    for line in the_plan.warnings:
-        logger.warning("%s", line)
 
 
 def start_processes(cfg: JobConfig, env: Env, dims: ParallelDims):
@@ -129,7 +112,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     if env.rank == 0:
         exits.enter_context(run_lock.hold(cfg.job.dump_folder))  # one live run per folder, before anything is written
         if not os.environ.get(PLAN_SHOWN):
-            say_plan(plan(cfg, env.world_size, env.local_world_size, preflighted))
+            machine_plan(cfg, preflighted, env.local_world_size).say()
     warn_if_validating_on_training_data(training, validation)
 
     device, mesh, dp_mesh, loss_mesh = start_processes(cfg, env, dims)
@@ -165,7 +148,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     # MFU against the peak of the units the blocks' matmuls run on: float8's when converted and not emulated, its
     # attention and output layer counted against it too (torchtitan reports none under float8; docs/float8.md).
     peak, peak_said = stated_peak_flops(device, FLOAT8 if float8.enabled(cfg) and not cfg.float8.emulate
-                                 else numerics.compute_dtype)
+                                        else numerics.compute_dtype)
     logger.info("mfu against the %s", peak_said)
 
     # ---- Checkpoint: resume from the newest complete checkpoint in the folder, or start from
@@ -295,12 +278,12 @@ def checked(cfg: JobConfig, world_size: int) -> None:
     checkpointing off) and `nothing_to_do=0|1`, which it reads."""
     preflighted = preflight(cfg, world_size)
     run_lock.check_free(cfg.job.dump_folder)
-    the_plan = plan(cfg, world_size, world_size, preflighted)
-    print("\n".join(the_plan.lines + [f"warning: {w}" for w in the_plan.warnings]
-                    + [the_plan.nothing_to_do] * bool(the_plan.nothing_to_do)), flush=True)
+    plan = machine_plan(cfg, preflighted, world_size)  # run_train.sh starts every process on this machine
+    print("\n".join(plan.lines + [f"warning: {w}" for w in plan.warnings] + [plan.nothing_to_do] * bool(
+        plan.nothing_to_do)), flush=True)
     if path := os.environ.get("TORCHTITAN_LITE_PLAN_FILE"):
         with open(path, "w") as f:
-            f.write(f"checkpoint_folder={the_plan.checkpoint_folder}\nnothing_to_do={int(bool(the_plan.nothing_to_do))}\n")
+            f.write(f"checkpoint_folder={plan.checkpoint_folder}\nnothing_to_do={int(bool(plan.nothing_to_do))}\n")
 
 
 def run(argv: list[str] | None = None, check: bool = False) -> int:

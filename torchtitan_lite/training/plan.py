@@ -13,6 +13,7 @@ Three things a user cannot see from a config file are said here rather than disc
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -23,9 +24,11 @@ from torchtitan_lite.config import JobConfig
 from torchtitan_lite.models.llama import ModelArgs, Transformer, count_params
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8
-from torchtitan_lite.runtime.metrics import flops_per_token
+from torchtitan_lite.runtime.metrics import cpu_peak, flops_per_token
+from torchtitan_lite.runtime.process import cpu_threads
 from torchtitan_lite.training.step import Numerics
 
+logger = logging.getLogger("torchtitan_lite")
 # A step that needs this long at the machine's matmul peak takes minutes as it runs (a CPU's MFU is a few tens of
 # percent at best, far less in half precision): a first step a user would take for a hang.
 SLOW_STEP_S = 20.0
@@ -37,6 +40,12 @@ class Plan:
     warnings: list[str] = field(default_factory=list)  # what the user would want to change before it starts
     nothing_to_do: str = ""  # the line of a run whose checkpoint is already at training.steps
     checkpoint_folder: str = ""  # "" with checkpointing off: run_train.sh's second Ctrl-C names what it kept
+
+    def say(self) -> None:
+        for line in self.lines:
+            logger.info("%s", line)
+        for line in self.warnings:
+            logger.warning("%s", line)
 
 
 def _steps(steps: list[int]) -> str:
@@ -125,16 +134,24 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
 
 
+def machine_plan(cfg: JobConfig, preflighted: tuple, local_processes: int) -> Plan:
+    """The plan of a run preflight() passed, on this machine with `local_processes` processes: on a CPU, its slow
+    step is judged at the matmul peak of one of them, which share the cores."""
+    dims, model_args, _, global_batch, _, _ = preflighted
+    peak = None if torch.cuda.is_available() else lambda dtype: cpu_peak(dtype, cpu_threads(local_processes))
+    return make_plan(cfg, dims, model_args, global_batch, peak)
+
+
 def make_plan(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, global_batch: int,
-              cpu_peak=None) -> Plan:
-    """The run's plan; `cpu_peak(dtype) -> (FLOP/s of one process, what it is)` on a machine without a GPU."""
+              peak=None) -> Plan:
+    """The run's plan; `peak(dtype) -> (FLOP/s of one process, what it is)` on a machine without a GPU."""
     with torch.device("meta"):
         n_params, n_embedding = count_params(Transformer(model_args))
     outputs, warnings, done, checkpoints = _outputs(cfg)
     plan = Plan([_model(cfg, n_params, dims), _data(cfg, dims, global_batch), outputs], warnings, done, checkpoints)
-    if cpu_peak is not None and not done:
+    if peak is not None and not done:
         dtype = Numerics.from_config(cfg, dims).compute_dtype
-        if slow := slow_step(cfg, model_args, n_params, n_embedding, global_batch, dims.world_size, cpu_peak(dtype)):
+        if slow := slow_step(cfg, model_args, n_params, n_embedding, global_batch, dims.world_size, peak(dtype)):
             plan.warnings.append(slow)
     return plan
 
