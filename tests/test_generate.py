@@ -166,16 +166,16 @@ def test_errors_are_one_line_with_exit_status_2(run, capsys):
     assert len(err) == 1 and "model.tok_embeddings.weight has shape" in err[0]
 
 
-def test_the_checkpoint_is_a_step_its_folder_or_the_dump_folder_and_the_config_is_found_beside_it(run, capsysbinary):
+def test_the_checkpoint_is_a_step_its_folder_or_the_dump_folder_and_the_config_is_the_one_it_holds(run, capsysbinary):
     """What convert_to_hf.py takes too (checkpoint_finder): a folder means its newest complete step, and without
-    --config the run's own config.toml is used."""
+    --config the config that wrote the checkpoint, which it holds, is used."""
     greedy = ["--prompt", "Hello", "--max_new_tokens", "8", "--temperature", "0"]
     assert generate_script.main(["--config", str(run / "config.toml"), "--checkpoint", str(ckpt(run, 2)), *greedy]) == 0
     expected = capsysbinary.readouterr().out
     (run / "checkpoint" / "step-3.tmp").mkdir()  # a save in progress is not a checkpoint
     for checkpoint in (ckpt(run, 2), run / "checkpoint", run):
         path, cfg = checkpoint_and_config(str(checkpoint))
-        assert (path, cfg.job.config_file) == (str(ckpt(run, 2)), str(run / "config.toml")), checkpoint
+        assert (path, cfg.job.config_file) == (str(ckpt(run, 2)), str(ckpt(run, 2) / "config.toml")), checkpoint
         assert generate_script.main(["--checkpoint", str(checkpoint), *greedy]) == 0, checkpoint
         assert capsysbinary.readouterr().out == expected, checkpoint
     (run / "checkpoint" / "step-3.tmp").rmdir()
@@ -190,7 +190,10 @@ def test_no_checkpoint_tells_to_train_with_checkpoint_enable(run, tmp_path, caps
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: no checkpoint in {missing}: train with "
                                                    "--checkpoint.enable"), err
-    shutil.copytree(ckpt(run, 1), tmp_path / "step-1")  # a checkpoint outside its run: no config.toml beside it
+    shutil.copytree(ckpt(run, 1), tmp_path / "step-1")  # a checkpoint outside its run holds its config
+    assert generate_script.main(["--checkpoint", str(tmp_path / "step-1"), "--prompt", "Hello"]) == 0
+    capsys.readouterr()
+    (tmp_path / "step-1" / "config.toml").unlink()  # as checkpoints saved before they held it: nothing beside it
     assert generate_script.main(["--checkpoint", str(tmp_path / "step-1"), "--prompt", "Hello"]) == 2
     assert capsys.readouterr().err.strip().endswith("pass --config FILE")
 

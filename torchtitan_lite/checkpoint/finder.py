@@ -4,8 +4,9 @@ the run's config found beside it.
 A run leaves `<dump_folder>/config.toml` and `<dump_folder>/<checkpoint.folder>/step-N`. A user holds one of those
 three folders in hand, so each is accepted: a `step-N` folder is that checkpoint; a checkpoint folder, or a dump
 folder, means its newest complete step, picked by checkpoint.complete_checkpoints as a resume picks it. The config is
-then the dump folder's `config.toml` (the resolved one: it holds the command line's overrides too) unless the user
-names another. The commonest miss is a run trained without `--checkpoint.enable` (the debug config's default): it is
+then the one that wrote the checkpoint, which it holds (`step-N/config.toml`, resolved: the command line's overrides
+too), so a checkpoint copied anywhere still has it; a checkpoint older than that holds none, and its dump folder's
+`config.toml` stands in. The user may name another. The commonest miss is a run trained without `--checkpoint.enable` (the debug config's default): it is
 named as such in one line, instead of a complaint about a missing `.metadata` in a folder that does not exist.
 """
 
@@ -34,17 +35,16 @@ def find_checkpoint(path: str, folder: str = Checkpoint.folder) -> tuple[str, st
 
 def checkpoint_and_config(path: str, config: str | None = None,
                           overrides: Sequence[str] = ()) -> tuple[str, JobConfig]:
-    """The checkpoint `path` names (see find_checkpoint) and its run's config: `config` if given, else the
-    `config.toml` of the run's dump folder, with `--section.key value` overrides applied."""
-    beside = os.path.join(path, "config.toml")  # only a dump folder holds one: it names the checkpoint folder
-    if config is None and os.path.isfile(beside):
-        config = beside
-    cfg = load_config(["--job.config_file", config, *overrides]) if config else None
+    """The checkpoint `path` names (see find_checkpoint) and its run's config: `config` if given, else the one the
+    checkpoint holds, else its dump folder's, with `--section.key value` overrides applied."""
+    beside = config or os.path.join(path, "config.toml")  # a dump folder's names the checkpoint folder
+    cfg = load_config(["--job.config_file", beside, *overrides]) if os.path.isfile(beside) else None
     checkpoint, dump = find_checkpoint(path, cfg.checkpoint.folder if cfg else Checkpoint.folder)
-    if cfg is None:
-        config = os.path.join(dump, "config.toml")
-        if not os.path.isfile(config):
-            raise ConfigError(f"no config {config}: a run writes config.toml into its dump folder, two levels above "
-                              "its checkpoints (<dump_folder>/<checkpoint.folder>/step-N); pass --config FILE")
-        cfg = load_config(["--job.config_file", config, *overrides])
+    if config is None:
+        configs = [c for c in (os.path.join(checkpoint, "config.toml"), os.path.join(dump, "config.toml"))
+                   if os.path.isfile(c)]
+        if not configs:
+            raise ConfigError(f"no config for {checkpoint}: it holds none (saved before checkpoints held their "
+                              "config), nor does its dump folder, two levels above it; pass --config FILE")
+        cfg = load_config(["--job.config_file", configs[0], *overrides])
     return checkpoint, cfg

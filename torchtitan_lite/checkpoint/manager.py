@@ -45,7 +45,13 @@ _PAUSE_BEFORE_METADATA_S = float(os.environ.get("TORCHTITAN_LITE_TEST_PAUSE_BEFO
 
 
 class _Writer(FileSystemWriter):
+    def __init__(self, path: str, run: tuple[str, str] | None = None):
+        super().__init__(path)
+        self.run = run  # the run's id and config, written beside the shards before `.metadata` makes them complete
+
     def finish(self, metadata, results) -> None:  # runs on the coordinator only, after every rank has written
+        if self.run is not None:
+            write_run_files(str(self.path), *self.run)
         if _PAUSE_BEFORE_METADATA_S:
             logger.warning("test hook: pausing %.0fs before writing .metadata", _PAUSE_BEFORE_METADATA_S)
             time.sleep(_PAUSE_BEFORE_METADATA_S)
@@ -272,19 +278,17 @@ class CheckpointManager:
         if dist.get_rank() == 0:
             os.makedirs(self.folder, exist_ok=True)
             self._trash.sweep(self.folder)  # a crashed save's or deletion's leftovers
-            if self.run is not None:
-                write_run_files(tmp, *self.run)
         dist.barrier()  # no rank writes into step-N.tmp before rank 0 has moved an old one away
         states = {"model": _model_state(self.model, dtype)} if model_only else self.states
         t0 = time.perf_counter()
         if self._group is None:
             try:
-                dcp.save(states, storage_writer=_Writer(tmp))
+                dcp.save(states, storage_writer=_Writer(tmp, self.run))
             except CheckpointException as e:
                 return self._failed(step, e)
             self._publish(step, t0)
         else:
-            result = dcp.async_save(states, storage_writer=_Writer(tmp), process_group=self._group)
+            result = dcp.async_save(states, storage_writer=_Writer(tmp, self.run), process_group=self._group)
             # Newer torch may answer with a pair of futures; the upload one means "written".
             self._pending = (getattr(result, "upload_completion", result), step, t0)
             logger.info("checkpoint step-%d: training blocked %.2fs while the state was copied; writing in the "
