@@ -169,6 +169,33 @@ def windows_of(source, n: int) -> set[int]:
     return set((source.windows(torch.arange(n))[:, 0] // source.length).tolist())
 
 
+def test_a_resume_with_another_seed_is_refused():
+    """The seed keys each epoch's permutation: a run saved half way through an epoch of 400 windows and resumed under
+    another seed would read the rest of another permutation, training some windows twice and others never."""
+    loader = DataLoader(arange_source(400 * 10, 9), 8, 2, 0, 1)
+    for _ in range(25):  # 200 of the 400 windows
+        loader.next_batch()
+    state = loader.state_dict()
+    trained = windows_of(arange_source(400 * 10, 9), 200)
+    reseeded = arange_source(400 * 10, 9, seed=1)
+    rest = set((reseeded.windows(torch.arange(200, 400))[:, 0] // 10).tolist())
+    twice, never = trained & rest, set(range(400)) - trained - rest
+    assert len(twice) == len(never) > 50, (len(twice), len(never))  # what the refusal prevents
+    with pytest.raises(ConfigError, match=r"^the checkpoint was trained with training.seed 0 and this run has 1: the "
+                                          r"seed keys the data order, .* resume with --training.seed 0, or start a "
+                                          r"new run in another dump folder$"):
+        DataLoader(reseeded, 8, 2, 0, 1).load_state_dict(state)
+    DataLoader(arange_source(400 * 10, 9), 8, 2, 0, 1).load_state_dict(state)  # the same seed resumes
+    # Saved before the digest held the seed: nothing to compare, the resume goes on as it did.
+    was = json.loads(state["digest"])
+    del was["seed"]
+    DataLoader(reseeded, 8, 2, 0, 1).load_state_dict({**state, "digest": json.dumps(was, sort_keys=True)})
+    synthetic = DataLoader(SyntheticSource(16, 256, 3), 8, 2, 0, 1)
+    synthetic.next_batch()
+    with pytest.raises(ConfigError, match="training.seed 3 and this run has 4"):
+        DataLoader(SyntheticSource(16, 256, 4), 8, 2, 0, 1).load_state_dict(synthetic.state_dict())
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_validation_following_the_files_holds_out_every_50th_window(seed):
     seq_len, total = 9, 10 * 230 + 3  # 230 windows: 4 held out (49, 99, 149, 199), 226 to train on

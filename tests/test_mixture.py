@@ -1,6 +1,7 @@
 """Mixtures (data/mixture.py, data/digest.py): exact quotas per batch, spread over any dp slice, exact epochs,
 resumes on any layout across phases, a one-source mixture equal to the plain loader, and one line per bad input."""
 
+import json
 from fractions import Fraction
 
 import pytest
@@ -126,6 +127,23 @@ def test_a_future_phase_may_change_and_the_past_may_not():
         resume(mixture(n=(1000, 777)), state)
     # Saved before digests existed: the load leaves the template's own, a fresh loader's.
     resume(mixture([(0, {"a": 1, "b": 1})]), {**state, "digest": DataLoader(mixture(), 8, 2, 0, 1).state_dict()["digest"]})
+
+
+def test_a_resume_with_another_seed_is_refused_unless_no_source_it_trained_is_seeded():
+    sources = [SYN, Source(name="code", dataset="synthetic", weight=2)]
+    loader = DataLoader(build_data(config(*sources, seed=5), BYTES, 8)[0], 8, 2, 0, 1)
+    loader.next_batch()
+    state = loader.state_dict()
+    resume(build_data(config(*sources, seed=5), BYTES, 8)[0], state)
+    with pytest.raises(ConfigError, match="the checkpoint was trained with training.seed 5 and this run has 6"):
+        resume(build_data(config(*sources, seed=6), BYTES, 8)[0], state)
+    # A stream's order is its own: a past drawn from streams alone holds no seed, and any seed resumes it.
+    streams = lambda seed: MixtureSource({"a": arange_source(1003 * 10, 9), "web": Stream()},
+                                         [(0, {"a": 0, "web": 1})], 8, seed=seed)
+    loader = DataLoader(streams(5), 8, 2, 0, 1)
+    loader.next_batch()
+    assert "seed" not in json.loads(loader.state_dict()["digest"])
+    resume(streams(6), loader.state_dict())
 
 
 def test_toggling_validation_on_held_out_files_is_refused_on_resume():

@@ -47,7 +47,7 @@ class SyntheticSource:
     restart_prob = 1 / 8
 
     def __init__(self, seq_len: int, vocab_size: int, seed: int):
-        self.seq_len, self.vocab, self.key = seq_len, vocab_size, f"{seed}/synthetic"
+        self.seq_len, self.vocab, self.seed, self.key = seq_len, vocab_size, seed, f"{seed}/synthetic"
         perm = torch.argsort(uniform(torch.arange(vocab_size), f"{self.key}/perm"), stable=True)
         # perm applied 2**j times, so a run of k steps from a restart token costs log2(k) gathers, not a loop.
         self.perm_pow2 = [perm]
