@@ -14,7 +14,7 @@ from torchtitan_lite.config import ConfigError, Training, Validation, load_confi
 from torchtitan_lite.data import files as datasets
 from torchtitan_lite.data.loader import (HOLDOUT, DataLoader, Permutation, SyntheticSource, TokenSource, build_source,
                                   build_sources, to_device, warn_if_validating_on_training_data)
-from torchtitan_lite.data.tokenizer import BOS, EOS, STDLIB_BPE, Tokenizer
+from torchtitan_lite.data.tokenizer import BOS, EOS, LLAMA3_N_RANKS, LLAMA3_SPECIALS, STDLIB_BPE, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("pretokenize", ROOT / "scripts" / "pretokenize.py")
@@ -145,13 +145,33 @@ def test_synthetic_validation_is_another_part_of_the_same_process():
     val = build_source("synthetic", "", 32, BYTES, seed=3, split="validation")
     assert isinstance(train, SyntheticSource)
     idx = torch.arange(4)
-    assert torch.equal(train.windows(idx), SyntheticSource(32, BYTES.n_words, 3).windows(idx))
+    assert torch.equal(train.windows(idx), SyntheticSource(32, len(BYTES.ranks), 3).windows(idx))
     v = val.windows(idx)
     assert not torch.equal(v, train.windows(idx))
     follows = train.perm_pow2[0][v[:, :-1]] == v[:, 1:]  # the same permutation walk the model learns in training
     assert follows.float().mean() > 0.7
     _, followed = build_sources(Training(seq_len=32, seed=3), Validation(enable=True), BYTES)  # the default
     assert torch.equal(followed.windows(idx), v)
+
+
+def llama3_layout() -> Tokenizer:
+    """A tokenizer laid out as Llama 3's (128000 ranks, then its 256 special ids), without its file."""
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks |= {i.to_bytes(3, "little"): i for i in range(256, LLAMA3_N_RANKS)}
+    return Tokenizer("llama3_layout", ranks, LLAMA3_SPECIALS)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe", "llama3"])
+def test_synthetic_windows_hold_no_special_id(tokenizer):
+    """Special ids (BOS among them: a document's start to block_causal) are the tokenizer's last; synthetic data
+    draws from every regular id and never from them."""
+    tok = {"bytes": BYTES, "bpe": BPE}.get(tokenizer) or llama3_layout()
+    specials = torch.tensor(sorted(tok.special_tokens.values()))
+    assert specials.min() == len(tok.ranks) and specials.max() == tok.n_words - 1
+    for split in ("train", "validation"):
+        windows = build_source("synthetic", "", 64, tok, seed=3, split=split).windows(torch.arange(2000))
+        assert not torch.isin(windows, specials).any()
+        assert windows.min() == 0 and windows.max() >= 0.99 * (len(tok.ranks) - 1)  # and the regular ids, all of them
 
 
 def test_python_stdlib_holds_out_every_50th_file_for_validation():
