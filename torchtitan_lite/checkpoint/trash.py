@@ -5,7 +5,9 @@ takes two renames, the old `step-N` aside to a trash name and then the new one i
 them leaves the old copy in the trash and the new one complete under its temporary name. That name is what the folder's
 rules then count as step N (folder.complete_checkpoints), and rank 0 renames it into place before it reads the folder
 to resume or sweeps it (finish_publishing), so a crash at any moment of a publish leaves a complete step N that the
-next run resumes from, never a sweep that deletes both copies.
+next run resumes from, never a sweep that deletes both copies: killed before the first rename, the old `step-N` stands
+and the sweep discards the new copy; after it, the new one stands. A save whose `.metadata` was written (by then every
+rank had written its shards) and whose process died before publishing it, an async one say, is published alike.
 
 Rank 0 deletes at a save (keep_latest_k's old checkpoints, a replaced step-N, a failed or crashed save's leftovers)
 while the other ranks train on into their next collective. A multi-terabyte folder on a parallel filesystem takes
