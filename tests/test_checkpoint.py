@@ -34,12 +34,15 @@ def test_complete_checkpoints_are_step_folders_with_metadata(tmp_path):
     for name in ("step-2", "step-10", "step-0"):
         make(tmp_path, name)
     make(tmp_path, "step-99", metadata=False)  # a save that never finished
-    for name in ("step-12.tmp", "step-1.trash", "step-3.old", "notes", "step-x"):
-        make(tmp_path, name)  # in progress, being deleted, or not ours: never a checkpoint, .metadata or not
+    for name in ("step-1.trash", "step-3.old", "notes", "step-x"):
+        make(tmp_path, name)  # being deleted, or not ours: never a checkpoint, .metadata or not
+    make(tmp_path, "step-14.tmp", metadata=False)  # a save in progress
+    make(tmp_path, "step-10.tmp")  # complete, but step-10 is too: the published one counts
+    make(tmp_path, "step-12.tmp")  # complete and never renamed into place: step 12 (trash.finish_publishing)
     (tmp_path / "step-7").write_text("a file, not a folder")
     found = complete_checkpoints(str(tmp_path))
-    assert list(found) == [0, 2, 10]  # oldest first, numerically (10 after 2)
-    assert found[10] == str(tmp_path / "step-10")
+    assert list(found) == [0, 2, 10, 12]  # oldest first, numerically (10 after 2)
+    assert found[10] == str(tmp_path / "step-10") and found[12] == str(tmp_path / "step-12.tmp")
     assert complete_checkpoints(str(tmp_path / "absent")) == {}
 
 
@@ -148,6 +151,9 @@ def test_check_refuses_a_load_step_without_its_checkpoint(tmp_path, error_line, 
     assert passes_check(monkeypatch, tmp_path, "--checkpoint.enable", "--checkpoint.load_step", "4")
     assert passes_check(monkeypatch, tmp_path, "--checkpoint.enable", "--checkpoint.load_step", "6",
                         "--checkpoint.create_seed_checkpoint")  # a seed run loads nothing
+    make(folder, "step-8.tmp")  # complete and never published: the run publishes it at load, --check only reads it
+    assert passes_check(monkeypatch, tmp_path, "--checkpoint.enable", "--checkpoint.load_step", "8")
+    assert sorted(os.listdir(folder)) == ["step-2", "step-4", "step-6", "step-8.tmp"]
 
 
 def test_check_refuses_an_initial_load_path_only_when_the_run_would_use_it(tmp_path, error_line, monkeypatch):

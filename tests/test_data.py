@@ -14,7 +14,7 @@ from torchtitan_lite.config import ConfigError, Training, Validation, load_confi
 from torchtitan_lite.data import files as datasets
 from torchtitan_lite.data.loader import (HOLDOUT, DataLoader, Permutation, SyntheticSource, TokenSource, build_source,
                                   build_sources, to_device, warn_if_validating_on_training_data)
-from torchtitan_lite.data.tokenizer import BOS, EOS, STDLIB_BPE, Tokenizer
+from torchtitan_lite.data.tokenizer import BOS, EOS, LLAMA3_N_RANKS, LLAMA3_SPECIALS, STDLIB_BPE, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("pretokenize", ROOT / "scripts" / "pretokenize.py")
@@ -145,13 +145,33 @@ def test_synthetic_validation_is_another_part_of_the_same_process():
     val = build_source("synthetic", "", 32, BYTES, seed=3, split="validation")
     assert isinstance(train, SyntheticSource)
     idx = torch.arange(4)
-    assert torch.equal(train.windows(idx), SyntheticSource(32, BYTES.n_words, 3).windows(idx))
+    assert torch.equal(train.windows(idx), SyntheticSource(32, len(BYTES.ranks), 3).windows(idx))
     v = val.windows(idx)
     assert not torch.equal(v, train.windows(idx))
     follows = train.perm_pow2[0][v[:, :-1]] == v[:, 1:]  # the same permutation walk the model learns in training
     assert follows.float().mean() > 0.7
     _, followed = build_sources(Training(seq_len=32, seed=3), Validation(enable=True), BYTES)  # the default
     assert torch.equal(followed.windows(idx), v)
+
+
+def llama3_layout() -> Tokenizer:
+    """A tokenizer laid out as Llama 3's (128000 ranks, then its 256 special ids), without its file."""
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks |= {i.to_bytes(3, "little"): i for i in range(256, LLAMA3_N_RANKS)}
+    return Tokenizer("llama3_layout", ranks, LLAMA3_SPECIALS)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe", "llama3"])
+def test_synthetic_windows_hold_no_special_id(tokenizer):
+    """Special ids (BOS among them: a document's start to block_causal) are the tokenizer's last; synthetic data
+    draws from every regular id and never from them."""
+    tok = {"bytes": BYTES, "bpe": BPE}.get(tokenizer) or llama3_layout()
+    specials = torch.tensor(sorted(tok.special_tokens.values()))
+    assert specials.min() == len(tok.ranks) and specials.max() == tok.n_words - 1
+    for split in ("train", "validation"):
+        windows = build_source("synthetic", "", 64, tok, seed=3, split=split).windows(torch.arange(2000))
+        assert not torch.isin(windows, specials).any()
+        assert windows.min() == 0 and windows.max() >= 0.99 * (len(tok.ranks) - 1)  # and the regular ids, all of them
 
 
 def test_python_stdlib_holds_out_every_50th_file_for_validation():
@@ -167,6 +187,33 @@ def test_python_stdlib_holds_out_every_50th_file_for_validation():
 def windows_of(source, n: int) -> set[int]:
     """The stream windows of an arange_source that global positions [0, n) read, by their first token."""
     return set((source.windows(torch.arange(n))[:, 0] // source.length).tolist())
+
+
+def test_a_resume_with_another_seed_is_refused():
+    """The seed keys each epoch's permutation: a run saved half way through an epoch of 400 windows and resumed under
+    another seed would read the rest of another permutation, training some windows twice and others never."""
+    loader = DataLoader(arange_source(400 * 10, 9), 8, 2, 0, 1)
+    for _ in range(25):  # 200 of the 400 windows
+        loader.next_batch()
+    state = loader.state_dict()
+    trained = windows_of(arange_source(400 * 10, 9), 200)
+    reseeded = arange_source(400 * 10, 9, seed=1)
+    rest = set((reseeded.windows(torch.arange(200, 400))[:, 0] // 10).tolist())
+    twice, never = trained & rest, set(range(400)) - trained - rest
+    assert len(twice) == len(never) > 50, (len(twice), len(never))  # what the refusal prevents
+    with pytest.raises(ConfigError, match=r"^the checkpoint was trained with training.seed 0 and this run has 1: the "
+                                          r"seed keys the data order, .* resume with --training.seed 0, or start a "
+                                          r"new run in another dump folder$"):
+        DataLoader(reseeded, 8, 2, 0, 1).load_state_dict(state)
+    DataLoader(arange_source(400 * 10, 9), 8, 2, 0, 1).load_state_dict(state)  # the same seed resumes
+    # Saved before the digest held the seed: nothing to compare, the resume goes on as it did.
+    was = json.loads(state["digest"])
+    del was["seed"]
+    DataLoader(reseeded, 8, 2, 0, 1).load_state_dict({**state, "digest": json.dumps(was, sort_keys=True)})
+    synthetic = DataLoader(SyntheticSource(16, 256, 3), 8, 2, 0, 1)
+    synthetic.next_batch()
+    with pytest.raises(ConfigError, match="training.seed 3 and this run has 4"):
+        DataLoader(SyntheticSource(16, 256, 4), 8, 2, 0, 1).load_state_dict(synthetic.state_dict())
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -1,16 +1,18 @@
 """Mixtures (data/mixture.py, data/digest.py): exact quotas per batch, spread over any dp slice, exact epochs,
 resumes on any layout across phases, a one-source mixture equal to the plain loader, and one line per bad input."""
 
+import json
 from fractions import Fraction
 
 import pytest
 import torch
 
 import train
-from tests.test_data import BYTES, arange_source, global_batches
+from tests.test_data import BYTES, DOCS, arange_source, global_batches, write_jsonl
 from torchtitan_lite.config import ConfigError, JobConfig, Phase, Source, load_config
 from torchtitan_lite.data.loader import DataLoader, Packer, TokenSource
 from torchtitan_lite.data.mixture import MixtureSource, build_data, quotas, spread
+from torchtitan_lite.models.documents import document_ids
 
 
 def mixture(phases=((0, {"a": 3, "b": 1}),), global_batch: int = 8, n=(1003, 777), dp: int = 1) -> MixtureSource:
@@ -128,6 +130,23 @@ def test_a_future_phase_may_change_and_the_past_may_not():
     resume(mixture([(0, {"a": 1, "b": 1})]), {**state, "digest": DataLoader(mixture(), 8, 2, 0, 1).state_dict()["digest"]})
 
 
+def test_a_resume_with_another_seed_is_refused_unless_no_source_it_trained_is_seeded():
+    sources = [SYN, Source(name="code", dataset="synthetic", weight=2)]
+    loader = DataLoader(build_data(config(*sources, seed=5), BYTES, 8)[0], 8, 2, 0, 1)
+    loader.next_batch()
+    state = loader.state_dict()
+    resume(build_data(config(*sources, seed=5), BYTES, 8)[0], state)
+    with pytest.raises(ConfigError, match="the checkpoint was trained with training.seed 5 and this run has 6"):
+        resume(build_data(config(*sources, seed=6), BYTES, 8)[0], state)
+    # A stream's order is its own: a past drawn from streams alone holds no seed, and any seed resumes it.
+    streams = lambda seed: MixtureSource({"a": arange_source(1003 * 10, 9), "web": Stream()},
+                                         [(0, {"a": 0, "web": 1})], 8, seed=seed)
+    loader = DataLoader(streams(5), 8, 2, 0, 1)
+    loader.next_batch()
+    assert "seed" not in json.loads(loader.state_dict()["digest"])
+    resume(streams(6), loader.state_dict())
+
+
 def test_toggling_validation_on_held_out_files_is_refused_on_resume():
     train_part, _ = arange_source(1003 * 10, 9).hold_out()
     loader = DataLoader(train_part, 8, 2, 0, 1)
@@ -159,6 +178,21 @@ def test_a_streamed_source_in_a_mixture_resumes_on_the_same_dp_only():
     with pytest.raises(ConfigError, match="the checkpoint streamed the mixture's Hugging Face sources on 2 "
                                           "data-parallel ranks, each its own shard; resuming on 4"):
         DataLoader(parts(), 8, 2, 0, 4).load_state_dict(states[0])
+
+
+def test_synthetic_windows_are_one_document_in_a_block_causal_mixture(tmp_path):
+    """block_causal cuts a window into documents at each BOS: beside text, a synthetic source's windows hold none, so
+    they stay whole (causal), as train_configs/debug_mixture.toml says."""
+    write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    cfg = config(SYN, Source(name="docs", dataset="jsonl", dataset_path=str(tmp_path / "docs.jsonl")), seq_len=64)
+    cfg.model.attn_mask_type, cfg.job.dump_folder = "block_causal", str(tmp_path / "run")
+    _, _, bos_id, global_batch, source, _ = train.preflight(cfg, 1)
+    loader, documents = DataLoader(source, global_batch, global_batch, 0, 1), {"syn": set(), "docs": set()}
+    for _ in range(40):
+        [(inputs, _)] = loader.next_batch()
+        for row, i in zip(document_ids(inputs, bos_id), loader.sources):
+            documents[source.names[i]].add(len(row.unique()))
+    assert documents["syn"] == {1} and max(documents["docs"]) > 1, documents
 
 
 def test_the_cap_and_the_plan_are_known_before_the_first_step(caplog):

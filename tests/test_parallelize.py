@@ -129,3 +129,25 @@ def test_the_reduce_dtype_without_fsdp_and_deferring_under_pp_are_warned(caplog,
     warn_ignored_options(cfg, dims)
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == (warned is not None) and all(f"{warned} ignored" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("dims, fsdp", [(ParallelDims(1, 1, 1, 1), False), (ParallelDims(1, 1, 2, 2), False),
+                                        (ParallelDims(1, 1, 1, 2, pp=2), False), (ParallelDims(1, 4, 1, 4), True),
+                                        (ParallelDims(2, 1, 1, 2), True)])  # HSDP of shard 1: DDP, still FSDP's policy
+def test_fsdp_mixed_precision_options_without_fsdp_are_named_in_the_one_warning(caplog, dims, fsdp):
+    """mixed_precision_output and _cast_forward_inputs shape FSDP's MixedPrecisionPolicy, as the reduce dtype does:
+    one line names every one set away from its default where no FSDP reads them."""
+    cfg = JobConfig()
+    cfg.training.mixed_precision_output, cfg.training.mixed_precision_cast_forward_inputs = "float32", False
+    cfg.training.mixed_precision_reduce = "bfloat16"
+    warn_ignored_options(cfg, dims)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ([] if fsdp else [
+        "no FSDP in this layout, so no mixed-precision policy: training.mixed_precision_reduce, "
+        "training.mixed_precision_output, training.mixed_precision_cast_forward_inputs ignored"])
+    caplog.clear()
+    cfg.training.mixed_precision_reduce = "float32"  # each one alone is named too
+    cfg.training.mixed_precision_cast_forward_inputs = True
+    warn_ignored_options(cfg, dims)
+    assert [r.getMessage() for r in caplog.records] == ([] if fsdp else [
+        "no FSDP in this layout, so no mixed-precision policy: training.mixed_precision_output ignored"])

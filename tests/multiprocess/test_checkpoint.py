@@ -224,6 +224,24 @@ def test_kill_during_save_leaves_the_previous_checkpoint(fsdp_straight, tmp_path
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-4", "step-6"]
 
 
+def test_a_re_save_killed_between_its_renames_is_published_and_resumed(fsdp_straight, tmp_path):
+    """A re-save of step-4 killed between its two renames (tests/test_checkpoint_trash.py kills one for real): the old
+    copy moved to the trash, the new one complete as step-4.tmp. The next run publishes it at load and resumes from
+    it; one with another training.seed is refused first, in one line, as its data order would differ."""
+    stopped_after(fsdp_straight, 4, tmp_path)
+    folder = tmp_path / "checkpoint"
+    os.rename(ckpt(tmp_path, 4), folder / "step-4.tmp")
+    shutil.copytree(ckpt(tmp_path, 2), folder / "step-4.0a1b2c3d.trash")  # what was step-4 before the re-save
+    proc = train(1, tmp_path, "--training.seed", "8", steps=6, check=False)
+    assert_one_error_line(proc, "the checkpoint was trained with training.seed 7 and this run has 8: the seed keys "
+                                "the data order")
+    assert (folder / "step-4" / ".metadata").is_file() and not (folder / "step-4.tmp").exists()
+    proc = train(1, tmp_path, steps=6)
+    assert f"loaded full state from {ckpt(tmp_path, 4)}" in proc.stdout + proc.stderr
+    assert_same_curve(tmp_path, fsdp_straight, TOLERANCE, steps=range(5, 7))
+    assert sorted(os.listdir(folder)) == ["step-2", "step-4", "step-6"]
+
+
 def test_checkpoint_of_another_vocab_names_the_tensor(fsdp_straight, tmp_path):
     shutil.copytree(ckpt(fsdp_straight, 8), ckpt(tmp_path, 8))
     before = snapshot(tmp_path / "checkpoint")

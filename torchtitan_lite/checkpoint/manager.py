@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan_lite.checkpoint.folder import (checkpoint_to_load, complete_checkpoints, read_run_files, steps_to_delete,
                                                write_run_files)
 from torchtitan_lite.checkpoint.reader import SafePlanner, SafeReader, check_fits, flatten_state, read_metadata
-from torchtitan_lite.checkpoint.trash import Trash, fsync_dir
+from torchtitan_lite.checkpoint.trash import Trash, finish_publishing, publish
 from torchtitan_lite.config import Checkpoint, ConfigError
 
 logger = logging.getLogger("torchtitan_lite")
@@ -238,6 +238,8 @@ class CheckpointManager:
         """(path, "all" | "model" | "skip", step, its metadata) of what to load, or None for a fresh start; rank 0
         only."""
         cfg = self.cfg
+        if cfg.enable and os.path.isdir(self.folder):
+            finish_publishing(self.folder, self._trash)  # a publish a crash cut short: step-N before it is listed
         step, found, path = checkpoint_to_load(cfg, self.folder)
         if step is not None:
             if max(found) > step:
@@ -367,19 +369,15 @@ class CheckpointManager:
             logger.error("%s: training goes on (checkpoint.continue_on_save_error)", message)
 
     def _publish(self, step: int, t0: float) -> None:
-        """Renames step-N.tmp to step-N, then applies keep_latest_k; rank 0 only, after DCP's save has returned there,
-        which is after every rank has written. DCP alone writes `.metadata` last, so a fresh folder is never seen
-        half-written; the temporary name adds that a save over an existing step-N (a run resumed from an older step)
-        never mixes new shards with the old `.metadata`, and that readers (eval jobs, scripts) never see a step-N
-        still being written. What goes is deleted in the background (checkpoint_trash.py)."""
+        """Renames step-N.tmp to step-N (trash.publish), then applies keep_latest_k; rank 0 only, after DCP's save has
+        returned there, which is after every rank has written. DCP alone writes `.metadata` last, so a fresh folder
+        is never seen half-written; the temporary name adds that a save over an existing step-N (a run resumed from
+        an older step) never mixes new shards with the old `.metadata`, and that readers (eval jobs, scripts) never
+        see a step-N still being written. What goes is deleted in the background (trash.py)."""
         final = os.path.join(self.folder, f"step-{step}")
         if dist.get_rank() == 0:
-            # An older step-N is moved aside only now that the new one is complete, and deleted once it is in place.
-            old = self._trash.move_aside(final) if os.path.exists(final) else None
-            os.rename(final + ".tmp", final)
-            fsync_dir(self.folder)  # the rename is durable before anything older is deleted
-            if old:
-                self._trash.delete(old)
-            for s in steps_to_delete(list(complete_checkpoints(self.folder)), self.cfg.keep_latest_k, step):
-                self._trash.discard(os.path.join(self.folder, f"step-{s}"))
+            publish(final + ".tmp", self._trash)
+            found = complete_checkpoints(self.folder)
+            for s in steps_to_delete(list(found), self.cfg.keep_latest_k, step):
+                self._trash.discard(found[s])
         logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - t0)

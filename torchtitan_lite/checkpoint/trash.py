@@ -1,4 +1,13 @@
-"""Deleting checkpoint folders off the training path.
+"""Renames in the checkpoint folder: publishing a save, and deleting checkpoint folders off the training path.
+
+A save is written to `step-N.tmp` and published by renaming it to `step-N` (publish). A re-save of an existing step
+takes two renames, the old `step-N` aside to a trash name and then the new one into place; a process killed between
+them leaves the old copy in the trash and the new one complete under its temporary name. That name is what the folder's
+rules then count as step N (folder.complete_checkpoints), and rank 0 renames it into place before it reads the folder
+to resume or sweeps it (finish_publishing), so a crash at any moment of a publish leaves a complete step N that the
+next run resumes from, never a sweep that deletes both copies: killed before the first rename, the old `step-N` stands
+and the sweep discards the new copy; after it, the new one stands. A save whose `.metadata` was written (by then every
+rank had written its shards) and whose process died before publishing it, an async one say, is published alike.
 
 Rank 0 deletes at a save (keep_latest_k's old checkpoints, a replaced step-N, a failed or crashed save's leftovers)
 while the other ranks train on into their next collective. A multi-terabyte folder on a parallel filesystem takes
@@ -21,6 +30,8 @@ import queue
 import re
 import shutil
 import threading
+
+from torchtitan_lite.checkpoint.folder import complete_checkpoints
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -65,8 +76,10 @@ class Trash:
         self._queue.put(trash)
 
     def sweep(self, folder: str) -> None:
-        """Discards what an earlier process left in `folder`: a save that never finished (`.tmp`), a deletion that
-        never finished (`.trash`). Call when no save is in progress."""
+        """Publishes the complete saves an earlier process left unpublished (finish_publishing), then discards what
+        else it left in `folder`: a save that never finished or that a complete step-N supersedes (`.tmp`), a
+        deletion that never finished (`.trash`). Call when no save is in progress."""
+        finish_publishing(folder, self)
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)
             if _TMP.fullmatch(name):
@@ -91,3 +104,25 @@ class Trash:
             finally:
                 self._listed.discard(path)
                 self._queue.task_done()
+
+
+def publish(tmp: str, trash: Trash) -> None:
+    """Renames the complete save `tmp` (`step-N.tmp`) to `step-N`; an older `step-N` goes to `trash` first, and is
+    deleted only once the new one is durably in place. A crash between the two renames leaves a folder that
+    complete_checkpoints reads as the new step N and finish_publishing completes."""
+    final = tmp.removesuffix(".tmp")
+    old = trash.move_aside(final) if os.path.exists(final) else None
+    os.rename(tmp, final)
+    fsync_dir(os.path.dirname(final))  # the rename is durable before anything older is deleted
+    if old:
+        trash.delete(old)
+
+
+def finish_publishing(folder: str, trash: Trash) -> None:
+    """Publishes each save in `folder` that was complete and never renamed into place (complete_checkpoints counts
+    it under its `step-N.tmp` name). Rank 0, before it chooses what to resume or sweeps the folder."""
+    for step, path in complete_checkpoints(folder).items():
+        if path.endswith(".tmp"):
+            logger.warning("checkpoint %s is complete but was never published (its process ended before the "
+                           "rename): publishing it as step-%d", path, step)
+            publish(path, trash)

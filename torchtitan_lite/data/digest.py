@@ -2,9 +2,12 @@
 skip windows is refused with one line naming what changed.
 
 The position alone resumes the order only if the order of the steps done is the same: the global batch and the
-quotas of a mixture's past phases (data/mixture.py), each source's windows per epoch (its files, seq_len), and
-whether validation holds out every HOLDOUT-th window of the training files (which changes the windows that train).
-Future phases are not in it: they may be edited. A checkpoint saved before digests existed has none and loads.
+quotas of a mixture's past phases (data/mixture.py), each source's windows per epoch (its files, seq_len), whether
+validation holds out every HOLDOUT-th window of the training files (which changes the windows that train), and
+training.seed, which keys every seeded source's order (each epoch's permutation, the synthetic stream): under another
+seed the same position reads other windows, so a resumed run would train some twice and others never. A source
+whose order the seed does not key (an hf stream) records none. Future phases are not in it: they may be edited. A
+checkpoint saved before digests existed has none and loads; one saved before they held the seed is not checked for it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from torchtitan_lite.config import ConfigError
 
 def digest(source, step: int) -> str:
     """The digest of the steps before `step`, as saved: JSON, readable in the checkpoint."""
-    shape = source.digest(step) if hasattr(source, "digest") else {"sources": {"": part_digest(source)}}
+    if hasattr(source, "digest"):
+        shape = source.digest(step)
+    else:
+        shape = {"sources": {"": part_digest(source)}, **({"seed": source.seed} if hasattr(source, "seed") else {})}
     return json.dumps(shape, sort_keys=True)
 
 
@@ -54,6 +60,11 @@ def check_digest(saved: str, source, step: int) -> None:
         if part["windows"] != new["windows"]:
             raise ConfigError(f"{label} held {part['windows']} windows per epoch when the checkpoint was saved and "
                               f"{new['windows']} now: its files or training.seq_len changed; {fix}")
+    if "seed" in was and "seed" in now and was["seed"] != now["seed"]:  # last: a changed source is named above
+        raise ConfigError(f"the checkpoint was trained with training.seed {was['seed']} and this run has "
+                          f"{now['seed']}: the seed keys the data order, so the saved position would read other "
+                          f"windows and train some twice and others never; resume with --training.seed {was['seed']}, "
+                          f"or start a new run in another dump folder")
 
 
 def _quotas(digest: dict[str, Any]) -> str:

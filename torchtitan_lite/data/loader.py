@@ -40,15 +40,17 @@ HOLDOUT = 50
 class SyntheticSource:
     """Endless deterministic windows with learnable structure, from integer hashing alone (version-independent).
 
-    Each sequence walks a fixed random permutation of the vocabulary (next = perm[current]) and jumps to a random
-    token with probability 1/8, so the loss can fall from ln(vocab) to about 1.1 nats.
+    Each sequence walks a fixed random permutation of the ids (next = perm[current]) and jumps to a random id with
+    probability 1/8, so the loss can fall from ln(regular_ids) to about 1.1 nats. The ids are the tokenizer's regular ones,
+    [0, regular_ids): its special ids follow them (tokenizer.py) and never appear, so a synthetic window holds no BOS
+    and is one document to block_causal's mask, beside text in a mixture too.
     """
 
     restart_prob = 1 / 8
 
-    def __init__(self, seq_len: int, vocab_size: int, seed: int):
-        self.seq_len, self.vocab, self.key = seq_len, vocab_size, f"{seed}/synthetic"
-        perm = torch.argsort(uniform(torch.arange(vocab_size), f"{self.key}/perm"), stable=True)
+    def __init__(self, seq_len: int, regular_ids: int, seed: int):
+        self.seq_len, self.vocab, self.seed, self.key = seq_len, regular_ids, seed, f"{seed}/synthetic"
+        perm = torch.argsort(uniform(torch.arange(regular_ids), f"{self.key}/perm"), stable=True)
         # perm applied 2**j times, so a run of k steps from a restart token costs log2(k) gathers, not a loop.
         self.perm_pow2 = [perm]
         while 2 ** len(self.perm_pow2) <= seq_len:
@@ -361,7 +363,7 @@ def build_source(name: str, path: str, seq_len: int, tokenizer, seed: int | str,
     key = f"{section}.{'validation_path' if label and split != 'train' else 'dataset_path'}"
     start = time.perf_counter()
     if name == "synthetic":
-        source = SyntheticSource(seq_len, tokenizer.n_words, seed)
+        source = SyntheticSource(seq_len, len(tokenizer.ranks), seed)  # ids below the special ones
         return source if split == "train" else _HeldOut(source)
     if name == "hf":
         return HFSource(datasets.load_hf_stream(path, split, text_field, key), text_field, tokenizer, seq_len)

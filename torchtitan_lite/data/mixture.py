@@ -9,8 +9,8 @@ windows it consumed before step s (quota x steps, summed over the phases: O(#pha
 slots in the batch, and the source reads that position of its own seeded order. So the state is still the position,
 a resume on any layout and across a phase boundary continues the exact sequence, each source's positions are
 consumed contiguously (over E epochs every window appears exactly E times), and a future phase may be edited freely.
-What shaped the past (G, the quotas of the steps done, each source's windows) is the checkpoint's `digest`: a resume
-that would change it is refused with one line, since it would silently replay or skip windows.
+What shaped the past (G, the quotas of the steps done, each source's windows, the seed) is the checkpoint's `digest`:
+a resume that would change it is refused with one line, since it would silently replay or skip windows.
 
 Each source's order is keyed by (seed, name), so reordering the list changes nothing; a mixture of one source keeps
 the plain loader's key and is today's run bit for bit.
@@ -80,10 +80,11 @@ class MixtureSource:
     order, the first at step 0."""
 
     def __init__(self, parts: dict[str, Any], phases: list[tuple[int, dict[str, float]]], global_batch: int,
-                 slices: int = 1):
-        """`slices`: the data-parallel degree, whose ranks' slices spread() balances."""
+                 slices: int = 1, seed: int | None = None):
+        """`slices`: the data-parallel degree, whose ranks' slices spread() balances. `seed`: the training.seed
+        that keys the parts' orders (build_data), for the digest."""
         self.names = sorted(parts)  # by name, not list order: reordering the config changes nothing
-        self.parts, self.global_batch = [parts[n] for n in self.names], global_batch
+        self.parts, self.global_batch, self.seed = [parts[n] for n in self.names], global_batch, seed
         self.starts = [start for start, _ in phases]
         self.quotas = []  # per phase, per source (name order)
         for start, weights in phases:
@@ -159,7 +160,8 @@ class MixtureSource:
 
     def digest(self, step: int) -> dict[str, Any]:
         """What shaped the windows of the steps before `step`: G, the quotas of those steps (equal neighbours merged,
-        so a phase split in two with the same weights is the same past), and each source that gave any window."""
+        so a phase split in two with the same weights is the same past), each source that gave any window, and the
+        seed when it keys one of theirs."""
         segments: list[list[Any]] = []
         for start, q in zip(self.starts, self.quotas):
             if start >= step:
@@ -168,7 +170,8 @@ class MixtureSource:
             if not segments or segments[-1][1] != named:
                 segments.append([start, named])
         used = {n for _, named in segments for n in named}
-        return {"global_batch": self.global_batch, "quotas": segments,
+        seeded = self.seed is not None and any(hasattr(p, "seed") for n, p in zip(self.names, self.parts) if n in used)
+        return {"global_batch": self.global_batch, "quotas": segments, **({"seed": self.seed} if seeded else {}),
                 "sources": {n: part_digest(p) for n, p in zip(self.names, self.parts) if n in used}}
 
 
@@ -202,7 +205,7 @@ def build_data(cfg: JobConfig, tokenizer, global_batch: int, dp: int = 1) -> tup
         parts[s.name], val = _source(s, t.seq_len, tokenizer, seed, v.enable)
         if val is not None:
             vals[s.name] = val
-    mixture = MixtureSource(parts, phases, global_batch, dp)
+    mixture = MixtureSource(parts, phases, global_batch, dp, t.seed)
     check_caps(mixture, m.sources, t.steps)
     log_plan(mixture, m.sources, t.steps, global_batch)
     return mixture, vals

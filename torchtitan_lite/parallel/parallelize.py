@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan_lite.config import JobConfig, Parallelism
+from torchtitan_lite.config import JobConfig, Parallelism, Training
 from torchtitan_lite.parallel.context_parallel import apply_cp
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8
@@ -55,9 +55,12 @@ def warn_ignored_options(cfg: JobConfig, dims: ParallelDims) -> None:
         keys = [f"parallelism.{k}" for k in vars(p) if k.startswith(prefix) and getattr(p, k) != getattr(default, k)]
         if ignored and keys:
             reasons.append(f"{why}: {', '.join(keys)} ignored")
-    if not dims.fsdp and cfg.training.mixed_precision_reduce != "float32":  # only FSDP's reduce-scatter reads it
-        reasons.append("no FSDP in this layout, so no gradient reduce in another dtype: "
-                       "training.mixed_precision_reduce ignored")
+    # Only FSDP's MixedPrecisionPolicy reads these; without it autocast computes in the param dtype (precision.py).
+    fsdp_only = [f"training.{k}" for k in ("mixed_precision_reduce", "mixed_precision_output",
+                                           "mixed_precision_cast_forward_inputs")
+                 if getattr(cfg.training, k) != getattr(Training(), k)]
+    if not dims.fsdp and fsdp_only:
+        reasons.append(f"no FSDP in this layout, so no mixed-precision policy: {', '.join(fsdp_only)} ignored")
     if dims.pp > 1 and dims.fsdp and p.fsdp_defer_grad_reduce:
         reasons.append("a pipeline schedule reduces gradients once per local batch itself: "
                        "parallelism.fsdp_defer_grad_reduce ignored")
