@@ -81,14 +81,18 @@ class Preemption:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         if self._wakeup is not None:
-            previous, write_end = self._wakeup
+            previous, write_end, listener = self._wakeup
             signal.set_wakeup_fd(previous)
             os.close(write_end)  # the listening thread reads the end of its pipe and ends
+            # Joined: a daemon thread still leaving while the interpreter finalizes can abort the process at exit
+            # ("terminate called without an active exception": seen on loaded machines, never once joined).
+            listener.join()
+            self._wakeup = None
 
 
-def _listen(acknowledge) -> tuple[int, int]:
+def _listen(acknowledge) -> tuple[int, int, threading.Thread]:
     """Calls `acknowledge(signum)` from a thread of its own as each signal arrives; returns (the wakeup fd it
-    replaced, its pipe's write end) for close()."""
+    replaced, its pipe's write end, the thread) for close()."""
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)  # set_wakeup_fd's requirement: the C handler must never block
     previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
@@ -99,8 +103,9 @@ def _listen(acknowledge) -> tuple[int, int]:
                 for signum in data:
                     acknowledge(signum)
 
-    threading.Thread(target=listen, name="signal-acknowledgement", daemon=True).start()
-    return previous, write_end
+    listener = threading.Thread(target=listen, name="signal-acknowledgement", daemon=True)
+    listener.start()
+    return previous, write_end, listener
 
 
 def stop_requested() -> bool:
