@@ -68,11 +68,13 @@ def test_paths_typed_beside_it_are_the_callers_files(tmp_path):
     assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "torchrun started", proc.stdout + proc.stderr
 
 
-def launcher_stub(tmp_path, torchrun: str = 'echo "torchrun started"') -> dict:
+def launcher_stub(tmp_path, torchrun: str = 'echo "torchrun started"', plan: str = "") -> dict:
     """run_train.sh's environment with `python -m torch.distributed.run` replaced by `torchrun` (a shell body) and
-    the real interpreter for everything else (train.py --check, --help)."""
+    the real interpreter for everything else (train.py --check, --help); with `plan`, the check too is replaced by one
+    that writes that plan file (tests of the script's own logic, spared the check's seconds of importing torch)."""
     python = tmp_path / "python"
-    stub(python, f'if [ "$1" = -m ]; then {torchrun}; exit 0; fi\nexec "{sys.executable}" "$@"')
+    check = f'if [ "$2" = --check ]; then printf "{plan}" > "$TORCHTITAN_LITE_PLAN_FILE"; exit 0; fi\n' if plan else ""
+    stub(python, f'if [ "$1" = -m ]; then {torchrun}; exit 0; fi\n{check}exec "{sys.executable}" "$@"')
     return {**os.environ, "PYTHON": str(python), "NGPU": "2", "CONFIG_FILE": str(TINY), "CUDA_VISIBLE_DEVICES": ""}
 
 
@@ -120,8 +122,9 @@ def test_the_jobs_error_line_comes_last_after_torchruns_summary(tmp_path):
     said = "error: a collective waited longer than ...; rank 2 did not join all_gather #7"
     torchrun = (f'echo "{said}" >&2; echo "{said}" >> "$TORCHTITAN_LITE_ERROR_LOG"; '
                 'printf "Root Cause (first observed failure):\\n  rank : 1\\n====\\n" >&2; exit 1')
-    proc = subprocess.run([SCRIPT, "--job.dump_folder", str(tmp_path / "out")], env=launcher_stub(tmp_path, torchrun),
-                          capture_output=True, text=True, timeout=120)
+    env = launcher_stub(tmp_path, torchrun, plan="checkpoint_folder=\\nnothing_to_do=0\\n")
+    proc = subprocess.run([SCRIPT, "--job.dump_folder", str(tmp_path / "out")], env=env, capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.splitlines()[-1] == said, proc.stderr
     assert proc.stderr.count(said) == 2
 
@@ -129,13 +132,12 @@ def test_the_jobs_error_line_comes_last_after_torchruns_summary(tmp_path):
 def test_a_second_ctrl_c_says_what_was_kept(tmp_path):
     """With checkpointing off, the job killed at once saved nothing, and says so (it used to say the newest
     checkpoint was kept)."""
-    env = launcher_stub(tmp_path, 'echo "torchrun started"; sleep 60')
+    env = launcher_stub(tmp_path, 'echo "torchrun started"; sleep 60', plan="checkpoint_folder=\\nnothing_to_do=0\\n")
     proc = subprocess.Popen([SCRIPT, "--job.dump_folder", str(tmp_path / "out")], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        assert proc.stdout.readline()  # the plan: the check is done, torchrun (the stub) comes next
-        while "torchrun started" not in proc.stdout.readline():
+        while "torchrun started" not in proc.stdout.readline():  # the check is done, torchrun (the stub) runs
             pass
         for _ in range(2):
             os.killpg(proc.pid, signal.SIGINT)

@@ -6,8 +6,9 @@ three folders in hand, so each is accepted: a `step-N` folder is that checkpoint
 folder, means its newest complete step, picked by checkpoint.complete_checkpoints as a resume picks it. The config is
 then the one that wrote the checkpoint, which it holds (`step-N/config.toml`, resolved: the command line's overrides
 too), so a checkpoint copied anywhere still has it; a checkpoint older than that holds none, and its dump folder's
-`config.toml` stands in. The user may name another. The commonest miss is a run trained without `--checkpoint.enable` (the debug config's default): it is
-named as such in one line, instead of a complaint about a missing `.metadata` in a folder that does not exist.
+`config.toml` stands in. The user may name another. The commonest miss is a run trained without
+`--checkpoint.enable` (the debug config's default): it is named as such in one line, instead of a complaint about a
+missing `.metadata` in a folder that does not exist.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan_lite.checkpoint.folder import (checkpoint_to_load, complete_checkpoints, read_run_files, steps_to_delete,
-                                               write_run_files)
+from torchtitan_lite.checkpoint.folder import (checkpoint_to_load, complete_checkpoints, read_run_files,
+                                               steps_to_delete, write_run_files)
 from torchtitan_lite.checkpoint.reader import SafePlanner, SafeReader, check_fits, flatten_state, read_metadata
 from torchtitan_lite.checkpoint.trash import Trash, finish_publishing, publish
 from torchtitan_lite.config import Checkpoint, ConfigError

@@ -41,9 +41,9 @@ class SyntheticSource:
     """Endless deterministic windows with learnable structure, from integer hashing alone (version-independent).
 
     Each sequence walks a fixed random permutation of the ids (next = perm[current]) and jumps to a random id with
-    probability 1/8, so the loss can fall from ln(regular_ids) to about 1.1 nats. The ids are the tokenizer's regular ones,
-    [0, regular_ids): its special ids follow them (tokenizer.py) and never appear, so a synthetic window holds no BOS
-    and is one document to block_causal's mask, beside text in a mixture too.
+    probability 1/8, so the loss can fall from ln(regular_ids) to about 1.1 nats. The ids are the tokenizer's regular
+    ones, [0, regular_ids): its special ids follow them (tokenizer.py) and never appear, so a synthetic window holds
+    no BOS and is one document to block_causal's mask, beside text in a mixture too.
     """
 
     restart_prob = 1 / 8

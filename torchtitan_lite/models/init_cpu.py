@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from torchtitan_lite.config.paths import cache_dir
+from torchtitan_lite.config.paths import cache_dir, cpu_identity
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -53,16 +53,6 @@ def tables(z: list[float], p: list[float]) -> Tables:
     return Tables(first_bin, torch.stack([p_[:-1], dp, z_[:-1], dz], dim=1).contiguous(), p_[1:].contiguous())
 
 
-def _cpu_identity() -> str:
-    """What a build with -march=native depends on: the CPU's model and instruction sets."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")
-            return "".join(sorted({line for line in f if line.startswith(keys)}))
-    except OSError:  # not Linux
-        return platform.processor()
-
-
 def _compiler() -> str:
     return os.environ.get("CC") or "cc"
 
@@ -70,7 +60,7 @@ def _compiler() -> str:
 def _build() -> Path:
     """The kernel's library in cache_dir(), built there first if no process has built it yet."""
     compiler = _compiler()
-    identity = repr((compiler, FLAGS, platform.machine(), _cpu_identity())).encode()
+    identity = repr((compiler, FLAGS, platform.machine(), cpu_identity())).encode()
     digest = hashlib.sha256(SOURCE.read_bytes() + identity).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"init_fill-{digest}.so"
     if target.exists():

@@ -40,7 +40,8 @@ def read_history(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
     """(step records, resume records) of a metrics.jsonl, or of a dump folder holding one; steps ascending, each
     once. A resume at step S drops the records past S before it (the trainer drops them from the file itself; a
     file joined by hand may hold them: the resumed run's record of a step wins). A step going back without a resume
-    record, or a second run's start record, is two runs spliced: refused. Lines without a step, and records of other events, are not step records."""
+    record, or a second run's start record, is two runs spliced: refused. Lines without a step, and records of other
+    events, are not step records."""
     path = os.path.join(path, METRICS) if os.path.isdir(path) else os.fspath(path)
     records, resumes, last = [], [], None
     with open(path) as f:
