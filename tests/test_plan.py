@@ -63,6 +63,9 @@ def test_the_plan_names_what_is_on(tmp_path):
     mixture = plan_of(["--job.config_file", str(ROOT / "train_configs" / "debug_mixture.toml"), "--job.dump_folder",
                        str(tmp_path)], peak=None)
     assert re.match(r"data mixture of code 75%, synthetic 25% \(1 later phase\): ", mixture.lines[1]), mixture.lines
+    weighed = plan_of(["--job.config_file", str(ROOT / "train_configs" / "debug_mixture.toml"), "--job.dump_folder",
+                       str(tmp_path), "--mixture.weights", "code=1,synthetic=1"], peak=None)
+    assert weighed.lines[1].startswith("data mixture of code 50%, synthetic 50% (1 later phase): ")
 
 
 def test_a_finished_run_has_nothing_to_do_before_any_worker(tmp_path):

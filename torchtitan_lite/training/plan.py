@@ -21,6 +21,7 @@ import torch
 
 from torchtitan_lite.checkpoint.folder import checkpoint_to_load, complete_checkpoints, read_run_files
 from torchtitan_lite.config import JobConfig
+from torchtitan_lite.data.mixture import mixture_phases
 from torchtitan_lite.models.llama import ModelArgs, Transformer, count_params
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8
@@ -70,8 +71,9 @@ def _model(cfg: JobConfig, n_params: int, dims: ParallelDims) -> str:
 def _data(cfg: JobConfig, dims: ParallelDims, global_batch: int) -> str:
     t, m = cfg.training, cfg.mixture
     if t.dataset == "mixture":
-        total = sum(s.weight for s in m.sources) or 1
-        data = "mixture of " + ", ".join(f"{s.name} {s.weight / total:.0%}" for s in m.sources)
+        weights = mixture_phases(cfg)[0][1]  # the first phase's: the sources' own, or --mixture.weights'
+        total = sum(weights.values()) or 1
+        data = "mixture of " + ", ".join(f"{name} {w / total:.0%}" for name, w in weights.items())
         data += f" ({len(m.phases)} later phase{'s' * (len(m.phases) != 1)})" if m.phases else ""
     else:
         data = " ".join(filter(None, (t.dataset, t.dataset_path)))
