@@ -276,8 +276,8 @@ def checked(cfg: JobConfig, world_size: int) -> None:
     """`--check`: the trainer's checks for `world_size` local processes, then the plan printed. For run_train.sh,
     also written to the file TORCHTITAN_LITE_PLAN_FILE names, as the lines `checkpoint_folder=PATH` (empty with
     checkpointing off) and `nothing_to_do=0|1`, which it reads."""
+    run_lock.check_free(cfg.job.dump_folder)  # first: a folder in use is the answer, whatever else the config says
     preflighted = preflight(cfg, world_size)
-    run_lock.check_free(cfg.job.dump_folder)
     plan = machine_plan(cfg, preflighted, world_size)  # run_train.sh starts every process on this machine
     print("\n".join(plan.lines + [f"warning: {w}" for w in plan.warnings] + [plan.nothing_to_do] * bool(
         plan.nothing_to_do)), flush=True)
