@@ -46,6 +46,12 @@ TORCHTITAN_LITE_PLAN_FILE=$plan WORLD_SIZE=$NGPU "$PYTHON" train.py --check --jo
   || exit $?
 checkpoints=$(sed -n 's/^checkpoint_folder=//p' "$plan")
 grep -qx 'nothing_to_do=1' "$plan" && exit 0  # the check said why
+# The folder's lock, held by this script for the whole job (its rank 0 is told so): another run_train.sh that passed
+# its check at the same moment is refused here, before it starts a worker (torchtitan_lite/runtime/run_lock.py).
+dump=$(sed -n 's/^dump_folder=//p' "$plan")
+mkdir -p "$dump" && exec 9<>"$dump/run.lock"
+"$PYTHON" -m torchtitan_lite.runtime.run_lock 9 "$dump" || exit $?
+export TORCHTITAN_LITE_LAUNCHER_HOLDS=$dump
 echo "starting $NGPU process$([ "$NGPU" = 1 ] || echo es) (torchrun)"
 export TORCHTITAN_LITE_PLAN_SHOWN=1  # rank 0 does not print the plan again
 # Ctrl-C reaches this script and torchrun (the terminal's foreground group), not the workers (torchrun gives each a

@@ -274,8 +274,8 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
 
 def checked(cfg: JobConfig, world_size: int) -> None:
     """`--check`: the trainer's checks for `world_size` local processes, then the plan printed. For run_train.sh,
-    also written to the file TORCHTITAN_LITE_PLAN_FILE names, as the lines `checkpoint_folder=PATH` (empty with
-    checkpointing off) and `nothing_to_do=0|1`, which it reads."""
+    also written to the file TORCHTITAN_LITE_PLAN_FILE names, as the lines `dump_folder=PATH`,
+    `checkpoint_folder=PATH` (empty with checkpointing off) and `nothing_to_do=0|1`, which it reads."""
     run_lock.check_free(cfg.job.dump_folder)  # first: a folder in use is the answer, whatever else the config says
     preflighted = preflight(cfg, world_size)
     plan = machine_plan(cfg, preflighted, world_size)  # run_train.sh starts every process on this machine
@@ -283,7 +283,8 @@ def checked(cfg: JobConfig, world_size: int) -> None:
         plan.nothing_to_do)), flush=True)
     if path := os.environ.get("TORCHTITAN_LITE_PLAN_FILE"):
         with open(path, "w") as f:
-            f.write(f"checkpoint_folder={plan.checkpoint_folder}\nnothing_to_do={int(bool(plan.nothing_to_do))}\n")
+            f.write(f"dump_folder={os.path.abspath(cfg.job.dump_folder)}\ncheckpoint_folder={plan.checkpoint_folder}\n"
+                    f"nothing_to_do={int(bool(plan.nothing_to_do))}\n")
 
 
 def run(argv: list[str] | None = None, check: bool = False) -> int:

@@ -75,8 +75,14 @@ def launcher_stub(tmp_path, torchrun: str = 'echo "torchrun started"', plan: str
     that writes that plan file (tests of the script's own logic, spared the check's seconds of importing torch)."""
     python = tmp_path / "python"
     check = f'if [ "$2" = --check ]; then printf "{plan}" > "$TORCHTITAN_LITE_PLAN_FILE"; exit 0; fi\n' if plan else ""
-    stub(python, f'if [ "$1" = -m ]; then {torchrun}; exit 0; fi\n{check}exec "{sys.executable}" "$@"')
+    torchrun = f'if [ "$2" = torch.distributed.run ]; then {torchrun}; exit 0; fi\n'
+    stub(python, f'{torchrun}{check}exec "{sys.executable}" "$@"')
     return {**os.environ, "PYTHON": str(python), "NGPU": "2", "CONFIG_FILE": str(TINY), "CUDA_VISIBLE_DEVICES": ""}
+
+
+def starts(dump_folder) -> str:
+    """A stubbed check's plan for a run into `dump_folder` that has work to do."""
+    return f"dump_folder={dump_folder}\\ncheckpoint_folder=\\nnothing_to_do=0\\n"
 
 
 def test_help_is_printed_once_and_starts_nothing(tmp_path):
@@ -123,7 +129,7 @@ def test_the_jobs_error_line_comes_last_after_torchruns_summary(tmp_path):
     said = "error: a collective waited longer than ...; rank 2 did not join all_gather #7"
     torchrun = (f'echo "{said}" >&2; echo "{said}" >> "$TORCHTITAN_LITE_ERROR_LOG"; '
                 'printf "Root Cause (first observed failure):\\n  rank : 1\\n====\\n" >&2; exit 1')
-    env = launcher_stub(tmp_path, torchrun, plan="checkpoint_folder=\\nnothing_to_do=0\\n")
+    env = launcher_stub(tmp_path, torchrun, plan=starts(tmp_path / 'out'))
     proc = subprocess.run([SCRIPT, "--job.dump_folder", str(tmp_path / "out")], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.splitlines()[-1] == said, proc.stderr
@@ -133,7 +139,7 @@ def test_the_jobs_error_line_comes_last_after_torchruns_summary(tmp_path):
 def test_a_second_ctrl_c_says_what_was_kept(tmp_path):
     """With checkpointing off, the job killed at once saved nothing, and says so (it used to say the newest
     checkpoint was kept)."""
-    env = launcher_stub(tmp_path, 'echo "torchrun started"; sleep 60', plan="checkpoint_folder=\\nnothing_to_do=0\\n")
+    env = launcher_stub(tmp_path, 'echo "torchrun started"; sleep 60', plan=starts(tmp_path / 'out'))
     proc = subprocess.Popen([SCRIPT, "--job.dump_folder", str(tmp_path / "out")], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -149,6 +155,28 @@ def test_a_second_ctrl_c_says_what_was_kept(tmp_path):
             kill_tree(proc)
     assert proc.returncode == 130 and err.splitlines()[-1] == (
         "second Ctrl-C: stopped at once; checkpoint.enable is off: nothing was saved"), err
+
+
+def test_of_two_scripts_started_at_once_into_one_folder_the_second_starts_nothing(tmp_path):
+    """Both pass their checks before either job has a rank 0 to hold the folder (the checks are stubbed here, as if
+    both ran at the same moment): the first script holds the lock for its job, and the second is refused in one
+    line with exit 2 before it starts torchrun."""
+    folder = tmp_path / "out"
+    env = launcher_stub(tmp_path, 'echo "torchrun started"; sleep 600', plan=starts(folder))
+    first = subprocess.Popen([SCRIPT, "--job.dump_folder", str(folder)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        while "torchrun started" not in first.stdout.readline():
+            pass
+        second = subprocess.run([SCRIPT, "--job.dump_folder", str(folder)], env=env, capture_output=True, text=True,
+                                timeout=120)
+    finally:
+        kill_tree(first)
+    assert second.returncode == 2 and "torchrun started" not in second.stdout, second.stdout + second.stderr
+    assert second.stderr.splitlines() == [
+        f"error: job.dump_folder {folder} is in use by a live run (pid {first.pid} on {socket.gethostname()}, since "
+        f"{json.loads((folder / 'run.lock').read_text())['since']}): wait for it to end, or give this run a folder of "
+        "its own (--job.dump_folder)"]
 
 
 def test_a_folder_a_live_run_holds_is_refused_and_a_killed_one_is_not(tmp_path):

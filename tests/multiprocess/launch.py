@@ -77,12 +77,13 @@ def descendants(pid: int) -> list[int]:
 
 
 def running(pid: int) -> bool:
-    """Whether process `pid` is alive (a zombie has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    """Whether process `pid` is alive: any of its threads is not a zombie. A killed process's first thread can be a
+    zombie while others still end, and its files (a lock among them) are closed only when the last one has."""
+    alive = False
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, IndexError):
+            alive |= (task / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return alive
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

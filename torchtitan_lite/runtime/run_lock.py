@@ -9,6 +9,11 @@ The lock is flock(2)'s: the kernel releases it when its holder exits, however it
 lost node's lease on a network filesystem), so a dead run never leaves the folder locked and nobody deletes a stale
 lock by hand. The file stays (deleting it would let two runs lock two different files under one name); what it holds
 is only for the refusal's line: who holds it.
+
+Two run_train.sh started a moment apart both pass their checks before either job's rank 0 exists. So the script
+takes the lock itself once its check has passed (`python -m torchtitan_lite.runtime.run_lock FD FOLDER` locks the
+file the script opened as FD: a flock belongs to the open file, which the script keeps until it ends) and tells the
+job's rank 0 so (LAUNCHER_HOLDS): the second script is refused in one line before it starts a worker.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 
 from torchtitan_lite.config import ConfigError
 
 LOCK = "run.lock"
+LAUNCHER_HOLDS = "TORCHTITAN_LITE_LAUNCHER_HOLDS"  # the folder whose lock the launcher holds for this job
 # A check (run_train.sh's, of another job) holds the lock for a moment to see whether it is free: the run that
 # starts meanwhile waits that moment out rather than taking the check for a live run.
 _RETRY_S = 2.0
@@ -43,40 +50,64 @@ def _refusal(dump_folder: str, path: str) -> ConfigError:
                        "or give this run a folder of its own (--job.dump_folder)")
 
 
-def _try_lock(dump_folder: str, wait_s: float) -> int | None:
-    """An open descriptor of the folder's lock file holding the lock, or None when a live run holds it."""
-    os.makedirs(dump_folder, exist_ok=True)
-    fd = os.open(os.path.join(dump_folder, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+def _flock(fd: int, wait_s: float) -> bool:
+    """Locks the open file `fd`, waiting up to `wait_s` for another holder to let go; whether it did."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
+            return True
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                os.close(fd)
-                return None
+                return False
             time.sleep(0.05)
 
 
+def _open(dump_folder: str) -> int:
+    os.makedirs(dump_folder, exist_ok=True)
+    return os.open(os.path.join(dump_folder, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def _say_holder(fd: int, pid: int) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": pid, "host": socket.gethostname(),
+                              "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+
+
 def check_free(dump_folder: str) -> None:
-    """Refuses a folder a live run holds; holds nothing itself (train.py --check)."""
-    fd = _try_lock(dump_folder, 0.0)
-    if fd is None:
-        raise _refusal(dump_folder, os.path.join(dump_folder, LOCK))
-    os.close(fd)
+    """Refuses a folder a live run holds; holds and creates nothing itself (train.py --check: a refused config leaves
+    no folder behind)."""
+    try:
+        fd = os.open(os.path.join(dump_folder, LOCK), os.O_RDWR)
+    except FileNotFoundError:
+        return  # no run has held it
+    try:
+        if not _flock(fd, 0.0):
+            raise _refusal(dump_folder, os.path.join(dump_folder, LOCK))
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
 def hold(dump_folder: str):
-    """Holds the folder's lock for the duration (rank 0, before anything is written), or refuses in one line."""
-    fd = _try_lock(dump_folder, _RETRY_S)
-    if fd is None:
-        raise _refusal(dump_folder, os.path.join(dump_folder, LOCK))
+    """Holds the folder's lock for the duration (rank 0, before anything is written), or refuses in one line. A job
+    whose launcher holds it for the job (LAUNCHER_HOLDS) holds it already."""
+    if os.environ.get(LAUNCHER_HOLDS) == os.path.abspath(dump_folder):
+        yield
+        return
+    fd = _open(dump_folder)
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        if not _flock(fd, _RETRY_S):
+            raise _refusal(dump_folder, os.path.join(dump_folder, LOCK))
+        _say_holder(fd, os.getpid())
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+if __name__ == "__main__":  # run_train.sh: lock the file it opened as FD, for as long as it keeps it open
+    fd, folder = int(sys.argv[1]), sys.argv[2]
+    if not _flock(fd, _RETRY_S):
+        print(f"error: {_refusal(folder, os.path.join(folder, LOCK))}", file=sys.stderr)
+        sys.exit(2)
+    _say_holder(fd, os.getppid())
