@@ -59,7 +59,8 @@ export TORCHTITAN_LITE_PLAN_SHOWN=1  # rank 0 does not print the plan again
 # later and exit 1 with a traceback: it is told to leave SIGINT alone (started in the background, it then ignores
 # it), and the trap below forwards it to the workers as it does SIGTERM.
 TORCHTITAN_LITE_ERROR_LOG=$errors "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
-  --max-restarts="$MAX_RESTARTS" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --signals-to-handle SIGTERM,SIGHUP,SIGQUIT \
+  --max-restarts="$MAX_RESTARTS" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  --signals-to-handle SIGTERM,SIGHUP,SIGQUIT \
   train.py --job.config_file "$CONFIG_FILE" "$@" &
 launcher=$!
 # Preemption (SIGTERM from Slurm or Kubernetes, SIGUSR1 as Slurm's early warning) goes to the workers, torchrun's

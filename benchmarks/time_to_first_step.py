@@ -12,6 +12,7 @@ cold start. The last line is `time to first step: S s (median of N)`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -34,11 +35,12 @@ def time_once(repo: Path, extra: list[str]) -> float:
                                 start_new_session=True)
         try:
             for line in proc.stdout:
-                if "step: 1 " in line:
+                if "step: 1/" in line or "step: 1 " in line:  # `step: 1/N` since 2026-11-27
                     return time.perf_counter() - start
             raise SystemExit(f"{repo}: the job ended without a step 1 (exit code {proc.wait()})")
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # a job that ended by itself
+                os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
             # torchrun stops its workers on SIGTERM; any left over (sessions of their own) are found by name.
             subprocess.run(["pkill", "-f", "--", f"--job.dump_folder {dump}"], check=False)

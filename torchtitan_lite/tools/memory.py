@@ -37,8 +37,7 @@ Document masking (`model.attn_mask_type = "block_causal"`) runs the trainer's ma
 and every token's rotary row. On a GPU without CP the mask is FlexAttention's block mask, whose kernel keeps the same
 tensors for backward as flash attention: the trace attends causally and `mask_bytes`, the block mask's, is added to
 the activations and the peak. Its build leaves nothing else to count: documents.block_mask works on the grid of
-128-token blocks (batch x n^2 for n blocks), with no seq x seq temporary, and holds exactly block_mask_bytes
-(tests/test_documents.py). Under CP the mask is explicit on every device (models/documents.py): the trace builds
+128-token blocks, with no seq x seq temporary (tests/test_documents.py). Under CP the mask is explicit on every device (models/documents.py): the trace builds
 and keeps it (one per micro-batch, shared by every block), and `mask_bytes` is its size.
 
 Under pipeline parallelism rank 0 holds the first stage(s), which keep the most micro-batches' activations alive:
