@@ -4,13 +4,13 @@
 The estimate runs the trainer's own code on fake tensors instead of a formula: a fake process group of the target
 world size (rank 0, which holds the largest shards), the real ParallelDims mesh, the model built on meta and
 parallelized by the real `parallelize()`, materialized as FakeTensors, and two training steps (the trainer's
-`step.Step`: forward, loss, backward; then AdamW step, zero_grad) traced by torch's FSDPMemTracker, which follows every storage's life, FSDP2's
-all-gather and reduce-scatter buffers and the storage resizes that free gathered parameters. Fake tensors allocate
-nothing and compute nothing, so the cost is Python time per op (docs/performance.md has the times), and every
-layout rule (TP shards, FSDP padding, hpZ, which block stays gathered after forward, what
-activation checkpointing saves) is the trainer's by construction: a formula would have to be kept in step with
-parallelize.py by hand. Two steps, because the optimizer
-state only exists from the first step on, so the second step is the steady state.
+`step.Step`: forward, loss, backward; then AdamW step, zero_grad) traced by torch's FSDPMemTracker, which follows
+every storage's life, FSDP2's all-gather and reduce-scatter buffers and the storage resizes that free gathered
+parameters. Fake tensors allocate nothing and compute nothing, so the cost is Python time per op
+(docs/performance.md has the times), and every layout rule (TP shards, FSDP padding, hpZ, which block stays gathered
+after forward, what activation checkpointing saves) is the trainer's by construction: a formula would have to be
+kept in step with parallelize.py by hand. Two steps: the optimizer state exists from the first on, so the second
+is the steady state.
 
 What the figures mean (bytes of rank 0):
 - parameters, gradients, optimizer state: `held_bytes` of the fake model after the optimizer step, exactly what the
@@ -37,8 +37,9 @@ Document masking (`model.attn_mask_type = "block_causal"`) runs the trainer's ma
 and every token's rotary row. On a GPU without CP the mask is FlexAttention's block mask, whose kernel keeps the same
 tensors for backward as flash attention: the trace attends causally and `mask_bytes`, the block mask's, is added to
 the activations and the peak. Its build leaves nothing else to count: documents.block_mask works on the grid of
-128-token blocks, with no seq x seq temporary (tests/test_documents.py). Under CP the mask is explicit on every device (models/documents.py): the trace builds
-and keeps it (one per micro-batch, shared by every block), and `mask_bytes` is its size.
+128-token blocks, with no seq x seq temporary (tests/test_documents.py). Under CP the mask is explicit on every
+device (models/documents.py): the trace builds and keeps it (one per micro-batch, shared by every block), and
+`mask_bytes` is its size.
 
 Under pipeline parallelism rank 0 holds the first stage(s), which keep the most micro-batches' activations alive:
 the trace runs rank 0's stages on micro-batches in the schedule's order on that rank, as many forwards ahead of
