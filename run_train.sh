@@ -70,7 +70,8 @@ trap 'pkill -TERM -P "$launcher"' TERM
 trap 'pkill -USR1 -P "$launcher"' USR1
 # Ctrl-C is the same preemption, and the job exits 130 (the shell's convention for it; the workers exit 0, as
 # torchrun takes anything else for a failure to report and restart). A second Ctrl-C kills the job at once: the
-# checkpoint being written is never published (checkpoint.py writes step-N.tmp and renames it when complete).
+# checkpoint being written is never published (torchtitan_lite/checkpoint/manager.py writes step-N.tmp and renames
+# it when complete).
 interrupts=0
 interrupt() {
   interrupts=$((interrupts + 1))

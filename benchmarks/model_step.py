@@ -8,7 +8,8 @@ debug model 256x6, 512x4 with grouped-query attention, 1024x2 with GQA) it times
 identical shapes (the parameter counts are asserted equal; the weights differ, which changes no timing):
 - hf: Hugging Face `LlamaForCausalLM` with the same LlamaConfig (untied embeddings, no bias, SDPA attention), the
   default when `transformers` is installed (`pip install transformers`; it is not a requirement of the trainer);
-- meta: a few lines in the style of Meta's llama3 reference model.py (complex-number rotary, repeat_kv, SDPA, SwiGLU).
+- meta: a few lines in the style of Meta's llama3 reference, llama/model.py (complex-number rotary, repeat_kv, SDPA,
+  SwiGLU).
 Each repetition times one step of ours, then one of the reference, so drift on a shared machine hits both alike;
 after warm-up steps, the figures are medians. GFLOP/s and MFU use metrics.flops_per_token and the CPU's measured
 matmul peak (metrics.peak_flops), as the trainer logs them.
@@ -60,7 +61,7 @@ class _LogitsOnly(nn.Module):
         return self.model(input_ids=tokens).logits
 
 
-# ---- The fallback reference, after Meta's llama3 model.py (training path: no KV cache, no model parallelism).
+# ---- The fallback reference, after Meta's llama3 llama/model.py (training path: no KV cache, no model parallelism).
 class MetaRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

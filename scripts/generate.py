@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             generator.seed()
         else:
             generator.manual_seed(args.seed)
-        # BOS first, as data.py encodes every training document; no EOS, which would end the text.
+        # BOS first, as torchtitan_lite/data/files.py encodes every training document; no EOS, which would end
+        # the text.
         prompt = tokenizer.encode(args.prompt, bos=True, eos=False)
         new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, tokenizer.eos_id, generator)
     except (ConfigError, ContextError) as e:

@@ -44,7 +44,7 @@ def test_decay_shapes(kind, shape):
 
 
 def torchtitan_factor(n, warmup, decay_ratio, total, kind, min_factor):
-    """torchtitan's warmup-stable-decay factor after n optimizer steps (its lr_scheduler.py since
+    """torchtitan's warmup-stable-decay factor after n optimizer steps (its torchtitan/components/lr_scheduler.py since
     pytorch/torchtitan#1284), restated. The stable phase holds one virtual step past the end, so the lr reaches
     min_factor only once the last step has trained."""
     warmup = min(warmup, total)
@@ -87,8 +87,8 @@ TINY = dict(warmup_steps=2, decay_ratio=0.5)  # tests/assets/tiny.toml's schedul
 
 def resumed(at, steps, new_steps, new_lr=1.0, old_checkpoint=False, **kw):
     """The lr of each step after step `at` of a `steps`-step run (lr 1), resumed from its state there with
-    `new_steps` and `new_lr`, the optimizer loaded first as checkpoint.py does; `old_checkpoint`: saved before the
-    settings were."""
+    `new_steps` and `new_lr`, the optimizer loaded first as checkpoint/manager.py does; `old_checkpoint`: saved
+    before the settings were."""
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     sched = build_lr_scheduler(opt, LRScheduler(**kw), steps)
     for _ in range(at):

@@ -10,7 +10,7 @@ with the single-process run of its precision.
 A pair needs no run when it is no configuration (IMPOSSIBLE), when a layout ignores one of its options
 (NOT_APPLICABLE: the option changes nothing there, so a run would repeat the pair without it), or when
 `train.py --check` refuses it (REFUSED, each tested through --check). The data-parallel factor is the mesh FSDP
-shards over, dp_shard x cp (parallel_dims.py): what decides how gradients are reduced.
+shards over, dp_shard x cp (torchtitan_lite/parallel/dims.py): what decides how gradients are reduced.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 run_train.sh changes into the repository, so that the configs' own relative paths (train_configs/..., the project's
 tokenizer) resolve there whatever directory it is started from; a path the user types, though, means a file seen
-from where they stand. The script records that directory in CALLER_DIR before it moves, and the loader (config.py)
+from where they stand. The script records that directory in CALLER_DIR before it moves, and the loader (job_config.py)
 makes the relative values of path options given on the command line absolute against it (against the working
 directory when something else launched us, which is then the same place). config.toml then names files a rerun
 finds from anywhere. Values read from a TOML file keep resolving against the working directory, as the configs here
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 CALLER_DIR = "TORCHTITAN_LITE_CALLER_DIR"
-ONE, LIST = "one", "list"  # config.py's opt(path=...): a file or folder; comma-separated files, globs or folders
+ONE, LIST = "one", "list"  # sections.py's opt(path=...): a file or folder; comma-separated files, globs or folders
 
 
 def absolute(path: str) -> str:
@@ -29,7 +29,7 @@ def absolute(path: str) -> str:
 
 
 def resolve_typed_paths(cfg: Any, options: Iterable[Any]) -> None:
-    """Makes the values of `options` (config.py's path options that the command line set) absolute against the
+    """Makes the values of `options` (job_config.py's path options that the command line set) absolute against the
     caller's directory."""
     for o in options:
         section = getattr(cfg, o.section)

@@ -1,4 +1,4 @@
-"""What an option accepts beyond its type: a rule declared beside the option in config.py (`opt(..., rule=...)`).
+"""What an option accepts beyond its type: a rule declared beside the option in sections.py (`opt(..., rule=...)`).
 
 A rule is the words a user reads, in `KEY must be RULE (got VALUE)` and beside the option in `--help`, together
 with the test behind them, so the two cannot drift apart. Every int and float option has one (tests/test_config.py

@@ -1,5 +1,5 @@
 """Where training text comes from and how it becomes tokens: files on disk, the interpreter's standard library,
-pre-tokenized shards, and Hugging Face streams. data.py packs the tokens into windows and orders them.
+pre-tokenized shards, and Hugging Face streams. loader.py packs the tokens into windows and orders them.
 
 Every document is encoded as BOS + tokens + EOS; empty documents are skipped. A plain text file is one document; a
 JSON lines file holds one document per line, in the field `training.dataset_text_field`.

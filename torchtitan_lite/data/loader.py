@@ -5,7 +5,7 @@ step s the global batch is windows [s*G, (s+1)*G) of that order, whatever the da
 a contiguous slice of it. The loader's whole state is its position in the order, so a resume continues with the
 exact next sample, also on a different number of data-parallel ranks.
 
-Text is packed: documents (BOS + tokens + EOS, datasets.py) are concatenated into one stream, cut into windows back
+Text is packed: documents (BOS + tokens + EOS, files.py) are concatenated into one stream, cut into windows back
 to back with stride seq_len + 1, so each token is in exactly one window per epoch. No padding; windows cross
 document boundaries; a tail shorter than a window is dropped. A finite source reshuffles its windows every epoch
 (the first included) with a seeded permutation that needs no memory, so the order extends forever.

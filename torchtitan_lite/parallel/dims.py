@@ -138,7 +138,8 @@ def _flat(mesh: DeviceMesh, name: str, dims: tuple[str, ...]) -> DeviceMesh:
 
 def _own_group() -> dist.ProcessGroup:
     """A group of this rank alone. Made with local synchronization, so no other rank takes part in its creation
-    (NCCL creates the communicator on first use: the default group is not eagerly initialized, see distributed.py)."""
+    (NCCL creates the communicator on first use: the default group is not eagerly initialized, see
+    runtime/process.py)."""
     if dist.get_world_size() == 1:
         return dist.group.WORLD
     return dist.new_group([dist.get_rank()], use_local_synchronization=True)

@@ -9,8 +9,8 @@ the step after which they stop: each step starts a one-element MAX all-reduce of
 on the CPU (gloo), and reads it when the step is done. The all-reduce overlaps the step's compute instead of adding
 to it, and every rank reads the same value, so all stop after the same step and none waits in a collective for a
 rank that left. A second SIGTERM or SIGUSR1 only records itself again: the save in progress is not interrupted (and
-were the job killed outright, the save is atomic: checkpoint.py). A second Ctrl-C is someone who will not wait: it
-kills the process at once (run_train.sh kills the whole job instead), which the atomic save makes safe.
+were the job killed outright, the save is atomic: checkpoint/manager.py). A second Ctrl-C is someone who will not
+wait: it kills the process at once (run_train.sh kills the whole job instead), which the atomic save makes safe.
 
 The stop comes at a step boundary, which on a slow machine may be minutes away, so the signal is acknowledged at
 once, in one line saying after which step the run stops and whether it saves. Python runs a signal's handler only

@@ -112,7 +112,7 @@ class LRSchedule(LambdaLR):
         return {**super().state_dict(), "settings": dict(self.settings)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Loads after the optimizer (checkpoint.py), whose param groups then hold the checkpoint's lr."""
+        """Loads after the optimizer (checkpoint/manager.py), whose param groups then hold the checkpoint's lr."""
         state = dict(state)
         saved, ours, base = state.pop("settings", {}), self.settings, list(self.base_lrs)
         super().load_state_dict(state)
