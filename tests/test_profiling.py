@@ -124,21 +124,23 @@ def freed_on_another_thread():
 
 @pytest.mark.parametrize("all_threads", [False, True])
 def test_torchs_memory_profiler_cannot_follow_frees_on_other_threads(all_threads):
-    """Why check_profiling refuses the CPU's timeline on several processes: torch's memory profiler rejects a window
-    with a free on a thread it does not follow, and following every thread records no allocation at all. When a
-    torch release changes either, this fails: the refusal can then go."""
+    """Why check_profiling refuses the CPU's timeline on several processes: torch's memory profiler does not see a
+    free on a thread it does not follow, and following every thread records no allocation at all. When a torch
+    release changes either, this fails: the refusal can then go. (An unseen free crashes the timeline's export once
+    malloc hands its address to a later tensor, "version mismatch" or "duplicate outputs": in a training step always,
+    here only when the main thread reuses the address, which malloc does not promise.)"""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
                                 record_shapes=True, with_stack=True,
                                 experimental_config=_ExperimentalConfig(profile_all_threads=all_threads)) as prof:
         freed_on_another_thread()
-    events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), 0
+    events, sizes = list(prof.profiler.kineto_results.experimental_event_tree()), []
     while events:
         event = events.pop()
-        allocations += event.typed[0] == _EventType.Allocation
+        if event.typed[0] == _EventType.Allocation:
+            sizes.append(event.typed[1].alloc_size)  # negative: a free
         events += event.children
     if all_threads:
-        assert allocations == 0
-    else:
-        assert allocations >= 80  # 4 tensors an iteration, each allocated and freed (one free unseen)
-        with pytest.raises(AssertionError, match="version mismatch|duplicate outputs"):
-            memory_profiler.MemoryProfile(prof.profiler.kineto_results)
+        assert sizes == []
+    else:  # every tensor allocated and freed in the window: the frees of the 20 on the other thread are missing
+        allocations, frees = sum(s > 0 for s in sizes), sum(s < 0 for s in sizes)
+        assert allocations >= 80 and allocations - frees == 20, (allocations, frees)
