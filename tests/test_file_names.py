@@ -73,7 +73,8 @@ def stale_names(files: list[str], root: Path = ROOT) -> list[str]:
 
 
 def test_no_comment_or_page_names_a_missing_file():
-    stale = stale_names(tracked())
+    this = Path(__file__).relative_to(ROOT).as_posix()  # its examples below name missing files on purpose
+    stale = [s for s in stale_names(tracked()) if not s.startswith(f"{this}:")]
     assert not stale, "these name no tracked file (moved? name the file that now holds the code):\n" + "\n".join(stale)
 
 
