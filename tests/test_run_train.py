@@ -80,6 +80,14 @@ def launcher_stub(tmp_path, torchrun: str = 'echo "torchrun started"', plan: str
     return {**os.environ, "PYTHON": str(python), "NGPU": "2", "CONFIG_FILE": str(TINY), "CUDA_VISIBLE_DEVICES": ""}
 
 
+def wait_for_torchrun(proc: subprocess.Popen) -> None:
+    """Reads the script's output up to the stub torchrun's first line; fails if the script ends before it."""
+    for line in proc.stdout:
+        if "torchrun started" in line:
+            return
+    raise AssertionError(f"run_train.sh ended before torchrun, exit {proc.wait()}")
+
+
 def starts(dump_folder) -> str:
     """A stubbed check's plan for a run into `dump_folder` that has work to do."""
     return f"dump_folder={dump_folder}\\ncheckpoint_folder=\\nnothing_to_do=0\\n"
@@ -144,8 +152,7 @@ def test_a_second_ctrl_c_says_what_was_kept(tmp_path):
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        while "torchrun started" not in proc.stdout.readline():  # the check is done, torchrun (the stub) runs
-            pass
+        wait_for_torchrun(proc)  # the check is done, torchrun (the stub) runs
         for _ in range(2):
             os.killpg(proc.pid, signal.SIGINT)
             time.sleep(0.2)  # two presses, not one: bash runs a trap once per signal it sees
@@ -166,8 +173,7 @@ def test_of_two_scripts_started_at_once_into_one_folder_the_second_starts_nothin
     first = subprocess.Popen([SCRIPT, "--job.dump_folder", str(folder)], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
-        while "torchrun started" not in first.stdout.readline():
-            pass
+        wait_for_torchrun(first)
         second = subprocess.run([SCRIPT, "--job.dump_folder", str(folder)], env=env, capture_output=True, text=True,
                                 timeout=120)
     finally:
