@@ -1,13 +1,16 @@
 """The package's layers: no module imports from a layer above its own, and no modules import each other in a circle.
+And its map: README.md's layout section and each folder's __init__.py name every module of the folder, and no other.
 
 Read from the source with ast (nothing is imported), imports inside functions included: a lazy import up the layers
 is still a dependency up the layers.
 """
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "torchtitan_lite"
+README = PACKAGE.parent / "README.md"
 LAYERS = ("config", "runtime", "models", "quantization", "data", "parallel", "checkpoint", "training", "tools")  # bottom to top
 
 
@@ -94,3 +97,75 @@ def test_the_checks_see_a_planted_upward_import_and_circle():
     assert "torchtitan_lite.models.llama imports torchtitan_lite.parallel.dims" in upward(edges)
     assert ["torchtitan_lite.models.llama", "torchtitan_lite.parallel.dims", "torchtitan_lite.models.llama"] in circles(
         edges)
+
+
+ENTRY = re.compile(r"^- ([\w.]+):", re.M)  # an __init__ docstring's line per module: `- loader.py: what it owns`
+PARENTHESES = re.compile(r"\([^()]*\)")
+FOLDER = re.compile(r"( {0,8})(\w+)/(?: |$)")  # a folder's first line in README's tree, two spaces a level deeper
+
+
+def on_disk() -> dict[str, set[str]]:
+    """Each package folder (`torchtitan_lite/data`) -> its modules (`loader.py`) and subpackages (`data`)."""
+    return {init.parent.relative_to(PACKAGE.parent).as_posix():
+            {p.name for p in init.parent.glob("*.py") if p.name != "__init__.py"}
+            | {d.name for d in init.parent.iterdir() if (d / "__init__.py").is_file()}
+            for init in PACKAGE.rglob("__init__.py")}
+
+
+def in_inits() -> dict[str, set[str]]:
+    """Each package folder -> the names its __init__.py docstring lists, one `- name:` line each."""
+    return {init.parent.relative_to(PACKAGE.parent).as_posix():
+            set(ENTRY.findall(ast.get_docstring(ast.parse(init.read_text())) or ""))
+            for init in PACKAGE.rglob("__init__.py")}
+
+
+def in_readme(text: str) -> dict[str, set[str]]:
+    """Each folder of the package in README's layout tree -> the modules and subfolders named on its lines. What is in
+    parentheses describes a module, so a name mentioned there is not counted as listed."""
+    section = re.search(r"^## Layout\n.*?^```\n(.*?)^```", text, re.S | re.M)
+    assert section, "README.md has no `## Layout` section with its tree in a ``` block"
+    path, lines = [], {}
+    for line in section.group(1).splitlines():
+        if m := FOLDER.match(line):
+            path = [*path[: len(m.group(1)) // 2], m.group(2)]
+            lines.setdefault("/".join(path[:-1]), []).append(m.group(2) + "/")
+            line = line[m.end():]
+        lines.setdefault("/".join(path), []).append(line)
+    named = {}
+    for folder, text in lines.items():
+        text = " ".join(text)
+        while PARENTHESES.search(text):  # innermost first: a description may hold parentheses of its own
+            text = PARENTHESES.sub("", text)
+        named[folder] = set(re.findall(r"\b\w+\.py\b", text)) | set(re.findall(r"(\w+)/(?=\s|$)", text))
+    return {folder: names for folder, names in named.items() if folder.split("/")[0] == PACKAGE.name}
+
+
+def mismatches(listed: dict[str, set[str]], disk: dict[str, set[str]]) -> tuple[list[str], list[str]]:
+    """The package's modules that `listed` leaves out, and the modules it names that the package does not hold."""
+    missing = sorted(f"{folder}/{name}" for folder, names in disk.items() for name in names - listed.get(folder, set()))
+    stale = sorted(f"{folder}/{name}" for folder, names in listed.items() for name in names - disk.get(folder, set()))
+    return missing, stale
+
+
+def test_readme_layout_names_every_module():
+    missing, stale = mismatches(in_readme(README.read_text()), on_disk())
+    assert not missing, f"README.md's layout section does not name {missing} (a few words on each, in its style)"
+    assert not stale, f"README.md's layout section names {stale}, which do not exist"
+
+
+def test_each_init_lists_its_modules():
+    missing, stale = mismatches(in_inits(), on_disk())
+    assert not missing, f"the folder's __init__.py docstring does not list {missing} (a `- NAME: what it owns` line)"
+    assert not stale, f"the folder's __init__.py docstring lists {stale}, which do not exist"
+
+
+def test_the_lists_checks_see_a_missing_and_a_stale_module():
+    """A module renamed in README's tree is both missing and stale there; a module planted on disk is missing from
+    its __init__'s list, and one planted in that list is stale."""
+    missing, stale = mismatches(in_readme(README.read_text().replace("digest.py", "renamed.py")), on_disk())
+    assert "torchtitan_lite/data/digest.py" in missing and "torchtitan_lite/data/renamed.py" in stale
+    disk, inits = on_disk(), in_inits()
+    disk["torchtitan_lite/data"].add("planted.py")
+    inits["torchtitan_lite/tools"].add("gone.py")
+    missing, stale = mismatches(inits, disk)
+    assert "torchtitan_lite/data/planted.py" in missing and "torchtitan_lite/tools/gone.py" in stale

@@ -1,7 +1,9 @@
-"""Checkpoints: what a resume restores and how a save stays atomic (manager.py), the folder's rules (folder.py: which
-steps are complete, which one a run resumes from, which to delete), reading DCP files safely in one
-process (reader.py), deleting old ones off the training path (trash.py), and the checkpoint and config a tool is
-pointed at (finder.py).
+"""Checkpoints: what a resume restores, how a save stays atomic, and the checkpoint a tool is pointed at.
+- manager.py: DCP saves and loads, what a resume restores, atomic publishing, async saves
+- folder.py: the folder's rules: which steps are complete, which one a run resumes from, which to delete
+- reader.py: reading DCP files safely, and in one process (scripts, tests, export, generation)
+- trash.py: the renames that publish a save, and deleting old checkpoints off the training path
+- finder.py: the checkpoint and config a tool is pointed at
 
 Imports config and runtime; training and tools build on it.
 """

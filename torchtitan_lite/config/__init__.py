@@ -1,6 +1,8 @@
-"""The run's configuration: the sections and their options (sections.py), loading, overrides and checks
-(job_config.py), the values a field accepts (rules.py) and where a path resolves (paths.py). The bottom layer: it
-imports nothing else of the package, and every layer reads it.
+"""The run's configuration. The bottom layer: it imports nothing else of the package, and every layer reads it.
+- sections.py: the sections and their options, each written once (default, help, choices, rule)
+- job_config.py: loading TOML, `--section.key` overrides, `--help`, and the checks of every value
+- rules.py: the values an option accepts beyond its type, in the words a user reads and the test behind them
+- paths.py: where a relative path resolves (the caller's directory, for the command line's), and the cache folder
 
 The one package that re-exports: `from torchtitan_lite.config import JobConfig` is how every layer names its config.
 """

@@ -1,5 +1,10 @@
-"""Data: where text comes from and its file formats (files.py), tokenizers (tokenizer.py, hf_tokenizer.py), and
-the loader that packs tokens into windows in one global order and hands each rank its slice (loader.py).
+"""Data: where text comes from, how it becomes tokens, and the order in which each rank gets its windows.
+- files.py: files, documents, token shards and Hugging Face streams, and how each becomes tokens
+- tokenizer.py: the tiktoken BPE plus BOS/EOS: byte level, the project's BPE, or Llama 3's
+- hf_tokenizer.py: our tokenizer to and from Hugging Face's format, as plain JSON
+- loader.py: sources of windows in one global order, packing, and the loader that hands each rank its slice
+- mixture.py: several sources in one order, each with an exact quota of every global batch, phase by phase
+- digest.py: what shaped a run's past windows, so that a resume which would replay or skip some is refused
 
 Imports config, runtime and models (the counter-based generator of models/init.py orders the windows).
 """

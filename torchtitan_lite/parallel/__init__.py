@@ -1,6 +1,8 @@
-"""Parallelism, applied from outside the model: the layout and its mesh (dims.py), the plan that applies TP,
-activation checkpointing, compile and FSDP in one order (parallelize.py), pipeline stages and schedules
-(pipeline.py), and context parallelism (context_parallel.py).
+"""Parallelism, applied from outside the model.
+- dims.py: the layout: degrees, their validation, and the device mesh
+- parallelize.py: the plan that applies TP, CP, activation checkpointing, compile and FSDP in one order
+- pipeline.py: pipeline stages of whole blocks, and the schedules that run them
+- context_parallel.py: each sequence split across the cp ranks, keys and values all-gathered per block
 
 Imports the layers below (config, runtime, models, data); checkpointing and training build on it.
 """

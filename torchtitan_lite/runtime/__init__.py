@@ -1,6 +1,16 @@
-"""The process around the training math: process group and timeouts (process.py), one error line per job
-(errors.py), preemption signals (signals.py), the numerics of the update (precision.py), throughput and the metric
-logger (metrics.py), and what a run does with the history it finds in its dump folder (run_history.py).
+"""The process around the training math.
+- process.py: ranks, device, process group and timeouts, threads, determinism
+- errors.py: one error line per job, whichever rank fails first
+- signals.py: preemption signals and a vanished launcher: the run ends at a step boundary, with a checkpoint
+- precision.py: the numerics of the update: dtypes, fp16 loss scaling, steps whose gradients are not finite
+- metrics.py: throughput (FLOPs, MFU, memory) and the metric logger: console, metrics.jsonl, TensorBoard
+- run_history.py: what a run does with the history it finds in its dump folder, and how metrics.jsonl is read
+- run_lock.py: one live run per dump folder
+- flight_recorder.py: a hang that names its cause: the rank that did not join, the collective, the point of the step
+- profiling.py: torch.profiler traces of chosen steps, with the step's phases named in them
+- memory_snapshot.py: GPU memory snapshots, and the one line a step out of memory ends with
+- stragglers.py: which rank holds the others up, against the median rank at every logging step
+- wandb_run.py: Weights & Biases beside metrics.jsonl, a resumed job continuing the same run
 
 Imports config only: models, data and parallelism use the runtime, never the other way round.
 """

@@ -1,6 +1,9 @@
-"""What stands beside training and reuses its pieces: the memory estimator (memory.py), generation (generation.py),
-Hugging Face conversion (hf_convert.py), and the measuring code that benchmarks and tests share (sync_count.py:
-host-device syncs; comm_count.py: collectives).
+"""What stands beside training and reuses its pieces.
+- memory.py: the memory a config would need per rank, from the trainer's own code run on fake tensors
+- generation.py: text generation from a trained model, decoded with a KV cache
+- hf_convert.py: our DCP checkpoints to and from a Hugging Face Llama folder, streamed one tensor at a time
+- sync_count.py: every host-device sync of a run's steps, with the line that asked for it (benchmarks and tests)
+- comm_count.py: the collectives of one training step, for several layouts in one launch (benchmarks and tests)
 
 The top layer of the package: it may import any layer, and none imports it. train.py, scripts/ and benchmarks/
 sit above it.

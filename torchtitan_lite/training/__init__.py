@@ -1,6 +1,9 @@
-"""A training step and what it needs: the train and eval step over a local batch, written once, with the pipeline
-schedule as a second implementation of the same call (step.py); the checks a config passes before any process
-talks to another (preflight.py); optimizer, learning-rate schedule and gradient clipping (optim.py).
+"""A training step and what it needs.
+- step.py: the train and eval step over a local batch, written once; the pipeline schedule's is a second implementation
+- preflight.py: the checks a config passes before any process talks to another
+- plan.py: what a run will do, said before it does it (`train.py --check`, and rank 0 at start-up)
+- optim.py: AdamW, the learning-rate schedule, and gradient clipping across meshes
+- source_losses.py: a mixture's loss, tokens and epochs per source at the logging steps
 
 May import every layer below it; only tools, train.py and scripts import it.
 """
