@@ -216,6 +216,55 @@ def test_a_pointer_to_a_moved_section_is_caught():
     assert not broken_pointers("(docs/data.md: Mixtures; docs/observability.md#weights--biases, docs/float8.md)")
 
 
+# ---- Links between pages lead to a file and, with an anchor, to one of its headings
+
+LINKED_PAGES = [*PAGES, *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]
+# `[text](path)`, `[text](path#anchor)`, `[text](#anchor)`; not URLs (`https:`, `mailto:`).
+LINK = re.compile(r"\]\((?![a-z]+:)([^()\s#]*)(?:#([^()\s]*))?\)")
+
+
+def broken_links(page: Path) -> list[str]:
+    """What is wrong with each Markdown link of `page` outside its code blocks: a file that does not exist from the
+    page's folder, or an anchor that is none of the linked page's headings (GitHub's anchors, made by `anchor`)."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    wrong = []
+    for match in LINK.finditer(text):
+        path, fragment = match.groups()
+        target = page.parent / path if path else page
+        if not target.exists():
+            wrong.append(f"{page.name}: {match[0][2:-1]}: no such file")
+        elif fragment and target.suffix == ".md" and fragment not in map(anchor, headings(target)):
+            wrong.append(f"{page.name}: {match[0][2:-1]}: {target.name} has no heading with that anchor")
+    return wrong
+
+
+def test_every_link_of_the_pages_leads_to_a_file_and_heading_that_exist():
+    wrong = [w for page in LINKED_PAGES for w in broken_links(page)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_docs_anchor_named_in_the_code_and_tests_exists():
+    """`docs/x.md#anchor` in a comment, docstring or message (this file's own examples left out)."""
+    folders = ("torchtitan_lite", "scripts", "benchmarks", "tests")
+    wrong = []
+    for f in [ROOT / "train.py", *(f for folder in folders for f in (ROOT / folder).rglob("*.py"))]:
+        if f == Path(__file__).resolve():
+            continue
+        wrong += [f"{f.relative_to(ROOT)}: {w}" for m in POINTER.finditer(f.read_text()) if m[2] is not None
+                  for w in broken_pointers(m[0])]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_link_to_a_missing_file_or_anchor_is_caught(tmp_path):
+    (tmp_path / "q.md").write_text("# Q\n\n## Memory of 8B, `normal_` (H100)\n\n```bash\n# not a heading\n```\n")
+    page = tmp_path / "p.md"
+    page.write_text("# P\n[a](q.md#memory-of-8b-normal_-h100) [b](#p) [c](https://x.org/#y) [d](q.md)\n"
+                    "[e](q.md#memory-of-8b) [f](#q) [g](r.md#p) [h](q.md#not-a-heading)\n")
+    assert broken_links(page) == ["p.md: q.md#memory-of-8b: q.md has no heading with that anchor",
+                                  "p.md: #q: p.md has no heading with that anchor", "p.md: r.md#p: no such file",
+                                  "p.md: q.md#not-a-heading: q.md has no heading with that anchor"]
+
+
 # ---- The README's layouts say the mesh their commands build
 
 LAYOUT_NAMES = {"PP": "pp", "DP": "dp_replicate", "FSDP": "dp_shard", "CP": "cp", "TP": "tp"}
