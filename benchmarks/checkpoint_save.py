@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from torchtitan_lite.checkpoint.manager import CheckpointManager, TrainState
 from torchtitan_lite.config import Checkpoint, LRScheduler
-from torchtitan_lite.data.loader import DataLoader, SyntheticSource
+from torchtitan_lite.data.loader import DataLoader
+from torchtitan_lite.data.synthetic import SyntheticSource
 from torchtitan_lite.models.llama import FLAVORS, Transformer
 from torchtitan_lite.runtime.precision import UpdateGuard
 from torchtitan_lite.runtime.process import Env, init_distributed

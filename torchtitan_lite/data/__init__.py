@@ -4,6 +4,7 @@
 - hf_tokenizer.py: our tokenizer to and from Hugging Face's format, as plain JSON
 - loader.py: sources of windows in one global order, packing, and the loader that hands each rank its slice
 - mixture.py: several sources in one order, each with an exact quota of every global batch, phase by phase
+- synthetic.py: the default data, windows with learnable structure from hashing alone, no files to read
 - digest.py: what shaped a run's past windows, so that a resume which would replay or skip some is refused
 
 Imports config, runtime and models (the counter-based generator of models/init.py orders the windows).

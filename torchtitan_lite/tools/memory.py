@@ -36,10 +36,9 @@ unmasked (the same tensors saved), where the CPU would materialize a mask.
 Document masking (`model.attn_mask_type = "block_causal"`) runs the trainer's masked step: the window's document ids
 and every token's rotary row. On a GPU without CP the mask is FlexAttention's block mask, whose kernel keeps the same
 tensors for backward as flash attention: the trace attends causally and `mask_bytes`, the block mask's, is added to
-the activations and the peak. Its build leaves nothing else to count: documents.block_mask works on the grid of
-128-token blocks, with no seq x seq temporary (tests/test_documents.py). Under CP the mask is explicit on every
-device (models/documents.py): the trace builds and keeps it (one per micro-batch, shared by every block), and
-`mask_bytes` is its size.
+the activations and the peak (its build makes no seq x seq temporary). Under CP the mask is explicit on every device
+(models/documents.py): the trace builds and keeps it (one per micro-batch, shared by every block), and `mask_bytes`
+is its size.
 
 Under pipeline parallelism rank 0 holds the first stage(s), which keep the most micro-batches' activations alive:
 the trace runs rank 0's stages on micro-batches in the schedule's order on that rank, as many forwards ahead of
