@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torchtitan_lite.checkpoint.manager import CheckpointManager, CheckpointSaveError, TrainState
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.data.loader import DataLoader, warn_if_validating_on_training_data
-from torchtitan_lite.models import documents
-from torchtitan_lite.models.llama import ModelArgs, Transformer, count_params
+from torchtitan_lite.models import documents, registry
+from torchtitan_lite.models.spec import Args
 from torchtitan_lite.parallel.context_parallel import sharder
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
@@ -36,8 +36,8 @@ from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import flight_recorder, run_lock
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
-from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, allocator_fields, flops_per_token, held_bytes,
-                                             memory_gib, stated_peak_flops)
+from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, allocator_fields, held_bytes, memory_gib,
+                                             stated_peak_flops)
 from torchtitan_lite.runtime.precision import NonFiniteError, UpdateGuard, warn_if_slow
 from torchtitan_lite.runtime.process import Env, init_distributed, peer_timeout, set_determinism, set_timeout
 from torchtitan_lite.runtime.profiling import StepProfiler
@@ -70,26 +70,28 @@ def start_processes(cfg: JobConfig, env: Env, dims: ParallelDims):
     return device, mesh, dp_mesh, loss_mesh
 
 
-def build_model(cfg: JobConfig, model_args: ModelArgs, mesh, dims: ParallelDims, device: torch.device):
-    """The model built on meta (no memory), cut into this rank's pipeline stages, parallelized, then materialized
-    shard by shard: on the host under CPU offload, where FSDP keeps the shards (it copies to the device only what it
-    gathers), with the buffers on the device. Returns (this rank's parameters under their full-model names, its
-    stages, the full model's parameter and embedding counts)."""
+def build_model(cfg: JobConfig, model_args: Args, mesh, dims: ParallelDims, device: torch.device):
+    """The model of `model.name`'s spec built on meta (no memory), cut into this rank's pipeline stages, parallelized,
+    then materialized shard by shard: on the host under CPU offload, where FSDP keeps the shards (it copies to the
+    device only what it gathers), with the buffers on the device. Returns (this rank's parameters under their
+    full-model names, its stages, the full model's training FLOPs per token)."""
+    spec = registry.get(cfg.model.name)
     init_device = torch.device("cpu") if dims.fsdp and cfg.parallelism.fsdp_cpu_offload else device
     with torch.device("meta"):
-        model = Transformer(model_args)
-    n_params, n_embedding = count_params(model)
-    parts = split_stages(model_args, mesh["pp"].get_local_rank(), cfg.parallelism) if dims.pp > 1 else [model]
+        model = spec.model_class(model_args)
+    token_flops = spec.flops_per_token(model, cfg.training.seq_len)
+    parts = ([model] if dims.pp == 1 else
+             split_stages(spec.model_class, model_args, mesh["pp"].get_local_rank(), cfg.parallelism))
     warn_ignored_options(cfg, dims)
     for part in parts:
         if float8.enabled(cfg):
             float8.convert(part, cfg, dims.fsdp)
-        parallelize(part, mesh, dims, cfg)
+        parallelize(part, mesh, dims, cfg, spec.tp_plan)
         part.to_empty(device=init_device)
         part.init_weights(seed=cfg.training.seed, buffer_device=device)
         part.train()
     # One module for the optimizer, the norm and the checkpoint; under PP it is never run itself.
-    return merge_stages(parts), parts, n_params, n_embedding
+    return merge_stages(parts), parts, token_flops
 
 
 def validate(model_step: Step, loaders: dict[str, DataLoader], steps: int, global_tokens: int,
@@ -124,7 +126,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     loader_args = (global_batch, training.local_batch_size, dp_mesh.get_local_rank(), dims.dp, seq_share,
                    device.type == "cuda")
     data = DataLoader(source, *loader_args)
-    model, parts, n_params, n_embedding = build_model(cfg, model_args, mesh, dims, device)
+    model, parts, model_flops_per_token = build_model(cfg, model_args, mesh, dims, device)
     # block_causal: FlexAttention's block mask on a GPU, else an explicit mask.
     documents.use_kernel(parts, device.type, dims.cp, masked=bos_id is not None)
     if not cfg.compile.enable:
@@ -143,8 +145,6 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     warn_if_slow(device, numerics.compute_dtype)
     guard = UpdateGuard(device, numerics.compute_dtype, training.skip_nonfinite_steps)
     model_step = build_step(model, parts, mesh, dims, cfg, device, numerics, guard.scale, inputs)
-    model_flops_per_token = flops_per_token(n_params, model_args.n_layers, model_args.n_heads, model_args.head_dim,
-                                            training.seq_len, n_embedding)
     # MFU against the peak of the units the blocks' matmuls run on: float8's when converted and not emulated, its
     # attention and output layer counted against it too (torchtitan reports none under float8; docs/float8.md).
     peak, peak_said = stated_peak_flops(device, FLOAT8 if float8.enabled(cfg) and not cfg.float8.emulate

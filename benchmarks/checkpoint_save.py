@@ -29,7 +29,7 @@ from torchtitan_lite.checkpoint.manager import CheckpointManager, TrainState
 from torchtitan_lite.config import Checkpoint, LRScheduler
 from torchtitan_lite.data.loader import DataLoader
 from torchtitan_lite.data.synthetic import SyntheticSource
-from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.runtime.precision import UpdateGuard
 from torchtitan_lite.runtime.process import Env, init_distributed
 from torchtitan_lite.training.optim import build_lr_scheduler

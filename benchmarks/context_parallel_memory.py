@@ -37,7 +37,7 @@ def measure(seq_len: int, out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan_lite.models.llama import FLAVORS, Transformer
+    from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
     from torchtitan_lite.parallel.context_parallel import apply_cp, sharder
     from torchtitan_lite.training.step import token_loss
 

@@ -25,7 +25,7 @@ from torchtitan_lite.data import files as datasets
 from torchtitan_lite.data.loader import DataLoader, build_source
 from torchtitan_lite.data.mixture import MixtureSource
 from torchtitan_lite.data.tokenizer import STDLIB_BPE, Tokenizer
-from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.runtime.run_history import read_metrics
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama import Transformer
+from torchtitan_lite.models import registry
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.tools.memory import model_args
 from torchtitan_lite.training.step import Numerics, Step
@@ -39,7 +39,7 @@ def step_grads(f8: bool, backend: str | None = None, ulps: int = 0) -> dict[str,
     up or down (a fixed random sign per element)."""
     cfg = load_config(["--job.config_file", str(TINY), "--model.flavor", "debugmodel", "--float8.enable_float8_linear",
                        "--float8.emulate"])
-    model = Transformer(model_args(cfg)[0])
+    model = registry.get(cfg.model.name).model_class(model_args(cfg)[0])
     model.init_weights(seed=cfg.training.seed)
     if f8:
         float8.convert(model, cfg, fsdp=False)

@@ -66,7 +66,7 @@ def worker(out: str, argv: list[str]) -> None:
     import torch.nn.functional as F
 
     from torchtitan_lite.config import load_config
-    from torchtitan_lite.models.llama import Transformer
+    from torchtitan_lite.models import registry
     from torchtitan_lite.parallel.dims import ParallelDims
     from torchtitan_lite.parallel.parallelize import parallelize
     from torchtitan_lite.runtime.metrics import held_bytes
@@ -78,9 +78,10 @@ def worker(out: str, argv: list[str]) -> None:
     dist.init_process_group("gloo")
     dims = ParallelDims.from_config(cfg.parallelism, world)
     mesh = dims.build_mesh("cpu")[0]
+    spec = registry.get(cfg.model.name)
     with torch.device("meta"):
-        model = Transformer(model_args(cfg)[0])
-    parallelize(model, mesh, dims, cfg)
+        model = spec.model_class(model_args(cfg)[0])
+    parallelize(model, mesh, dims, cfg, spec.tp_plan)
     model.to_empty(device="cpu")
     model.init_weights()
     optimizer = build_optimizer(model, cfg.optimizer, "cpu")

@@ -43,7 +43,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 ROOT = Path(__file__).resolve().parents[1]
 import train  # noqa: E402
 from torchtitan_lite.data.loader import DataLoader  # noqa: E402
-from torchtitan_lite.models.llama import Transformer, flavor_args  # noqa: E402
+from torchtitan_lite.models.registry import get  # noqa: E402
 from torchtitan_lite.parallel.dims import ParallelDims  # noqa: E402
 from torchtitan_lite.runtime.metrics import storage_bytes  # noqa: E402
 from torchtitan_lite.runtime.run_history import read_metrics  # noqa: E402
@@ -97,7 +97,7 @@ def init() -> dict:
 
     def debug_model(device: str) -> dict[str, torch.Tensor]:
         with torch.device("meta"):
-            model = Transformer(flavor_args("debugmodel", 2048, 64))
+            model = get("llama3").model_class(get("llama3").args("debugmodel", 2048, 64))
         model.to_empty(device=device).init_weights(seed=0)
         return {n: p.detach().cpu() for n, p in model.named_parameters()}
 

@@ -40,7 +40,7 @@ def child(mode: str, folder: str, args) -> None:
 
 
 def model_args(args):
-    from torchtitan_lite.models.llama import ModelArgs
+    from torchtitan_lite.models.llama3.model import ModelArgs
 
     return ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64, vocab_size=args.vocab)
 
@@ -59,8 +59,9 @@ def main() -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from torchtitan_lite.models.hf import expected_shapes
-    from torchtitan_lite.models.llama import Transformer
+    from torchtitan_lite.models.llama3.model import Transformer
+    from torchtitan_lite.models.registry import get
+    from torchtitan_lite.tools.hf_convert import expected_shapes
 
     shutil.rmtree(args.folder, ignore_errors=True)
     os.makedirs(args.folder)
@@ -74,7 +75,7 @@ def main() -> None:
     del model
     ckpt_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(args.folder, "dcp"))
                      for f in fs)
-    largest = max(torch.Size(s).numel() for s in expected_shapes(model_args(args)).values()) * 4
+    largest = max(torch.Size(s).numel() for s in expected_shapes(get("llama3"), model_args(args)).values()) * 4
 
     def measure(mode: str) -> int:
         cmd = [sys.executable, __file__, "--child", mode, "--folder", args.folder, "--dim", str(args.dim),

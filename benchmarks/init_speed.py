@@ -37,7 +37,7 @@ import torchtitan_lite.models.init as this_init
 import torchtitan_lite.models.init_cpu as init_cpu
 from torchtitan_lite.config import load_config
 from torchtitan_lite.data.tokenizer import build_tokenizer
-from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 
 SHARDS = {"attention 4096x4096": (4096, 4096), "ffn 4096x14336": (4096, 14336)}
 WORLD, RANK = 8, 3
@@ -63,7 +63,7 @@ def debug_model() -> Transformer:
 
 
 def model_init(model: Transformer, trunc_normal_) -> dict[str, torch.Tensor]:
-    with mock.patch("torchtitan_lite.models.llama.trunc_normal_", trunc_normal_):
+    with mock.patch("torchtitan_lite.models.llama3.model.trunc_normal_", trunc_normal_):
         model.init_weights(seed=0)
     return {n: p.detach() for n, p in model.named_parameters()}
 

@@ -11,7 +11,7 @@ identical shapes (the parameter counts are asserted equal; the weights differ, w
 - meta: a few lines in the style of Meta's llama3 reference, llama/model.py (complex-number rotary, repeat_kv, SDPA,
   SwiGLU).
 Each repetition times one step of ours, then one of the reference, so drift on a shared machine hits both alike;
-after warm-up steps, the figures are medians. GFLOP/s and MFU use metrics.flops_per_token and the CPU's measured
+after warm-up steps, the figures are medians. GFLOP/s and MFU use the spec's flops_per_token and the CPU's measured
 matmul peak (metrics.peak_flops), as the trainer logs them.
 
 The last line is `model/reference speed: min X over 3 sizes`: the reference's step time over ours at the size where
@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_lite.models.llama import FLAVORS, ModelArgs, Transformer, count_params
-from torchtitan_lite.runtime.metrics import flops_per_token, peak_flops
+from torchtitan_lite.models.llama3.model import FLAVORS, ModelArgs, Transformer
+from torchtitan_lite.models.llama3.spec import flops_per_token
+from torchtitan_lite.runtime.metrics import peak_flops
 
 
 def hf_reference(a: ModelArgs) -> nn.Module:
@@ -163,7 +164,7 @@ def bench(args: ModelArgs, reference: str, batch: int, reps: int, warmup: int, d
     """`doc_len`: the reference is our model masked at documents of that many tokens (--masking)."""
     ours, ref = Transformer(args), Masked(args, doc_len) if doc_len else REFERENCES[reference](args)
     ours.init_weights(seed=0)
-    n_params, n_embedding = count_params(ours)
+    n_params = sum(p.numel() for p in ours.parameters())
     n_ref = sum(p.numel() for p in ref.parameters())
     assert n_ref == n_params, f"the reference has {n_ref} parameters, ours {n_params}: the shapes differ"
     tokens = torch.randint(args.vocab_size, (batch, args.max_seq_len + 1), generator=torch.Generator().manual_seed(0))
@@ -176,7 +177,7 @@ def bench(args: ModelArgs, reference: str, batch: int, reps: int, warmup: int, d
             if rep >= warmup:
                 times[i].append(dt)
     ours_s, ref_s = statistics.median(times[0]), statistics.median(times[1])
-    token_flops = flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, args.max_seq_len, n_embedding)
+    token_flops = flops_per_token(ours, args.max_seq_len)
     flops = token_flops * batch * args.max_seq_len / ours_s
     return {"params": n_params, "ours_s": ours_s, "ref_s": ref_s, "flops": flops,
             "mfu": flops / peak_flops(torch.device("cpu"), torch.float32)}

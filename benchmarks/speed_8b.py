@@ -9,20 +9,22 @@ import time
 import torch
 
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama import Transformer, count_params, flavor_args
+from torchtitan_lite.models.registry import get
 from torchtitan_lite.quantization import float8
-from torchtitan_lite.runtime.metrics import flops_per_token, peak_flops
+from torchtitan_lite.runtime.metrics import peak_flops
+
+LLAMA3 = get("llama3")
 
 
 def blocks8b(compiled: bool, float8_args: tuple[str, ...] = (), n_layers: int = 2) -> dict:
     """Tokens/s, MFU and peak memory of 8B blocks (seq 8192, batch 1, bf16 autocast, fused AdamW)."""
-    args = flavor_args("8B", 128256, 8192).with_(n_layers=n_layers)
+    args = LLAMA3.args("8B", 128256, 8192).with_(n_layers=n_layers)
     device = torch.device("cuda")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = LLAMA3.model_class(args)
     if float8_args:
         float8.convert(model, load_config(["--float8.enable_float8_linear", *float8_args]), fsdp=False)
     model.to_empty(device=device)
@@ -45,8 +47,7 @@ def blocks8b(compiled: bool, float8_args: tuple[str, ...] = (), n_layers: int = 
         torch.cuda.synchronize()
         if i >= 3:
             times.append(time.perf_counter() - t0)
-    n_params, n_embedding = count_params(model)
-    token_flops = flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, 8192, n_embedding)
+    token_flops = LLAMA3.flops_per_token(model, 8192)
     tps = 8192 / sorted(times)[len(times) // 2]
     mfu = 100 * tps * token_flops / peak_flops(device, torch.bfloat16)
     out = {"tokens/s": round(tps), "MFU % (bf16 peak)": round(mfu, 1),

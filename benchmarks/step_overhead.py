@@ -41,7 +41,7 @@ import train
 from torchtitan_lite.config import load_config
 from torchtitan_lite.data.loader import DataLoader, build_source
 from torchtitan_lite.data.tokenizer import build_tokenizer
-from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.models import registry
 from torchtitan_lite.runtime.run_history import read_metrics
 
 
@@ -54,8 +54,8 @@ class BareLoop:
         tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         source = build_source(self.t.dataset, self.t.dataset_path, self.t.seq_len, tokenizer, self.t.seed)
         self.loader = DataLoader(source, self.t.local_batch_size, self.t.local_batch_size, 0, 1)
-        args = FLAVORS[cfg.model.flavor].with_(vocab_size=tokenizer.n_words, max_seq_len=self.t.seq_len)
-        self.model = Transformer(args)
+        spec = registry.get(cfg.model.name)
+        self.model = spec.model_class(spec.args(cfg.model.flavor, tokenizer.n_words, self.t.seq_len))
         self.model.init_weights(seed=self.t.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay, foreach=True)

@@ -1,13 +1,14 @@
 """Import a Hugging Face Llama folder (e.g. a downloaded Llama 3.x) as a DCP checkpoint to start training from.
 
-    python scripts/convert_from_hf.py Llama-3.1-8B llama31_8b [--dtype float32]
+    python scripts/convert_from_hf.py Llama-3.1-8B llama31_8b [--dtype float32] [--model llama3]
 
 OUT becomes a weights-only DCP checkpoint (keys `model.*`, loadable on any mesh) holding, when the folder has a
-tokenizer (tokenizer.json or original/tokenizer.model), that tokenizer as OUT/tokenizer.tiktoken. The script then
-prints the config lines that start a run from it: the flavor of that shape, or, when no flavor has it, the FLAVORS
-entry to add (the config names a flavor; it cannot set model dimensions). --dtype defaults to float32, the trainer's
-master weights. Folders with features our model lacks (biases, another activation or RoPE variant, quantization) are
-refused. Exit status: 0 on success, 2 when the folder cannot be converted (one line says why).
+tokenizer (tokenizer.json or original/tokenizer.model), that tokenizer as OUT/tokenizer.tiktoken. The script then prints
+the config lines that start a run from it: the flavor of that shape, or, when no flavor has it, the FLAVORS entry to add
+(the config names a flavor; it cannot set model dimensions). --dtype defaults to float32, the trainer's master weights;
+--model, the registered model whose Hugging Face adapter reads the folder, to llama3. Folders with features our model
+lacks (biases, another activation or RoPE variant, quantization) are refused. Exit status: 0 on success, 2 when the
+folder cannot be converted (one line says why).
 """
 
 from __future__ import annotations
@@ -18,34 +19,36 @@ import json
 import sys
 from pathlib import Path
 
-from torchtitan_lite.models.hf import ConversionError, matching_flavor
-from torchtitan_lite.models.llama import ModelArgs
+from torchtitan_lite.config import ConfigError
+from torchtitan_lite.models.spec import Args, ConversionError
 from torchtitan_lite.runtime.precision import DTYPES
-from torchtitan_lite.tools.hf_convert import import_from_hf
+from torchtitan_lite.tools.hf_convert import DEFAULT_MODEL, adapter, import_from_hf
 
 TOKENIZER_FILE = "tokenizer.tiktoken"
 
 
-def flavor_entry(args: ModelArgs, name: str) -> str:
-    """`"name": ModelArgs(...)`, with the fields that differ from ModelArgs' defaults (vocab and length are the
-    run's)."""
-    default = ModelArgs()
-    fields = [f"{f.name}={getattr(args, f.name)!r}" for f in dataclasses.fields(ModelArgs)
+def flavor_entry(args: Args, name: str) -> str:
+    """`"name": ModelArgs(...)` (the args' class), with the fields that differ from its defaults (vocab and length
+    are the run's)."""
+    cls = type(args)
+    default = cls()
+    fields = [f"{f.name}={getattr(args, f.name)!r}" for f in dataclasses.fields(cls)
               if f.name not in ("vocab_size", "max_seq_len") and getattr(args, f.name) != getattr(default, f.name)]
-    return f'"{name}": ModelArgs({", ".join(fields)}),'
+    return f'"{name}": {cls.__name__}({", ".join(fields)}),'
 
 
-def config_lines(args: ModelArgs, out: str, tokenizer: str | None, name: str) -> str:
-    """The TOML that starts a training run from the converted checkpoint."""
-    flavor, lines = matching_flavor(args), []
+def config_lines(args: Args, out: str, tokenizer: str | None, name: str, model: str = DEFAULT_MODEL) -> str:
+    """The TOML that starts a training run of `model` (model.name) from the converted checkpoint."""
+    flavor, lines = adapter(model)[1].flavor_of(args), []
     if flavor is None:
         flavor = name
-        lines += ["# No flavor has this shape: add it to FLAVORS in torchtitan_lite/models/llama.py first:",
+        where = type(args).__module__.replace(".", "/") + ".py"  # the flavors live beside the args' class
+        lines += [f"# No flavor has this shape: add it to FLAVORS in {where} first:",
                   f"#     {flavor_entry(args, name)}"]
     if tokenizer is None:
         lines.append(f"# The folder has no tokenizer: model.tokenizer_path must give {args.vocab_size} ids"
                      + (' (tokenizer_path = "" does: bytes)' if args.vocab_size == 258 else ""))
-    lines += ["[model]", f"flavor = {json.dumps(flavor)}"]
+    lines += ["[model]", f"name = {json.dumps(model)}", f"flavor = {json.dumps(flavor)}"]
     lines += [f"tokenizer_path = {json.dumps(tokenizer)}"] if tokenizer is not None else []
     lines += ["", "[checkpoint]", f"initial_load_path = {json.dumps(out)}"]
     return "\n".join(lines)
@@ -56,6 +59,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("hf_dir", help="Hugging Face folder: config.json and model*.safetensors")
     p.add_argument("out", help="DCP checkpoint folder to create (must not exist, or be empty)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the registered model (model.name) the folder holds")
     return p
 
 
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir = Path(args.hf_dir)
     has_tokenizer = (hf_dir / "tokenizer.json").is_file() or (hf_dir / "original" / "tokenizer.model").is_file()
 
-    def add_tokenizer(folder: Path, model_args: ModelArgs) -> None:
+    def add_tokenizer(folder: Path, model_args: Args) -> None:
         # Imported here, not at the top: checking and converting the weights need none of it.
         from torchtitan_lite.data.hf_tokenizer import load_hf_tokenizer
 
@@ -77,14 +81,14 @@ def main(argv: list[str] | None = None) -> int:
                                   f"{model_args.vocab_size}")
 
     try:
-        model_args = import_from_hf(hf_dir, args.out, DTYPES[args.dtype],
-                                    add_tokenizer if has_tokenizer else None)
-    except ConversionError as e:
+        model_args = import_from_hf(hf_dir, args.out, DTYPES[args.dtype], add_tokenizer if has_tokenizer else None,
+                                    model=args.model)
+    except (ConversionError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}; to train from it, use these config lines:\n")
     tokenizer = str(Path(args.out) / TOKENIZER_FILE) if has_tokenizer else None
-    print(config_lines(model_args, args.out, tokenizer, hf_dir.resolve().name))
+    print(config_lines(model_args, args.out, tokenizer, hf_dir.resolve().name, args.model))
     return 0
 
 

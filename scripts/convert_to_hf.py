@@ -23,8 +23,8 @@ from pathlib import Path
 from torchtitan_lite.checkpoint.finder import checkpoint_and_config
 from torchtitan_lite.config import ConfigError
 from torchtitan_lite.data.tokenizer import load_tokenizer
-from torchtitan_lite.models.hf import ConversionError
-from torchtitan_lite.models.llama import flavor_args
+from torchtitan_lite.models import registry
+from torchtitan_lite.models.spec import ConversionError
 from torchtitan_lite.runtime.precision import DTYPES
 from torchtitan_lite.tools.hf_convert import DEFAULT_MAX_SHARD_SIZE, export_to_hf
 
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ckpt, cfg = checkpoint_and_config(args.ckpt, args.config)
         tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        shape = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)  # the trainer's model
+        # The trainer's model.
+        shape = registry.get(cfg.model.name).args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
 
         def add_tokenizer(folder: Path) -> None:
             # Imported here, not at the top: checking and converting the weights need none of it.
@@ -64,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
             save_hf_tokenizer(tokenizer, folder, model_max_length=shape.max_seq_len)
 
-        export_to_hf(ckpt, args.out, shape, tokenizer.bos_id, tokenizer.eos_id,
-                     DTYPES.get(args.dtype), args.max_shard_size, add_files=add_tokenizer)
+        export_to_hf(ckpt, args.out, shape, tokenizer.bos_id, tokenizer.eos_id, DTYPES.get(args.dtype),
+                     args.max_shard_size, add_files=add_tokenizer, model=cfg.model.name)
     except (ConversionError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torchtitan_lite.models import documents
-from torchtitan_lite.models.llama import FLAVORS, apply_rope, attend, rope_table
+from torchtitan_lite.models.llama3.model import FLAVORS, apply_rope, attend, rope_table
 from torchtitan_lite.parallel import context_parallel
 from torchtitan_lite.parallel.context_parallel import Attend, chunks, shard
 
@@ -62,13 +62,15 @@ def test_each_rank_attends_as_its_rows_of_whole_sequence_attention(cp, balancer,
         starts = torch.rand(2, seq, generator=gen) < 0.15  # a document starts at each True
         ids = starts.cumsum(1)
         rope, mask = rope[documents.positions(ids)], documents.explicit_mask(ids, q.dtype)
-    whole = attend(q, k, v, rope, mask)
+    whole = attend(apply_rope(q, rope), apply_rope(k, rope), v, mask)
     kv = torch.cat([apply_rope(k, rope), v], dim=-1)  # what each rank contributes to the gather, in true order
     gathered = torch.cat([shard(kv, chunks(seq, cp, rank, balancer)) for rank in range(cp)])  # in rank order
     monkeypatch.setattr(context_parallel.funcol, "all_gather_single_autograd", lambda x, gather_dim, group: gathered)
     for rank in range(cp):
         attn = Attend(FakeMesh(cp, rank, device_type), seq, balancer)
-        out = attn(*(shard(x, attn.ranges) for x in (q, k, v)), attn.rows(rope), mask)
+        held = attn.rows(rope)  # as the model rotates its tokens: at the rows Attend cuts for them
+        q_held, k_held = (apply_rope(shard(x, attn.ranges), held) for x in (q, k))
+        out = attn(q_held, k_held, shard(v, attn.ranges), mask)
         torch.testing.assert_close(out, shard(whole, attn.ranges), rtol=0, atol=1e-6)
 
 

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from torchtitan_lite.models import documents
-from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.runtime.metrics import storage_bytes
 
 BOS, EOS, VOCAB = 256, 257, 258  # the byte-level tokenizer's
@@ -80,17 +80,15 @@ def test_each_document_in_a_packed_window_is_computed_as_if_alone(window):
         assert (causal - packed_loss)[len(pieces[0]):].abs().max() > 1e-2
 
 
-def test_every_block_rotates_at_positions_in_the_document(monkeypatch):
+def test_every_block_rotates_at_positions_in_the_document():
     """RoPE scores depend on q - k alone, so a document at window offset o attends alike at positions o.. and 0..
     but for the rounding of larger angles (4.8e-7 vs 9.5e-7 in the test above): the rows each block gets are checked
     here, those of each token's position in its document."""
     m, seen = model(), []
     tokens = torch.tensor([sum(windows()["packed"], [])])
     ids = documents.document_ids(tokens, BOS)
-    for block in m.layers.values():
-        attend = block.attention.attend
-        monkeypatch.setattr(block.attention, "attend", lambda q, k, v, rope, mask, f=attend: seen.append(rope) or
-                            f(q, k, v, rope, mask))
+    for block in m.layers.values():  # the attention's inputs: hidden states, rotary rows, mask
+        block.attention.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
     with torch.no_grad():
         m(tokens, documents=ids)
     assert len(seen) == len(m.layers)

@@ -20,7 +20,7 @@ from grad_dump import load_grads, recording
 from tests.multiprocess.launch import TINY, ckpt, train_in_process
 from torchtitan_lite.checkpoint.reader import read_metadata, read_tensors
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama import Transformer
+from torchtitan_lite.models.llama3.model import Transformer
 from torchtitan_lite.tools.memory import model_args
 
 import convert_to_hf  # scripts/convert_to_hf.py (pytest.ini puts scripts/ on the path)

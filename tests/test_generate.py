@@ -17,7 +17,7 @@ from torchtitan_lite.checkpoint import reader as checkpoint_reader
 from torchtitan_lite.checkpoint.finder import checkpoint_and_config
 from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.tools.generation import (
     ContextError,
     KVCache,
@@ -26,7 +26,7 @@ from torchtitan_lite.tools.generation import (
     load_model,
     sample,
 )
-from torchtitan_lite.models.llama import FLAVORS, Transformer, TransformerBlock
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer, TransformerBlock
 
 import generate as generate_script  # scripts/generate.py (pytest.ini puts scripts/ on the path)
 

@@ -20,8 +20,8 @@ from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import load_config, to_toml
 from torchtitan_lite.data.hf_tokenizer import save_hf_tokenizer
 from torchtitan_lite.data.tokenizer import Tokenizer
-from torchtitan_lite.models.hf import model_args_from_hf
-from torchtitan_lite.models.llama import ModelArgs, Transformer
+from torchtitan_lite.models.llama3.hf import model_args_from_hf
+from torchtitan_lite.models.llama3.model import ModelArgs, Transformer
 from torchtitan_lite.tools.hf_convert import export_to_hf, import_from_hf
 
 transformers = pytest.importorskip("transformers")

@@ -92,11 +92,31 @@ def test_only_config_reexports():
 
 def test_the_checks_see_a_planted_upward_import_and_circle():
     """The walk itself works: an upward edge and a circle planted in a copy of the graph are both reported."""
-    edges = {**graph(), "torchtitan_lite.models.llama": {"torchtitan_lite.parallel.dims"},
-             "torchtitan_lite.parallel.dims": {"torchtitan_lite.models.llama"}}
-    assert "torchtitan_lite.models.llama imports torchtitan_lite.parallel.dims" in upward(edges)
-    assert ["torchtitan_lite.models.llama", "torchtitan_lite.parallel.dims", "torchtitan_lite.models.llama"] in circles(
-        edges)
+    model = "torchtitan_lite.models.llama3.model"
+    edges = {**graph(), model: {"torchtitan_lite.parallel.dims"}, "torchtitan_lite.parallel.dims": {model}}
+    assert f"{model} imports torchtitan_lite.parallel.dims" in upward(edges)
+    assert [model, "torchtitan_lite.parallel.dims", model] in circles(edges)
+
+
+MODELS = "torchtitan_lite.models"
+GENERIC_MODELS = {f"{MODELS}.{name}" for name in ("spec", "registry", "documents", "init", "init_cpu")}
+
+
+def architecture_imports(edges: dict[str, set[str]]) -> list[str]:
+    """The parallel layer's imports of an architecture (`models.llama3...`, anything of models/ but its model-generic
+    modules): it gets what it needs of a model from the model's spec (models/spec.py), never a model class. The
+    registry is generic too: it names the architectures so that no other layer has to."""
+    return sorted(f"{a} imports {b}" for a, targets in edges.items() if a.startswith("torchtitan_lite.parallel")
+                  for b in targets if b.startswith(f"{MODELS}.") and b not in GENERIC_MODELS)
+
+
+def test_the_parallel_layer_imports_no_architecture():
+    assert not architecture_imports(graph()), "\n".join(architecture_imports(graph()))
+
+
+def test_the_architecture_check_sees_a_planted_import():
+    edges = {**graph(), "torchtitan_lite.parallel.pipeline": {f"{MODELS}.llama3", f"{MODELS}.spec"}}
+    assert architecture_imports(edges) == [f"torchtitan_lite.parallel.pipeline imports {MODELS}.llama3"]
 
 
 ENTRY = re.compile(r"^- ([\w.]+):", re.M)  # an __init__ docstring's line per module: `- loader.py: what it owns`

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from torchtitan_lite.config import load_config
 from torchtitan_lite.models import documents
-from torchtitan_lite.models.llama import Transformer
+from torchtitan_lite.models.llama3.model import Transformer
 from torchtitan_lite.runtime.metrics import held_bytes, storage_bytes
 from torchtitan_lite.tools.memory import LLAMA3_VOCAB, estimate_memory, model_args
 from torchtitan_lite.training.optim import build_optimizer

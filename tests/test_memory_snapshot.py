@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from launch import TINY, TINY_VOCAB
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama import flavor_args
+from torchtitan_lite.models.llama3.model import Transformer
+from torchtitan_lite.models.registry import get
 from torchtitan_lite.parallel.pipeline import Pipeline, split_stages
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
 from torchtitan_lite.runtime.metrics import allocator_fields
@@ -69,7 +70,7 @@ def pipeline():
     cfg = load_config(["--job.config_file", str(TINY)])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
     try:
-        [part] = split_stages(flavor_args("tiny", TINY_VOCAB, 64), 0, cfg.parallelism)
+        [part] = split_stages(Transformer, get("llama3").args("tiny", TINY_VOCAB, 64), 0, cfg.parallelism)
         part.to_empty(device="cpu").init_weights()
         pipe = Pipeline([part], init_device_mesh("cpu", (1,), mesh_dim_names=("pp",)), torch.device("cpu"), cfg,
                         lambda logits, labels, tokens: logits.sum(), torch.Tensor.detach, lambda loss: loss)

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import (FlopCounterMode, bmm_flop, register_flop_f
 
 from tests.multiprocess.launch import TINY, ckpt, losses, read_metrics, resumes, train_in_process
 from torchtitan_lite.checkpoint.folder import read_run_files
-from torchtitan_lite.models.llama import FLAVORS, Transformer, TransformerBlock, count_params, rope_table
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer, TransformerBlock, count_params, rope_table
 from torchtitan_lite.parallel.parallelize import apply_ac
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import metrics

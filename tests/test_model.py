@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from torchtitan_lite.models.llama import FLAVORS, Transformer, count_params, rope_table
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer, count_params, rope_table
 
 
 def build(flavor="debugmodel", device="meta", **changes):

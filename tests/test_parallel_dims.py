@@ -7,7 +7,8 @@ import torch.distributed.distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan_lite.config import ConfigError, Parallelism
-from torchtitan_lite.models.llama import FLAVORS
+from torchtitan_lite.models.llama3.model import FLAVORS
+from torchtitan_lite.models.llama3.parallelize import tp_sizes
 from torchtitan_lite.parallel.dims import DIMS, ParallelDims
 
 
@@ -30,11 +31,11 @@ def test_degrees_must_multiply_to_world_size(kw):
 
 def test_tp_must_divide_heads_and_ffn():
     args = FLAVORS["debugmodel"].with_(vocab_size=258)
-    dims(4, tp=4).validate_model(args)
+    dims(4, tp=4).validate_model(tp_sizes(args))
     with pytest.raises(ConfigError, match="n_heads = 16 .*tensor_parallel_degree = 32"):
-        ParallelDims(1, 1, 32, 32).validate_model(args)
+        ParallelDims(1, 1, 32, 32).validate_model(tp_sizes(args))
     with pytest.raises(ConfigError, match="n_kv_heads = 8"):
-        ParallelDims(1, 1, 16, 16).validate_model(FLAVORS["8B"].with_(vocab_size=8))
+        ParallelDims(1, 1, 16, 16).validate_model(tp_sizes(FLAVORS["8B"].with_(vocab_size=8)))
 
 
 def test_hpz_group_must_divide_the_shard_degree():

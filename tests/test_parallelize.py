@@ -7,7 +7,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan_lite.config import JobConfig, Parallelism
-from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
+from torchtitan_lite.models.llama3.parallelize import tp_plan
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, reshard_after_forward, warn_ignored_options
 
@@ -34,7 +35,7 @@ def fsdp_model(**parallelism) -> Transformer:
     dims = ParallelDims.from_config(cfg.parallelism, 4)
     with torch.device("meta"):
         model = Transformer(FLAVORS["debugmodel"].with_(vocab_size=256))
-    parallelize(model, dims.build_mesh("cpu")[0], dims, cfg)
+    parallelize(model, dims.build_mesh("cpu")[0], dims, cfg, tp_plan)
     return model
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.parallel.pipeline import merge_stages, split_stages, stage_blocks
 from tests.multiprocess.launch import DEBUGMODEL
 
@@ -20,15 +20,15 @@ def test_stages_hold_every_parameter_once_under_its_full_model_name(schedule, st
                      "--parallelism.pipeline_parallel_schedule", schedule]).parallelism
     seen = []
     for rank in (0, 1):
-        parts = split_stages(ARGS, rank, p)
+        parts = split_stages(Transformer, ARGS, rank, p)
         assert [part.stage for part in parts] == stages[rank]
         names = [n for part in parts for n, _ in part.named_parameters()]
         # What the optimizer and the checkpoint see.
         assert dict(merge_stages(parts).named_parameters()).keys() == set(names)
         seen += names
     assert sorted(seen) == sorted(full)  # each exactly once
-    last = split_stages(ARGS, 1, p)[-1]
-    assert split_stages(ARGS, 0, p)[0].tok_embeddings is not None
+    last = split_stages(Transformer, ARGS, 1, p)[-1]
+    assert split_stages(Transformer, ARGS, 0, p)[0].tok_embeddings is not None
     assert last.output is not None and last.norm is not None
     assert list(last.layers) == (["3", "4", "5"] if schedule == "1F1B" else ["5"])
 

@@ -5,7 +5,7 @@ import torch
 from torchtitan_lite.training import step as step_module
 from torchtitan_lite.config import load_config
 from torchtitan_lite.tools.memory import estimate_memory
-from torchtitan_lite.models.llama import FLAVORS, Transformer
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.training.step import Numerics, Step
 
 FP32 = Numerics(torch.float32, autocast=False, loss_parallel=False)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from launch import TINY_VOCAB
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama import Transformer, flavor_args
+from torchtitan_lite.models import registry
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize
 
@@ -19,9 +19,10 @@ def dump(out, config: str, layouts: dict[str, list[str]], device: torch.device) 
         cfg = load_config(["--job.config_file", config, *overrides])
         dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
         mesh = dims.build_mesh(device.type)[0]
+        spec = registry.get(cfg.model.name)
         with torch.device("meta"):
-            model = Transformer(flavor_args(cfg.model.flavor, TINY_VOCAB, cfg.training.seq_len))
-        parallelize(model, mesh, dims, cfg)
+            model = spec.model_class(spec.args(cfg.model.flavor, TINY_VOCAB, cfg.training.seq_len))
+        parallelize(model, mesh, dims, cfg, spec.tp_plan)
         model.to_empty(device=device)
         model.init_weights(seed=cfg.training.seed)
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()

@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
 import train
-from torchtitan_lite.models.llama import canonical_name
+from torchtitan_lite.models.init import canonical_name
 
 GRAD_DUMP = Path(__file__)
 

@@ -60,10 +60,10 @@ def tiny_model():
     run's time goes block by block, and no test needs more blocks than pipeline stages; the layouts of 4 stages train
     "debugmodel"'s 6, as the reference curve does)."""
     from torchtitan_lite.config import load_config  # noqa: PLC0415 - torch's import, for the tests that build models
-    from torchtitan_lite.models.llama import flavor_args  # noqa: PLC0415
+    from torchtitan_lite.models import registry  # noqa: PLC0415
 
     cfg = load_config(["--job.config_file", str(TINY)])
-    return flavor_args(cfg.model.flavor, TINY_VOCAB, cfg.training.seq_len)
+    return registry.get(cfg.model.name).args(cfg.model.flavor, TINY_VOCAB, cfg.training.seq_len)
 
 
 def descendants(pid: int) -> list[int]:

@@ -28,7 +28,7 @@ import torch
 
 import probes
 from launch import FLOAT8, TINY, tiny_model
-from torchtitan_lite.models.llama import Transformer
+from torchtitan_lite.models.llama3.model import Transformer
 from torchtitan_lite.quantization.float8 import converted_names
 
 ARGS = tiny_model()

@@ -8,7 +8,7 @@ from launch import STEPS, ckpt
 
 from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama import Transformer
+from torchtitan_lite.models.llama3.model import Transformer
 from torchtitan_lite.tools.generation import generate, load_model
 
 import generate as generate_script  # scripts/generate.py (pytest.ini puts scripts/ on the path)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from torchtitan_lite.checkpoint.reader import read_metadata
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama import Transformer
+from torchtitan_lite.models.llama3.model import Transformer
 from torchtitan_lite.tools.hf_convert import export_to_hf
 from torchtitan_lite.tools.memory import model_args
 

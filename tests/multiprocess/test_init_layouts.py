@@ -7,7 +7,7 @@ import torch
 
 import probes
 from launch import TINY, tiny_model
-from torchtitan_lite.models.llama import Transformer
+from torchtitan_lite.models.llama3.model import Transformer
 
 LAYOUTS = {
     "tp2_fsdp2": ["--parallelism.tensor_parallel_degree", "2"],  # FSDP over TP: a _StridedShard on dim 0

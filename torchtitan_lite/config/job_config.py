@@ -77,7 +77,9 @@ SECTIONS, OPTIONS, TABLES = _collect()
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 
-def _did_you_mean(name: str, candidates: list[str], prefix: str = "") -> str:
+def did_you_mean(name: str, candidates: list[str], prefix: str = "") -> str:
+    """"; did you mean X?" for the candidates close to a misspelt `name`, or "". Options are its first use; a choice
+    the config cannot list itself (model.name, models/registry.py) is its other."""
     # Also catch a bare key given without its section ("steps" -> "training.steps").
     close = difflib.get_close_matches(name, candidates, n=3) or [c for c in candidates if c.endswith("." + name)]
     return f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
@@ -140,7 +142,7 @@ def _read_toml(path: str) -> dict[str, Any]:
 def _apply_toml(cfg: JobConfig, data: dict[str, Any], source: str) -> None:
     for sec, table in data.items():
         if sec not in SECTIONS:
-            raise ConfigError(f"unknown section [{sec}] in {source}{_did_you_mean(sec, [*SECTIONS, *OPTIONS])}")
+            raise ConfigError(f"unknown section [{sec}] in {source}{did_you_mean(sec, [*SECTIONS, *OPTIONS])}")
         if not isinstance(table, dict):
             raise ConfigError(f"{sec} in {source} must be a table: write [{sec}] and its keys below it")
         for name, value in table.items():
@@ -150,7 +152,7 @@ def _apply_toml(cfg: JobConfig, data: dict[str, Any], source: str) -> None:
             elif (o := OPTIONS.get(key)) is not None:
                 _set(cfg, o, _coerce(o, value, f" in {source}"))
             else:
-                raise ConfigError(f"unknown key {key} in {source}{_did_you_mean(key, [*OPTIONS, *TABLES])}")
+                raise ConfigError(f"unknown key {key} in {source}{did_you_mean(key, [*OPTIONS, *TABLES])}")
 
 
 def _tables(key: str, value: Any, source: str) -> list[Any]:
@@ -164,7 +166,7 @@ def _tables(key: str, value: Any, source: str) -> list[Any]:
         for name, v in table.items():
             if (o := options.get(f"{key}.{name}")) is None:
                 raise ConfigError(f"unknown key {name} in [[{key}]] number {i + 1} in {source}"
-                                  f"{_did_you_mean(name, [o.name for o in options.values()])}")
+                                  f"{did_you_mean(name, [o.name for o in options.values()])}")
             setattr(item, name, _coerce(o, v, f" (number {i + 1}) in {source}"))
         items.append(item)
     return items
@@ -184,7 +186,7 @@ def _parse_cli(argv: list[str]) -> list[tuple[_Opt, Any]]:
         if name in TABLES or (o and o.type is dict):
             raise ConfigError(f"--{name} is set in the TOML file only ([[{name}]] tables; docs/configuration.md)")
         if o is None:
-            raise ConfigError(f"unknown option --{name}{_did_you_mean(name, list(OPTIONS), '--')}")
+            raise ConfigError(f"unknown option --{name}{did_you_mean(name, list(OPTIONS), '--')}")
         if negated:
             if o.type is not bool or eq:
                 raise ConfigError(f"--{name}: the --no- form only exists for boolean options and takes no value")

@@ -35,8 +35,9 @@ class Job:
 @dataclass
 class Model:
     """architecture and tokenizer"""
-    name: str = opt("llama3", "model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "size preset: a key of the model's flavor table (checked by the trainer)")
+    name: str = opt("llama3", "architecture: a registered model spec (models/registry.py lists the built-in ones; "
+                    "checked by the trainer)")
+    flavor: str = opt("debugmodel", "size preset: a key of the model spec's flavor table (checked by the trainer)")
     tokenizer_path: str = opt("", '"" = byte-level tokenizer needing no file; else a tiktoken BPE file', path=ONE)
     attn_mask_type: str = opt("causal", "block_causal = attention and positions stop at document boundaries (BOS) "
                               "inside a packed window", choices=("causal", "block_causal"))

@@ -1,9 +1,10 @@
-"""The model, as single-device code: a model file never mentions a mesh.
-- llama.py: the Llama 3 architecture and its flavors, tiny and debugmodel to 405B
+"""The models, as single-device code (a model file never mentions a mesh), each architecture a folder behind a spec.
+- spec.py: ModelSpec, what the layers know of a model (class, flavors, TP plan, FLOPs, Hugging Face adapter)
+- registry.py: the specs by name, what model.name selects; the built-in ones register there
+- llama3: Llama 3 and its flavors, tiny and debugmodel to 405B, with its TP plan and Hugging Face adapter
 - documents.py: document masking (block_causal): each document's attention mask and rotary positions in a window
 - init.py: layout-invariant initialization, each element a function of (seed, parameter name, global index)
 - init_cpu.py: init.py's fill on the host, through init_fill.c (a C loop built at first use)
-- hf.py: Hugging Face's parameter names, weight layouts and config.json, both ways
 
 Imports config and runtime only: parallelism is applied to the model from outside (parallel/).
 """

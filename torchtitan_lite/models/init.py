@@ -299,6 +299,14 @@ def trunc_normal_(param: torch.Tensor, std: float, cutoff: float, key: str) -> N
     fill_block_(local, tuple(param.shape), offset, std, cutoff, key)
 
 
+def canonical_name(name: str) -> str:
+    """A parameter's name without wrapper prefixes (activation checkpointing, compile): the name a `key` is made of,
+    so a wrapped model draws the same values."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
+
+
 @torch.no_grad()
 def fill_block_(local: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[int, ...], std: float,
                 cutoff: float, key: str) -> None:

@@ -7,10 +7,10 @@ with its own queries. The all-gather's backward is a reduce-scatter of dK and dV
 through torch's `context_parallel`) overlaps the exchange with compute but needs attention kernels torch registers
 for CUDA alone; the all-gather runs anywhere on plain SDPA, and is exactly testable on a CPU.
 
-Design. The model never learns about meshes: its Attention calls `self.attend(q, k, v, rope, mask)` (model.attend:
-rotary embeddings from the table's first rows, causal SDPA over the whole sequence) and `apply_cp` swaps in
-`Attend`, which knows this rank's positions and the cp group, and the model's `held_rope`, which cuts this rank's
-rotary rows once per forward for all blocks. The data loader hands each rank its share of every
+Design. The model never learns about meshes: its attention rotates the queries and keys of its tokens and calls
+`self.attend(q, k, v, mask)` (in Llama, model.attend: causal SDPA over the whole sequence), and `apply_cp` swaps in
+`Attend`, which knows this rank's positions and the cp group, through the model's `attend_with`, with `Attend.rows`,
+which cuts this rank's rotary rows once per forward for all blocks. The data loader hands each rank its share of every
 sequence (`shard`, inputs and labels alike), so everything but attention (norms, FFN, the loss) is token-wise and
 untouched: the loss stays a sum of token losses over the global token count, and FSDP, which shards the parameters
 over dp_shard x cp since CP ranks hold the same weights, sums the cp ranks' gradients like any data-parallel ones.
@@ -40,7 +40,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_lite.config import ConfigError
-from torchtitan_lite.models.llama import apply_rope
 
 
 def chunks(seq_len: int, cp: int, rank: int, balancer: str) -> list[tuple[int, int]]:
@@ -75,7 +74,8 @@ def check_cp(seq_len: int, cp: int, tp: int, balancer: str) -> None:
 
 
 class Attend:
-    """model.attend for this cp rank's tokens: their true positions, keys and values gathered over the cp group."""
+    """The model's attention for this cp rank's tokens: their keys and values gathered over the cp group, in true
+    order."""
 
     def __init__(self, cp_mesh: DeviceMesh, seq_len: int, balancer: str):
         self.cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
@@ -93,11 +93,10 @@ class Attend:
         self.order = [where for _, *where in sorted(held)]
         self.masks = lower_right_masks(self.ranges, cp_mesh.device_type)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor,
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`rope`: the rotary rows of this rank's tokens (the model's held_rope, `rows`). `mask` (block_causal): the
+        """`q`, `k`: rotated at this rank's tokens' true positions (the rows `rows` cut). `mask` (block_causal): the
         explicit mask of the whole window, of which each chunk attends with its rows."""
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
         kv = self.gather(torch.cat([k, v], dim=-1))  # one collective for both
         k, v = kv.transpose(1, 2).chunk(2, dim=-1)
         q = q.transpose(1, 2)
@@ -138,6 +137,4 @@ def lower_right_masks(ranges: list[tuple[int, int]], device_type: str) -> list:
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, balancer: str) -> None:
     attend = Attend(cp_mesh, seq_len, balancer)
-    model.held_rope = attend.rows
-    for block in model.layers.values():
-        block.attention.attend = attend
+    model.attend_with(attend, attend.rows)

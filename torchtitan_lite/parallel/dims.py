@@ -9,7 +9,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan_lite.config import ConfigError, Parallelism
-from torchtitan_lite.models.llama import ModelArgs
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's dims, outermost first
 
@@ -81,11 +80,10 @@ class ParallelDims:
                 + (f", or a world size of {', '.join(map(str, sizes))}" if sizes else ""))
         return global_batch
 
-    def validate_model(self, args: ModelArgs) -> None:
-        """The model's shapes must split evenly across tensor-parallel ranks (the sequence across cp ranks: see
-        context_parallel.check_cp)."""
-        for name, size in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
-                           ("FFN hidden size", args.ffn_hidden)):
+    def validate_model(self, tp_sizes: dict[str, int]) -> None:
+        """The sizes the model's TP plan splits (its spec's tp_sizes: heads, hidden sizes, by name) must split
+        evenly across tensor-parallel ranks (the sequence across cp ranks: see context_parallel.check_cp)."""
+        for name, size in tp_sizes.items():
             if size % self.tp:
                 raise ConfigError(
                     f"model {name} = {size} is not divisible by parallelism.tensor_parallel_degree = {self.tp}: "

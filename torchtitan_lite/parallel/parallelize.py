@@ -1,14 +1,18 @@
-"""Parallelism applied from outside the model, in one order: TP, CP, activation checkpointing, compile, FSDP."""
+"""Parallelism applied from outside the model, in one order: TP, CP, activation checkpointing, compile, FSDP.
+
+What is the model's own comes from its spec (models/spec.py): which module TP splits which way (its plan). What is
+done to every model is here: the blocks (`model.layers`) are what checkpointing, compile and FSDP wrap.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -18,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan_lite.config import JobConfig, Parallelism, Training
+from torchtitan_lite.models.spec import TPStyles
 from torchtitan_lite.parallel.context_parallel import apply_cp
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8
@@ -26,9 +31,10 @@ from torchtitan_lite.runtime.precision import DTYPES
 logger = logging.getLogger("torchtitan_lite")
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig) -> None:
+def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig, tp_plan: Callable) -> None:
+    """`tp_plan`: the model spec's (ModelSpec.tp_plan)."""
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"], loss_parallel=not cfg.parallelism.disable_loss_parallel)
+        apply_tp(model, mesh["tp"], tp_plan, loss_parallel=not cfg.parallelism.disable_loss_parallel)
     if dims.cp > 1:
         apply_cp(model, mesh["cp"], cfg.training.seq_len, cfg.parallelism.context_parallel_load_balancer)
     if cfg.activation_checkpoint.mode != "none":
@@ -69,36 +75,27 @@ def warn_ignored_options(cfg: JobConfig, dims: ParallelDims) -> None:
         logger.warning("%s", "; ".join(reasons))
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    """Megatron-style TP with sequence parallelism: activations between blocks are sharded on the sequence dim
-    (Shard(1)), gathered before attention/FFN, and reduce-scattered after their output projections."""
-    root_plan = {
-        "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        # With loss parallel the logits stay sharded on the vocab dim: cross-entropy never gathers them.
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    }
-    # A pipeline stage lacks the pieces other stages hold.
-    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k) is not None})
+BLOCKS = "layers.*."  # a TP plan's prefix of the entries that hold for every block
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable, loss_parallel: bool) -> None:
+    """The model's TP plan, in torch's styles: its own modules', those of the blocks, block by block, since a
+    tensorwise float8 block takes torchao's styles, which cast to float8 before they gather (float8.py)."""
+    styles = TPStyles(ColwiseParallel, RowwiseParallel, PrepareModuleInput, SequenceParallel, EmbeddingParallel)
+    root = {k: v for k, v in tp_plan(styles, loss_parallel).items() if not k.startswith(BLOCKS) and _held(model, k)}
+    parallelize_module(model, tp_mesh, root)
     for block in model.layers.values():
-        # Tensorwise float8 blocks take torchao's styles, which cast to float8 before they gather (float8.py).
-        colwise, rowwise, prepare = float8.tp_styles(block) or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            # Its inputs: the hidden states, the rotary rows, the documents' mask (None when causal), alike on every
-            # rank.
-            "attention": prepare(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": colwise(),
-            "attention.wk": colwise(),
-            "attention.wv": colwise(),
-            "attention.wo": rowwise(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": colwise(),
-            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
-            "feed_forward.w3": colwise(),
-        })
+        colwise, rowwise, prepare = float8.tp_styles(block) or styles[:3]
+        plan = tp_plan(styles._replace(colwise=colwise, rowwise=rowwise, prepare_input=prepare), loss_parallel)
+        parallelize_module(block, tp_mesh, {k.removeprefix(BLOCKS): v for k, v in plan.items() if k.startswith(BLOCKS)})
+
+
+def _held(model: nn.Module, name: str) -> bool:
+    """Whether `model` holds the module `name`: a pipeline stage lacks the pieces other stages hold (None)."""
+    for part in name.split("."):
+        if (model := getattr(model, part, None)) is None:
+            return False
+    return True
 
 
 class EmbeddingParallel(RowwiseParallel):

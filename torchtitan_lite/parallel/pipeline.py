@@ -1,9 +1,11 @@
 """Pipeline parallelism: the model cut into stages of whole blocks, run by a `torch.distributed.pipelining` schedule.
 
-A stage is the full model with the blocks it does not own dropped (the embedding rides with the first stage, the
-final norm and output with the last), so every parameter keeps its full-model name: checkpoints, initialization
-and the Hugging Face export stay layout-free. Stage s lives on pipeline rank s % pp ("looped" placement): one stage
-per rank for GPipe and 1F1B, several for the interleaved schedules.
+A stage is the full model with the blocks it does not own dropped (the modules before the blocks, Llama's embedding,
+ride with the first stage; those after them, its final norm and output, with the last), so every parameter keeps its
+full-model name: checkpoints, initialization and the Hugging Face export stay layout-free. Which modules come before and
+after the blocks is the order the model registers them in (models/spec.py): any model's stages are cut alike. Stage s
+lives on pipeline rank s % pp ("looped" placement): one stage per rank for GPipe and 1F1B, several for the interleaved
+schedules.
 
 Exactness: the loss of a micro-batch is its summed token losses over the global token count, so the schedule must
 not rescale gradients (`scale_grads=False`): micro-batches, accumulation and data parallelism all add up to the one
@@ -20,7 +22,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_lite.config import ConfigError, JobConfig, Parallelism
 from torchtitan_lite.data.loader import to_device
-from torchtitan_lite.models.llama import Transformer
 from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.process import wait
 
@@ -116,37 +117,39 @@ def microbatches(p: Parallelism, local_batch: int) -> int:
     return m
 
 
-def split_stages(model_args, pp_rank: int, p: Parallelism) -> list[Transformer]:
-    """This rank's stages, on the meta device: stages pp_rank, pp_rank + pp, ... of all, in order."""
+def split_stages(model_class: Callable[..., nn.Module], model_args, pp_rank: int, p: Parallelism) -> list[nn.Module]:
+    """This rank's stages of the model `model_class(model_args)` (its spec's), on the meta device: stages pp_rank,
+    pp_rank + pp, ... of all, in order."""
     pp = p.pipeline_parallel_degree
     n_stages = pp * stages_per_rank(p, model_args.n_layers)
     blocks = stage_blocks(model_args.n_layers, n_stages)
     parts = []
     for stage in range(pp_rank, n_stages, pp):
         with torch.device("meta"):
-            part = Transformer(model_args)
+            part = model_class(model_args)
+        names = [name for name, _ in part.named_children()]
+        before, after = names[:names.index("layers")], names[names.index("layers") + 1:]
         first = sum(blocks[:stage])
         part.layers = nn.ModuleDict({str(i): part.layers[str(i)] for i in range(first, first + blocks[stage])})
-        if stage > 0:
-            part.tok_embeddings = None
-        if stage < n_stages - 1:
-            part.norm = part.output = None
+        for name in (before if stage > 0 else []) + (after if stage < n_stages - 1 else []):
+            setattr(part, name, None)
         part.stage = stage
         parts.append(part)
     return parts
 
 
-def merge_stages(parts: list[Transformer]) -> Transformer:
+def merge_stages(parts: list[nn.Module]) -> nn.Module:
     """One module holding this rank's parameters under their full-model names (for the optimizer, the checkpoint
     and the norm); it shares the stages' modules and is never run itself."""
     if len(parts) == 1:
         return parts[0]
-    merged = Transformer.__new__(Transformer)
+    merged = type(parts[0]).__new__(type(parts[0]))
     nn.Module.__init__(merged)
     merged.args = parts[0].args
-    merged.tok_embeddings = parts[0].tok_embeddings
-    merged.layers = nn.ModuleDict({k: b for part in parts for k, b in part.layers.items()})
-    merged.norm, merged.output = parts[-1].norm, parts[-1].output
+    for name in parts[0]._modules:  # in the model's order; a module is held by one stage of the rank, or none
+        held = [module for part in parts if (module := getattr(part, name)) is not None]
+        setattr(merged, name, nn.ModuleDict({k: b for part in parts for k, b in part.layers.items()})
+                if name == "layers" else next(iter(held), None))
     return merged
 
 
@@ -161,7 +164,7 @@ class Pipeline:
     `loss_fn(logits, labels, tokens)` gives a micro-batch's loss; each call returns this rank's share of the summed
     loss (its value on the ranks holding the last stage, 0 elsewhere), detached."""
 
-    def __init__(self, parts: list[Transformer], pp_mesh: DeviceMesh, device: torch.device, cfg: JobConfig,
+    def __init__(self, parts: list[nn.Module], pp_mesh: DeviceMesh, device: torch.device, cfg: JobConfig,
                  loss_fn: Callable, loss_value: Callable, scale: Callable):
         from torch.distributed.pipelining import PipelineStage, schedules
 

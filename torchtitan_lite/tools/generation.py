@@ -1,14 +1,15 @@
-"""Text generation from a trained Transformer, decoded with a KV cache: the prompt runs through the model once
-(prefill), then each new token costs one position's forward instead of the whole sequence's.
+"""Text generation from a trained model (Llama's shape: its args' kv_heads, head_dim and n_layers size the cache),
+decoded with a KV cache: the prompt runs through the model once (prefill), then each new token costs one position's
+forward instead of the whole sequence's.
 
 The forward is the model's own: `model(tokens, cache=cache)` runs every block as training does, and each block's
-attention hands its queries, keys and values to its layer of the cache instead of `model.attend`. The cache writes
-the new keys and values after the cached ones and attends the new queries to every position it holds. So decoding
-differs from training in attention alone, where a cache changes what attention sees; tests/test_generate.py compares
-the cached logits with the model's uncached forward at every step.
+attention hands its rotated queries and keys, and its values, to its layer of the cache instead of `model.attend`.
+The cache writes the new keys and values after the cached ones and attends the new queries to every position it
+holds. So decoding differs from training in attention alone, where a cache changes what attention sees;
+tests/test_generate.py compares the cached logits with the model's uncached forward at every step.
 
-Positions: apply_rope takes the first rows of the table it is given (rope[:seq]), so a chunk that starts at
-position `pos` is handed rope[pos:].
+Positions are the model's: a forward with a cache rotates its chunk at the positions after the cached ones
+(`cache.length`), so the keys the cache holds are already rotated.
 
 Context: at most model.args.max_seq_len tokens, the config's training.seq_len, as train.py builds the model. The
 rope table has no rows past it and the model never saw such positions, so a prompt plus max_new_tokens that does not
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from torchtitan_lite.checkpoint.finder import find_checkpoint
 from torchtitan_lite.checkpoint.reader import check_fits, load_local, read_metadata
 from torchtitan_lite.config import JobConfig
 from torchtitan_lite.data.tokenizer import Tokenizer, load_tokenizer
-from torchtitan_lite.models.llama import Transformer, apply_rope, flavor_args
+from torchtitan_lite.models import registry
 
 
 class ContextError(ValueError):
@@ -38,7 +40,7 @@ class KVCache:
     """Every layer's keys and values for positions [0, length), preallocated for `max_len` positions, stored as
     (batch, kv_heads, position, head_dim): the layout SDPA takes, so a step does not transpose the whole cache."""
 
-    def __init__(self, model: Transformer, batch: int, max_len: int):
+    def __init__(self, model: nn.Module, batch: int, max_len: int):
         a, weight = model.args, model.tok_embeddings.weight
         shape = (batch, a.kv_heads, max_len, a.head_dim)
         self.layers = [LayerCache(self, torch.zeros(shape, dtype=weight.dtype, device=weight.device),
@@ -57,10 +59,8 @@ class LayerCache:
     def __init__(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor):
         self.cache, self.k, self.v = cache, k, v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pos, end = self.cache.length, self.cache.length + q.shape[1]
-        rope = rope[pos:end]  # the rows of the chunk's positions
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
         self.k[:, :, pos:end] = k.transpose(1, 2)
         self.v[:, :, pos:end] = v.transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[:, :, :end], self.v[:, :, :end],
@@ -69,7 +69,7 @@ class LayerCache:
 
 
 @torch.no_grad()
-def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward_cached(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits (batch, seq, vocab) of `tokens`, the positions right after the cached ones; appends their keys and
     values to the cache. The whole prompt at once (prefill), then one token at a time."""
     pos, seq = cache.length, tokens.shape[1]
@@ -97,7 +97,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, eos_id: int | None = None, generator: torch.Generator | None = None,
              use_cache: bool = True) -> list[int]:
     """The tokens that follow `prompt` (which starts with BOS, like the training documents), up to max_new_tokens;
@@ -125,7 +125,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
 
 # ---- Loading a trained model on one process.
 
-def load_weights(model: Transformer, path: str) -> None:
+def load_weights(model: nn.Module, path: str) -> None:
     """Copies the checkpoint's `model.*` tensors into the model's parameters, in place and cast to their dtype;
     raises ConfigError, naming the tensor, when the checkpoint was saved from another model."""
     state = {"model": model.state_dict()}  # views of the parameters: DCP writes straight into them
@@ -135,15 +135,16 @@ def load_weights(model: Transformer, path: str) -> None:
 
 
 def load_model(cfg: JobConfig, checkpoint: str, device: torch.device,
-               dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer]:
-    """The model of `cfg` built as train.py builds it (flavor, the tokenizer's vocabulary, training.seq_len), on
-    meta then materialized, with the weights of `checkpoint`: a step-N folder, or a checkpoint or dump folder (its
-    newest complete step; checkpoint_finder.find_checkpoint)."""
+               dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Tokenizer]:
+    """The model of `cfg` built as train.py builds it (model.name's spec, flavor, the tokenizer's vocabulary,
+    training.seq_len), on meta then materialized, with the weights of `checkpoint`: a step-N folder, or a checkpoint
+    or dump folder (its newest complete step; checkpoint_finder.find_checkpoint)."""
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    args = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
+    spec = registry.get(cfg.model.name)
+    args = spec.args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
     path, _ = find_checkpoint(checkpoint, cfg.checkpoint.folder)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = spec.model_class(args)
     model.to_empty(device=device)
     # Not init_weights(): it would draw every parameter for the load to overwrite (seconds on a big model).
     model.init_buffers()

@@ -1,4 +1,4 @@
-"""Hugging Face conversion: our DCP checkpoints to and from a Hugging Face Llama folder (config.json + safetensors).
+"""Hugging Face conversion: our DCP checkpoints to and from a Hugging Face folder (config.json + safetensors).
 
 Both directions stream, one tensor at a time, so a 70B model converts on a machine that cannot hold it. Export reads
 one key per DCP load (DCP loads a subset of a checkpoint, on any mesh it was saved from, with no process group) and
@@ -7,7 +7,8 @@ dtype is known from the DCP metadata before any data is read, so the header goes
 are read. (The safetensors library wants every tensor of a file in memory at once.) Import hands DCP a state dict
 of meta tensors, which plan the save, and a planner that reads each real tensor from safetensors only when DCP's
 writer asks for it; one file per tensor, since DCP's writer keeps a file's tensors until the file is closed.
-Names, layouts and configs are models/hf.py's; a conversion that fails leaves no output folder behind.
+Names, layouts and configs are the model's (its spec's HFAdapter: Llama's in models/llama3/hf.py); a conversion
+that fails leaves no output folder behind.
 """
 
 from __future__ import annotations
@@ -31,12 +32,27 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan_lite.checkpoint.reader import load_local, read_metadata
-from torchtitan_lite.models.hf import (ConversionError, expected_shapes, hf_config, hf_name, model_args_from_hf, our_name,
-                                      to_hf_tensor)
-from torchtitan_lite.models.llama import ModelArgs
+from torchtitan_lite.config import Model
+from torchtitan_lite.models import registry
+from torchtitan_lite.models.spec import Args, ConversionError, HFAdapter, ModelSpec
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' save_pretrained default, "5GB"
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+DEFAULT_MODEL = Model().name  # the config's default model.name
+
+
+def adapter(model: str) -> tuple[ModelSpec, HFAdapter]:
+    """The spec registered as `model` and its Hugging Face adapter, or ConversionError when it has none."""
+    spec = registry.get(model)
+    if spec.hf is None:
+        raise ConversionError(f"model {model} has no Hugging Face adapter (its spec's hf)")
+    return spec, spec.hf
+
+
+def expected_shapes(spec: ModelSpec, args: Args) -> dict[str, tuple[int, ...]]:
+    """Our parameter names and shapes, in the model's order, without allocating anything."""
+    with torch.device("meta"):
+        return {name: tuple(p.shape) for name, p in spec.model_class(args).state_dict().items()}
 
 # ---- Files
 
@@ -122,19 +138,21 @@ class _Progress:
 
 # ---- Export: DCP checkpoint -> Hugging Face folder
 
-def export_to_hf(ckpt: str | Path, out: str | Path, args: ModelArgs, bos_id: int, eos_id: int,
+def export_to_hf(ckpt: str | Path, out: str | Path, args: Args, bos_id: int, eos_id: int,
                  dtype: torch.dtype | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-                 add_files: Callable[[Path], None] | None = None) -> None:
-    """Writes the `model.*` weights of the DCP checkpoint `ckpt` (saved on any mesh, full state or weights only) as
-    the Hugging Face folder `out`, cast to `dtype` (default: as saved). add_files(folder) adds files (a tokenizer)."""
+                 add_files: Callable[[Path], None] | None = None, model: str = DEFAULT_MODEL) -> None:
+    """Writes the `model.*` weights of the DCP checkpoint `ckpt` (saved on any mesh, full state or weights only) of
+    the model `model` (model.name) as the Hugging Face folder `out`, cast to `dtype` (default: as saved).
+    add_files(folder) adds files (a tokenizer)."""
     ckpt = str(ckpt)
+    spec, hf = adapter(model)
     check_free(out)  # before anything is read: a taken OUT fails at once
     if not os.path.isfile(os.path.join(ckpt, ".metadata")):
         raise ConversionError(f"{ckpt} is not a DCP checkpoint (no .metadata)")
     metadata = read_metadata(ckpt)
     saved = {k.removeprefix("model."): m for k, m in metadata.state_dict_metadata.items()
              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    expected = expected_shapes(args)
+    expected = expected_shapes(spec, args)
     for name, shape in expected.items():
         if (got := f"shape {tuple(saved[name].size)}" if name in saved else "no tensor") != f"shape {shape}":
             raise ConversionError(f"checkpoint {ckpt} does not fit the config: model.{name} has {got} in the "
@@ -143,22 +161,22 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: ModelArgs, bos_id: int
     if extra := sorted(set(saved) - set(expected)):
         raise ConversionError(f"checkpoint {ckpt} holds model.{extra[0]}, which the config's model lacks")
     dtype = dtype or saved["tok_embeddings.weight"].properties.dtype
-    ours_of = {hf_name(n): n for n in expected}
-    entries = [(hf_name(n), shape, dtype) for n, shape in expected.items()]
+    ours_of = {hf.hf_name(n): n for n in expected}
+    entries = [(hf.hf_name(n), shape, dtype) for n, shape in expected.items()]
     shards = plan_shards(entries, max_shard_size)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
     progress = _Progress(sum(math.prod(s) * dtype.itemsize for _, s, _ in entries), "export")
 
-    def read(hf: str) -> torch.Tensor:
-        key, stored = "model." + ours_of[hf], saved[ours_of[hf]]
+    def read(name: str) -> torch.Tensor:
+        key, stored = "model." + ours_of[name], saved[ours_of[name]]
         tensor = torch.empty(stored.size, dtype=stored.properties.dtype)
         load_local({key: tensor}, ckpt, metadata)  # read once above, not per tensor
         progress.update(tensor.numel() * dtype.itemsize)
-        return to_hf_tensor(ours_of[hf], tensor, args).to(dtype)
+        return hf.to_hf_tensor(ours_of[name], tensor, args, False).to(dtype)
 
     with atomic_folder(out) as tmp:
-        _write_json(tmp / "config.json", hf_config(args, bos_id, eos_id, dtype))
+        _write_json(tmp / "config.json", hf.config(args, bos_id, eos_id, dtype))
         _write_json(tmp / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
         if add_files:
             add_files(tmp)
@@ -209,29 +227,31 @@ def _read(file: Path, name: str) -> torch.Tensor:
 
 
 def import_from_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype = torch.float32,
-                   add_files: Callable[[Path, ModelArgs], None] | None = None) -> ModelArgs:
-    """Writes the weights of the Hugging Face Llama folder `hf_dir` as a weights-only DCP checkpoint `out` (keys
-    `model.*`, loadable on any mesh, e.g. as checkpoint.initial_load_path) in `dtype`; add_files(folder, args) runs
-    first. Returns our ModelArgs for it. Tied embeddings are untied: the output projection starts as a copy."""
+                   add_files: Callable[[Path, Args], None] | None = None, model: str = DEFAULT_MODEL) -> Args:
+    """Writes the weights of the Hugging Face folder `hf_dir` of the model `model` (model.name) as a weights-only DCP
+    checkpoint `out` (keys `model.*`, loadable on any mesh, e.g. as checkpoint.initial_load_path) in `dtype`;
+    add_files(folder, args) runs first. Returns our args for it. Tied embeddings are untied: the output projection
+    starts as a copy."""
     hf_dir = Path(hf_dir)
+    spec, hf = adapter(model)
     check_free(out)
     try:
         config = json.loads((hf_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ConversionError(f"{hf_dir}/config.json cannot be read: {e}") from None
-    args = model_args_from_hf(config)
-    weights, expected = _weights(hf_dir), expected_shapes(args)
+    args = hf.args_from_config(config)
+    weights, expected = _weights(hf_dir), expected_shapes(spec, args)
     source: dict[str, str] = {}  # our name -> Hugging Face name
     for name in weights:
-        ours = our_name(name)
+        ours = hf.our_name(name)
         if ours is None and not name.endswith("rotary_emb.inv_freq"):  # old folders saved RoPE's buffer: derived
-            raise ConversionError(f"{hf_dir} holds {name}, which our Llama has no place for")
+            raise ConversionError(f"{hf_dir} holds {name}, which our {model} model has no place for")
         if ours is not None:
             source[ours] = name
     if "output.weight" not in source and config.get("tie_word_embeddings"):
         source["output.weight"] = "model.embed_tokens.weight"
     if missing := [n for n in expected if n not in source]:
-        raise ConversionError(f"{hf_dir} has no {hf_name(missing[0])} ({len(missing)} tensors missing)")
+        raise ConversionError(f"{hf_dir} has no {hf.hf_name(missing[0])} ({len(missing)} tensors missing)")
     for ours, name in source.items():
         if weights[name][1] != expected[ours]:
             raise ConversionError(f"{hf_dir}: {name} has shape {weights[name][1]} but config.json makes it "
@@ -241,7 +261,7 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype = tor
     def make(ours: str) -> torch.Tensor:
         tensor = _read(weights[source[ours]][0], source[ours])
         progress.update(tensor.numel() * dtype.itemsize)
-        return to_hf_tensor(ours, tensor, args, inverse=True).to(dtype).contiguous()
+        return hf.to_hf_tensor(ours, tensor, args, True).to(dtype).contiguous()
 
     state = {"model": {n: torch.empty(s, dtype=dtype, device="meta") for n, s in expected.items()}}
     with atomic_folder(out) as tmp:

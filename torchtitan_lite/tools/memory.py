@@ -1,16 +1,15 @@
 """Per-rank memory a config would need (`estimate_memory`), without GPUs; what a rank really holds is
 `metrics.held_bytes`, which the trainer records at its first step.
 
-The estimate runs the trainer's own code on fake tensors instead of a formula: a fake process group of the target
-world size (rank 0, which holds the largest shards), the real ParallelDims mesh, the model built on meta and
-parallelized by the real `parallelize()`, materialized as FakeTensors, and two training steps (the trainer's
-`step.Step`: forward, loss, backward; then AdamW step, zero_grad) traced by torch's FSDPMemTracker, which follows
-every storage's life, FSDP2's all-gather and reduce-scatter buffers and the storage resizes that free gathered
-parameters. Fake tensors allocate nothing and compute nothing, so the cost is Python time per op
-(docs/performance.md has the times), and every layout rule (TP shards, FSDP padding, hpZ, which block stays gathered
-after forward, what activation checkpointing saves) is the trainer's by construction: a formula would have to be
-kept in step with parallelize.py by hand. Two steps: the optimizer state exists from the first on, so the second
-is the steady state.
+The estimate runs the trainer's own code on fake tensors instead of a formula: a fake process group of the target world
+size (rank 0, which holds the largest shards), the real ParallelDims mesh, the model built on meta and parallelized by
+the real `parallelize()`, materialized as FakeTensors, and two training steps (the trainer's `step.Step`: forward,
+loss, backward; then AdamW step, zero_grad) traced by torch's FSDPMemTracker, which follows every storage's life,
+FSDP2's all-gather and reduce-scatter buffers and the storage resizes that free gathered parameters. Fake tensors
+allocate nothing and compute nothing, so the cost is Python time per op (docs/performance.md has the times), and every
+layout rule (TP shards, FSDP padding, hpZ, which block stays gathered after forward, what activation checkpointing
+saves) is the trainer's by construction: a formula would have to be kept in step with parallelize.py by hand. Two
+steps: the optimizer state exists from the first on, so the second is the steady state.
 
 What the figures mean (bytes of rank 0):
 - parameters, gradients, optimizer state: `held_bytes` of the fake model after the optimizer step, exactly what the
@@ -74,8 +73,8 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
-from torchtitan_lite.models import documents
-from torchtitan_lite.models.llama import ModelArgs, Transformer, flavor_args
+from torchtitan_lite.models import documents, registry
+from torchtitan_lite.models.spec import Args
 from torchtitan_lite.parallel import context_parallel
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize
@@ -108,7 +107,7 @@ class Estimate:
     mask_bytes: int = 0  # block_causal: the document mask of one micro-batch (already in activations and peak)
 
 
-def model_args(cfg: JobConfig) -> tuple[ModelArgs, str]:
+def model_args(cfg: JobConfig) -> tuple[Args, str]:
     """The trainer's model args for `cfg`, and a note when the tokenizer file is missing and Llama 3's vocabulary
     is assumed (the big configs point at Meta's tokenizer, which an estimate should not need)."""
     try:
@@ -117,7 +116,7 @@ def model_args(cfg: JobConfig) -> tuple[ModelArgs, str]:
         vocab, note = LLAMA3_VOCAB, f"{cfg.model.tokenizer_path} not found: Llama 3's vocabulary assumed"
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.tokenizer_path: {e}") from None
-    return flavor_args(cfg.model.flavor, vocab, cfg.training.seq_len), note
+    return registry.get(cfg.model.name).args(cfg.model.flavor, vocab, cfg.training.seq_len), note
 
 
 class _DevicePeak:
@@ -223,14 +222,16 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
         mesh = dims.build_mesh("cpu")[0]
         layout = " x ".join(f"{n} {d}" for n, d in zip(mesh.mesh_dim_names, mesh.shape) if d > 1) or "1 rank"
         progress.info("rank 0 of %d (mesh %s): building and parallelizing its model on meta", world_size, layout)
-        with torch.device("meta"):
-            parts = split_stages(args, 0, cfg.parallelism) if dims.pp > 1 else [Transformer(args)]
+        spec = registry.get(cfg.model.name)
+        with torch.device("meta"):  # rank 0's stages, under PP
+            parts = [spec.model_class(args)] if dims.pp == 1 else split_stages(spec.model_class, args, 0,
+                                                                               cfg.parallelism)
         unmasked = mock.patch.object(context_parallel, "lower_right_masks", lambda ranges, _: [None] * len(ranges))
         with unmasked:  # the GPU's masks, not the CPU's (module docstring)
             for part in parts:  # outside fake mode: FSDP on top of TP builds meshes, from real (small) tensors
                 if float8.enabled(cfg):
                     float8.convert(part, cfg, dims.fsdp)
-                parallelize(part, mesh, dims, cfg)
+                parallelize(part, mesh, dims, cfg, spec.tp_plan)
         # Real tensors may still come in (mesh coordinates, DTensor's bookkeeping): fake mode lets them through.
         fake = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
         progress.info("materializing rank 0's shards as fake tensors")
@@ -275,8 +276,8 @@ def _document_mask(cfg: JobConfig, dims: ParallelDims, dtype: torch.dtype) -> tu
     return mask, mask
 
 
-def _two_steps(parts: list[Transformer], optimizer: torch.optim.Optimizer, cfg: JobConfig, dims: ParallelDims,
-               args: ModelArgs, numerics: Numerics, guard: UpdateGuard,
+def _two_steps(parts: list[nn.Module], optimizer: torch.optim.Optimizer, cfg: JobConfig, dims: ParallelDims,
+               args: Args, numerics: Numerics, guard: UpdateGuard,
                tracker: _DevicePeak) -> tuple[int, dict[str, int]]:
     """train.py's step twice on fake data: (activation bytes, held bytes after step 1). Step 1 creates the optimizer
     state; step 2, the steady state, is the one measured. Without PP the trainer's own step (step.Step) on one
@@ -319,7 +320,7 @@ class _MeasuredStep(Step):
         return loss
 
 
-def _model_step(model: nn.Module, cfg: JobConfig, dims: ParallelDims, args: ModelArgs, numerics: Numerics,
+def _model_step(model: nn.Module, cfg: JobConfig, dims: ParallelDims, args: Args, numerics: Numerics,
                 guard: UpdateGuard, tracker: _DevicePeak) -> int:
     """One micro-batch of rank 0's tokens through the trainer's step; returns the activation bytes."""
     training = cfg.training
@@ -336,7 +337,7 @@ def _model_step(model: nn.Module, cfg: JobConfig, dims: ParallelDims, args: Mode
     return step.after_forward - before
 
 
-def _bos(cfg: JobConfig, args: ModelArgs) -> int | None:
+def _bos(cfg: JobConfig, args: Args) -> int | None:
     """A document-start id for block_causal (any id: random tokens hold documents of ~vocab tokens), None if causal."""
     return None if cfg.model.attn_mask_type == "causal" else args.vocab_size - 1
 
@@ -349,7 +350,7 @@ def _rank0_share(cfg: JobConfig, dims: ParallelDims):
     return lambda x: context_parallel.shard(x, ranges)
 
 
-def _first_rank_stages(parts: list[Transformer], cfg: JobConfig, dims: ParallelDims, args: ModelArgs,
+def _first_rank_stages(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims, args: Args,
                        dtype: torch.dtype, tracker: _DevicePeak) -> int:
     """Rank 0's stages in its schedule's order: as many forwards ahead of their backwards as the schedule runs there,
     each stage reducing after its last micro-batch; returns the activation bytes at the most forwards ahead."""
@@ -387,14 +388,13 @@ def _first_rank_order(schedule: str, pp: int, v: int, m: int) -> list[int]:
     return [(i // per_stage) % v for i in range(ahead)]
 
 
-def _stage_forward(part: Transformer, batch: int, seq_len: int, args: ModelArgs, dims: ParallelDims,
+def _stage_forward(part: nn.Module, batch: int, seq_len: int, args: Args, dims: ParallelDims,
                    dtype: torch.dtype, inputs: Inputs) -> torch.Tensor:
     """One micro-batch of rank 0's share of `seq_len`-token windows through one of its stages, which never holds the
     last (stage s runs on rank s % pp): its output hidden states. The first stage takes tokens; a later one, hidden
     states as the previous stage sends them, sequence-sharded under TP (and CP), and block_causal's document ids."""
     tokens = torch.randint(0, args.vocab_size, (batch, seq_len if inputs.bos_id is not None else seq_len // dims.cp))
     tokens, _, kwargs = inputs(tokens, tokens)
-    if part.tok_embeddings is not None:
-        return part(tokens, **kwargs)
-    x = torch.randn(batch, seq_len // dims.cp // dims.tp, args.dim, dtype=dtype, requires_grad=True)
-    return part(x, **kwargs)
+    if part.stage > 0:
+        tokens = torch.randn(batch, seq_len // dims.cp // dims.tp, args.dim, dtype=dtype, requires_grad=True)
+    return part(tokens, **kwargs)

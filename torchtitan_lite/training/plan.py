@@ -22,10 +22,11 @@ import torch
 from torchtitan_lite.checkpoint.folder import checkpoint_to_load, complete_checkpoints, read_run_files
 from torchtitan_lite.config import JobConfig
 from torchtitan_lite.data.mixture import mixture_phases
-from torchtitan_lite.models.llama import ModelArgs, Transformer, count_params
+from torchtitan_lite.models import registry
+from torchtitan_lite.models.spec import Args
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8
-from torchtitan_lite.runtime.metrics import cpu_peak, flops_per_token
+from torchtitan_lite.runtime.metrics import cpu_peak
 from torchtitan_lite.runtime.process import cpu_threads
 from torchtitan_lite.training.step import Numerics
 
@@ -112,13 +113,11 @@ def _outputs(cfg: JobConfig) -> tuple[str, list[str], str, str]:
     return line + f", resuming step-{step}{run}", [], "", checkpoints
 
 
-def slow_step(cfg: JobConfig, model_args: ModelArgs, n_params: int, n_embedding: int, global_batch: int,
-              world_size: int, peak: tuple[float, str]) -> str:
+def slow_step(cfg: JobConfig, token_flops: float, global_batch: int, world_size: int, peak: tuple[float, str]) -> str:
     """The warning for a first step that needs more than SLOW_STEP_S at `peak` (FLOP/s of one process, and what it
-    is), or ""."""
+    is), or "". `token_flops`: the model's training FLOPs per token (its spec's flops_per_token)."""
     t = cfg.training
-    flops = flops_per_token(n_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len,
-                            n_embedding) * global_batch * t.seq_len / world_size
+    flops = token_flops * global_batch * t.seq_len / world_size
     seconds, rate = flops / peak[0], peak[1].split(", measured")[0]  # what the peak is, not where it is kept
     if seconds < SLOW_STEP_S:
         return ""
@@ -144,16 +143,18 @@ def machine_plan(cfg: JobConfig, preflighted: tuple, local_processes: int) -> Pl
     return make_plan(cfg, dims, model_args, global_batch, peak)
 
 
-def make_plan(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, global_batch: int,
-              peak=None) -> Plan:
+def make_plan(cfg: JobConfig, dims: ParallelDims, model_args: Args, global_batch: int, peak=None) -> Plan:
     """The run's plan; `peak(dtype) -> (FLOP/s of one process, what it is)` on a machine without a GPU."""
+    spec = registry.get(cfg.model.name)
     with torch.device("meta"):
-        n_params, n_embedding = count_params(Transformer(model_args))
+        model = spec.model_class(model_args)
+    n_params = sum(p.numel() for p in model.parameters())
     outputs, warnings, done, checkpoints = _outputs(cfg)
     plan = Plan([_model(cfg, n_params, dims), _data(cfg, dims, global_batch), outputs], warnings, done, checkpoints)
     if peak is not None and not done:
         dtype = Numerics.from_config(cfg, dims).compute_dtype
-        if slow := slow_step(cfg, model_args, n_params, n_embedding, global_batch, dims.world_size, peak(dtype)):
+        token_flops = spec.flops_per_token(model, cfg.training.seq_len)
+        if slow := slow_step(cfg, token_flops, global_batch, dims.world_size, peak(dtype)):
             plan.warnings.append(slow)
     return plan
 

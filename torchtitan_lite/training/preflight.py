@@ -12,7 +12,8 @@ from torchtitan_lite.checkpoint.manager import check_config
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.mixture import build_data
 from torchtitan_lite.data.tokenizer import load_tokenizer
-from torchtitan_lite.models.llama import ModelArgs, Transformer, flavor_args
+from torchtitan_lite.models import registry
+from torchtitan_lite.models.spec import Args
 from torchtitan_lite.parallel.context_parallel import check_cp
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import check_pipeline
@@ -21,16 +22,20 @@ from torchtitan_lite.runtime.profiling import check_profiling
 from torchtitan_lite.runtime.wandb_run import check_wandb
 
 
-def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> None:
+def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
     """The model and the sequence cut the way the mesh says: heads over TP, blocks into pipeline stages, CP chunks."""
-    dims.validate_model(model_args)
+    spec = registry.get(cfg.model.name)
+    dims.validate_model(spec.tp_sizes(model_args))
     if dims.pp > 1:
         check_pipeline(cfg.parallelism, model_args.n_layers, cfg.training.local_batch_size)
     if dims.cp > 1:
         check_cp(cfg.training.seq_len, dims.cp, dims.tp, cfg.parallelism.context_parallel_load_balancer)
+        if not hasattr(spec.model_class, "attend_with"):
+            raise ConfigError(f"model {spec.name} has no swappable attention (attend_with), which context parallelism "
+                              "swaps: set parallelism.context_parallel_degree = 1")
     if float8.enabled(cfg):
         with torch.device("meta"):
-            float8.check(cfg, Transformer(model_args), dims)
+            float8.check(cfg, spec.model_class(model_args), dims)
 
 
 def document_start(cfg: JobConfig, tokenizer) -> int | None:
@@ -49,9 +54,10 @@ def preflight(cfg: JobConfig, world_size: int):
     """The trainer's checks: (dims, model args, the token that starts a document under block_causal or None, global
     batch, training source, validation sources by name: {"": one} for one dataset, one per source for a mixture, {}
     with validation off), or a ConfigError that names the problem and the fix."""
+    spec = registry.get(cfg.model.name)  # first: the rest of the checks are the model's
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    model_args = flavor_args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
+    model_args = spec.args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
     check_layout(cfg, dims, model_args)
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
     check_profiling(cfg.profiling, world_size)

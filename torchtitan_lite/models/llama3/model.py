@@ -1,12 +1,14 @@
-"""The Llama 3 architecture, single-device code: parallelism is applied from outside (parallelize.py).
+"""The Llama 3 architecture and its flavors, single-device code: parallelism is applied from outside, by the plan
+of parallelize.py in this folder.
 
 Attention and FFN reshape with -1 for the head count, so the same code runs on the local heads of a tensor-parallel
 shard. Layers live in a ModuleDict keyed "0".."n-1" so parameter names (and checkpoints) do not depend on wrapping.
 
 Attention is the one thing the layouts and decoding change, so it is swappable and the rest of the forward exists
-once: context parallelism replaces a block's `attend` (context_parallel.Attend) and the model's `held_rope` (the
-rotary rows of the tokens a rank holds), and decoding passes a KV cache through the forward (generation.KVCache),
-whose layer cache attends over the positions it holds.
+once. The model rotates queries and keys itself (positions are the model's business), then hands them to its
+attention: context parallelism swaps in its own through `attend_with` (context_parallel.Attend, with the rotary rows
+of the tokens a rank holds), and decoding passes a KV cache through the forward (generation.KVCache), whose layer
+cache attends over the positions it holds.
 
 Document masking (documents.py) enters as the forward's `documents`, the document id of every token of the window:
 the forward turns them once into each token's rotary row and the mask every block attends under.
@@ -21,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_lite.config import ConfigError
 from torchtitan_lite.models import documents as docs
-from torchtitan_lite.models.init import trunc_normal_
+from torchtitan_lite.models.init import canonical_name, trunc_normal_
 
 
 @dataclass(frozen=True)
@@ -72,14 +73,6 @@ FLAVORS: dict[str, ModelArgs] = {
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
                       rope_theta=500000, rope_scaling=True),
 }
-
-
-def flavor_args(flavor: str, vocab_size: int, seq_len: int) -> ModelArgs:
-    """The args a run builds its model from: the flavor's, with the tokenizer's vocabulary and training.seq_len as
-    the context (train.py, and every tool that must build the same model: generation, export, memory estimate)."""
-    if flavor not in FLAVORS:
-        raise ConfigError(f"model.flavor {flavor!r} is unknown: choose one of {', '.join(FLAVORS)}")
-    return FLAVORS[flavor].with_(vocab_size=vocab_size, max_seq_len=seq_len)
 
 
 # Llama 3.1's long-context scaling, in Hugging Face's names (hf.py writes them into config.json).
@@ -142,16 +135,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.attend = attend  # context parallelism swaps in its own (context_parallel.py)
+        self.attend = attend  # context parallelism swaps in its own (Transformer.attend_with)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache=None) -> torch.Tensor:
-        """`mask`: None (causal) or the documents' mask (documents.py). `cache`: this layer's KV cache when decoding
-        (generation.py), which attends in place of `attend`."""
+        """`rope`: the rotary rows of x's tokens (apply_rope). `mask`: None (causal) or the documents' mask
+        (documents.py). `cache`: this layer's KV cache when decoding (generation.py), which attends in place of
+        `attend`."""
         bs, seq, _ = x.shape
-        q = self.wq(x).view(bs, seq, -1, self.head_dim)
-        k = self.wk(x).view(bs, seq, -1, self.head_dim)
+        q = apply_rope(self.wq(x).view(bs, seq, -1, self.head_dim), rope)
+        k = apply_rope(self.wk(x).view(bs, seq, -1, self.head_dim), rope)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
-        out = self.attend(q, k, v, rope, mask) if cache is None else cache.attend(q, k, v, rope)
+        out = self.attend(q, k, v, mask) if cache is None else cache.attend(q, k, v)
         return self.wo(out.reshape(bs, seq, -1))
 
     def init_weights(self, init, out_std: float) -> None:
@@ -160,10 +154,9 @@ class Attention(nn.Module):
         init(self.wo.weight, out_std)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
-    """Self-attention over whole sequences, (bs, seq, heads, head_dim) in and out: causal at positions 0..seq-1, or
-    under the documents' `mask` at the positions `rope` holds (an explicit mask for SDPA, or FlexAttention's)."""
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+    """Self-attention over whole sequences of rotated queries and keys, (bs, seq, heads, head_dim) in and out:
+    causal, or under the documents' `mask` (an explicit mask for SDPA, or FlexAttention's)."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if mask is not None and not isinstance(mask, torch.Tensor):
         return docs.flex_attend(q, k, v, mask).transpose(1, 2)
@@ -226,7 +219,7 @@ class Transformer(nn.Module):
         # start-up (train.py), like `attend`.
         self.document_mask = docs.explicit_mask
         # The rotary rows of the tokens this process holds, cut once per forward for every block (apply_rope keeps
-        # them for backward): all of them, or a context-parallel rank's share (context_parallel.py swaps it in).
+        # them for backward): all of them, or a context-parallel rank's share (attend_with).
         self.held_rope = all_rows
 
     def forward(self, tokens: torch.Tensor, cache=None, documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,13 +232,21 @@ class Transformer(nn.Module):
         if documents is not None:  # once per micro-batch, shared by every block
             rope, mask = self.rope[docs.positions(documents)], self.document_mask(documents, h.dtype)
         rope = self.held_rope(rope)
-        if cache is not None:  # decoding: one process, eager, no wrappers
+        if cache is not None:  # decoding: one process, eager, no wrappers; the rows from the first uncached position
             for name, layer in self.layers.items():
-                h = layer(h, self.rope, cache=cache.layer(int(name)))
+                h = layer(h, self.rope[cache.length:], cache=cache.layer(int(name)))
         else:  # training calls its wrapped blocks (checkpointed, compiled, sharded) with positional inputs alone
             for layer in self.layers.values():
                 h = layer(h, rope, mask)
         return self.output(self.norm(h)) if self.output is not None else h
+
+    def attend_with(self, attend, held_rows) -> None:
+        """Context parallelism's seam (parallel/context_parallel.py): every block attends with `attend(q, k, v,
+        mask)`, whose rotated queries, keys and values are those of the tokens this process holds, and the forward
+        cuts those tokens' rotary rows with `held_rows`."""
+        self.held_rope = held_rows
+        for block in self.layers.values():
+            block.attention.attend = attend
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | None = None) -> None:
@@ -271,13 +272,6 @@ class Transformer(nn.Module):
         if self.output is not None:
             self.norm.init_weights(init)
             init(self.output.weight, self.args.dim**-0.5, cutoff=3.0)
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name without wrapper prefixes (activation checkpointing, compile)."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(wrapper, "")
-    return name
 
 
 def count_params(model: nn.Module) -> tuple[int, int]:

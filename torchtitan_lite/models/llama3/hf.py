@@ -1,4 +1,5 @@
-"""Our Llama in Hugging Face's terms: its parameter names, its weight layouts and its config.json, both ways.
+"""Our Llama in Hugging Face's terms: its parameter names, its weight layouts and its config.json, both ways (the
+spec's HFAdapter, models/spec.py).
 
 The files themselves are read and written by tools/hf_convert.py. Two decisions shape this file:
 - Our attention rotates consecutive pairs of a head's dimensions (Meta's layout, model.apply_rope); Hugging Face's
@@ -15,12 +16,8 @@ import re
 
 import torch
 
-from torchtitan_lite.models.llama import FLAVORS, ROPE_SCALING, ModelArgs, Transformer
-
-
-class ConversionError(ValueError):
-    """A checkpoint or folder that cannot be converted; the message is one line saying what differs."""
-
+from torchtitan_lite.models.llama3.model import FLAVORS, ROPE_SCALING, ModelArgs
+from torchtitan_lite.models.spec import ConversionError
 
 LLAMA31_ROPE_SCALING = {"rope_type": "llama3", **ROPE_SCALING}  # model.rope_table's
 
@@ -65,12 +62,6 @@ def to_hf_tensor(name: str, w: torch.Tensor, args: ModelArgs, inverse: bool = Fa
         rows, cols = w.shape
         w = w.view((heads, 2, -1, cols) if inverse else (heads, -1, 2, cols)).transpose(1, 2).reshape(rows, cols)
     return w
-
-
-def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Our parameter names and shapes, in the model's order, without allocating anything."""
-    with torch.device("meta"):
-        return {name: tuple(p.shape) for name, p in Transformer(args).state_dict().items()}
 
 
 # ---- Configs

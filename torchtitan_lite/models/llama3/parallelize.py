@@ -1,0 +1,45 @@
+"""Llama's tensor-parallel plan: Megatron-style TP with sequence parallelism, as one dict from module name to style.
+
+Activations between blocks are sharded on the sequence dim (Shard(1)), gathered before attention and the FFN, and
+reduce-scattered after their output projections; the norms run on the sequence shards. Which classes implement each
+style is the parallel layer's choice (models/spec.TPStyles: float8's for a converted block), so this file holds only
+what is Llama's: which module is split which way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.tensor import Replicate, Shard
+
+from torchtitan_lite.models.llama3.model import ModelArgs
+from torchtitan_lite.models.spec import TPStyles
+
+
+def tp_plan(s: TPStyles, loss_parallel: bool) -> dict[str, Any]:
+    """The whole model's plan; "layers.*." entries hold for every block."""
+    return {
+        "tok_embeddings": s.embedding(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": s.sequence(),
+        # With loss parallel the logits stay sharded on the vocab dim: cross-entropy never gathers them.
+        "output": s.colwise(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                            use_local_output=not loss_parallel),
+        "layers.*.attention_norm": s.sequence(),
+        # Its inputs: the hidden states, the rotary rows, the documents' mask (None when causal), alike on every rank.
+        "layers.*.attention": s.prepare_input(input_layouts=(Shard(1), None, None),
+                                              desired_input_layouts=(Replicate(), None, None)),
+        "layers.*.attention.wq": s.colwise(),
+        "layers.*.attention.wk": s.colwise(),
+        "layers.*.attention.wv": s.colwise(),
+        "layers.*.attention.wo": s.rowwise(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": s.sequence(),
+        "layers.*.feed_forward": s.prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": s.colwise(),
+        "layers.*.feed_forward.w2": s.rowwise(output_layouts=Shard(1)),
+        "layers.*.feed_forward.w3": s.colwise(),
+    }
+
+
+def tp_sizes(args: ModelArgs) -> dict[str, int]:
+    """What the plan splits across TP ranks: heads (query and key/value) and the FFN's hidden size."""
+    return {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads, "FFN hidden size": args.ffn_hidden}

@@ -1,0 +1,89 @@
+"""What the rest of the package knows of a model: its spec, the one object `model.name` selects (registry.py).
+
+torchtitan's shape, in our words: an architecture is a folder (llama3/) holding the model, its flavors, its tensor-
+parallel plan, its Hugging Face adapter and its FLOP count, and one `ModelSpec` naming them for the layers that use
+them. The parallel layer, the trainer and the tools never import a model class: they call the spec, so a second
+architecture is a new folder and a registration, not edits across the layers.
+
+Besides the spec's functions, the layers rely on a few things of the model itself, each the least they can:
+- `model_class(args)` builds the whole model (train.py builds it on meta); its `args` attribute is those args, which
+  hold at least `Args`' fields.
+- `layers`: a ModuleDict of its blocks keyed "0".."n-1", the units that activation checkpointing, compile, FSDP and
+  pipeline stages work on; `init_weights(seed, buffer_device)` initializes every parameter identically on any mesh
+  (models/init.py) and recomputes the buffers.
+- A pipeline stage is the whole model with the blocks it does not own dropped, and the modules registered before
+  `layers` set to None on every stage but the first, those after it on every stage but the last; the forward takes
+  hidden states where its first modules are None, and gives them where its last are.
+- Context parallelism needs the model's `attend_with(attend, held_rows)` (llama3/model.py says what it swaps); a
+  model without one refuses a context-parallel layout at preflight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+from torchtitan_lite.config import ConfigError, did_you_mean
+
+
+class Args(Protocol):
+    """The fields of a model's args that the layers read; a flavor is a frozen dataclass holding at least these."""
+    n_layers: int  # blocks: pipeline stages are cut from them
+    dim: int  # width of the hidden states between blocks (what pipeline stages send each other)
+    vocab_size: int  # set by the run from the tokenizer
+    max_seq_len: int  # set by the run from training.seq_len
+
+
+class TPStyles(NamedTuple):
+    """The parallel styles a TP plan is written in, chosen by the parallel layer (parallel/parallelize.py): torch's,
+    float8's for a block whose linears cast before they communicate, an embedding style that works around a torch
+    bug. Each is called like torch's class of the same role (ColwiseParallel, ...)."""
+    colwise: Callable[..., Any]
+    rowwise: Callable[..., Any]
+    prepare_input: Callable[..., Any]
+    sequence: Callable[..., Any]
+    embedding: Callable[..., Any]
+
+
+class ConversionError(ValueError):
+    """A checkpoint or folder that cannot be converted; the message is one line saying what differs."""
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """A model in Hugging Face's terms, one tensor at a time so that conversions stream (tools/hf_convert.py)."""
+    hf_name: Callable[[str], str]  # our parameter name -> theirs
+    our_name: Callable[[str], str | None]  # theirs -> ours; None: a tensor our model has no place for
+    # (our name, weight, args, inverse) -> the weight in their layout (inverse: theirs back to ours)
+    to_hf_tensor: Callable[[str, torch.Tensor, Any, bool], torch.Tensor]
+    config: Callable[[Any, int, int, torch.dtype], dict]  # config.json of (args, bos id, eos id, dtype)
+    args_from_config: Callable[[dict], Any]  # our args of a config.json, or ConversionError naming what we lack
+    flavor_of: Callable[[Any], str | None]  # the flavor that builds exactly these args, vocabulary and context aside
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """An architecture as the layers see it."""
+    name: str  # what model.name selects
+    model_class: type[nn.Module]  # model_class(args): the whole model (the module docstring says what it must have)
+    flavors: Mapping[str, Any]  # model.flavor -> its args (Args), vocabulary and context left to the run
+    # (styles, loss parallel) -> {module name: style}: the model's own modules by name, each block's as
+    # "layers.*.NAME"; with loss parallel the logits stay sharded on the vocabulary
+    tp_plan: Callable[[TPStyles, bool], dict[str, Any]]
+    tp_sizes: Callable[[Any], dict[str, int]]  # args -> the sizes TP splits, by name: its degree must divide each
+    # (the whole model, on meta; seq_len) -> training FLOPs per token (forward and backward): MFU's numerator
+    flops_per_token: Callable[[nn.Module, int], float]
+    hf: HFAdapter | None = None  # Hugging Face conversion; None: the model has none
+
+    def args(self, flavor: str, vocab_size: int, seq_len: int) -> Any:
+        """The args a run builds its model from: the flavor's, with the tokenizer's vocabulary and training.seq_len
+        as the context (train.py, and every tool that must build the same model: generation, export, memory)."""
+        if flavor not in self.flavors:
+            raise ConfigError(f"model.flavor {flavor!r} is not a flavor of model {self.name}: choose one of "
+                              f"{', '.join(self.flavors)}{did_you_mean(flavor, list(self.flavors))}")
+        return dataclasses.replace(self.flavors[flavor], vocab_size=vocab_size, max_seq_len=seq_len)
