@@ -87,13 +87,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable, loss_para
     for block in model.layers.values():
         colwise, rowwise, prepare = float8.tp_styles(block) or styles[:3]
         plan = tp_plan(styles._replace(colwise=colwise, rowwise=rowwise, prepare_input=prepare), loss_parallel)
-        parallelize_module(block, tp_mesh, {k.removeprefix(BLOCKS): v for k, v in plan.items() if k.startswith(BLOCKS)})
+        plan = {k.removeprefix(BLOCKS): v for k, v in plan.items() if k.startswith(BLOCKS)}
+        parallelize_module(block, tp_mesh, {k: v for k, v in plan.items() if _held(block, k)})
 
 
-def _held(model: nn.Module, name: str) -> bool:
-    """Whether `model` holds the module `name`: a pipeline stage lacks the pieces other stages hold (None)."""
+def _held(module: nn.Module, name: str) -> bool:
+    """Whether `module` holds the module `name`; False where it holds None, as a pipeline stage does for the pieces
+    other stages hold. A name it lacks altogether is the plan's mistake, which parallelize_module would pass over in
+    silence, leaving that module unsplit: AttributeError."""
     for part in name.split("."):
-        if (model := getattr(model, part, None)) is None:
+        if (module := getattr(module, part)) is None:
             return False
     return True
 
