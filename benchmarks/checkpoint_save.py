@@ -29,7 +29,7 @@ from torchtitan_lite.checkpoint.manager import CheckpointManager, TrainState
 from torchtitan_lite.config import Checkpoint, LRScheduler
 from torchtitan_lite.data.loader import DataLoader
 from torchtitan_lite.data.synthetic import SyntheticSource
-from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
+from torchtitan_lite.models.registry import get
 from torchtitan_lite.runtime.precision import UpdateGuard
 from torchtitan_lite.runtime.process import Env, init_distributed
 from torchtitan_lite.training.optim import build_lr_scheduler
@@ -64,7 +64,7 @@ class Run:
     """A model, AdamW, schedule, data and a CheckpointManager, as train.py builds them (one process, fp32)."""
 
     def __init__(self, args, folder: str, async_mode: str):
-        self.model = Transformer(args)
+        self.model = get("llama3").model_class(args)
         self.model.init_weights(seed=0)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
         self.scheduler = build_lr_scheduler(self.optimizer, LRScheduler(warmup_steps=2), 1000)
@@ -140,7 +140,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     init_distributed(Env.from_environ())
     os.makedirs(a.folder, exist_ok=True)
-    base = FLAVORS["debugmodel"].with_(vocab_size=VOCAB, max_seq_len=SEQ)
+    base = get("llama3").args("debugmodel", VOCAB, SEQ)
     models = {"debugmodel": base, f"dim{a.dim}x{a.layers}": base.with_(dim=a.dim, n_layers=a.layers)}
     rows = {}
     for name, args in models.items():

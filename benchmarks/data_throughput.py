@@ -25,7 +25,7 @@ from torchtitan_lite.data import files as datasets
 from torchtitan_lite.data.loader import DataLoader, build_source
 from torchtitan_lite.data.mixture import MixtureSource
 from torchtitan_lite.data.tokenizer import STDLIB_BPE, Tokenizer
-from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
+from torchtitan_lite.models.registry import get
 from torchtitan_lite.runtime.run_history import read_metrics
 
 
@@ -45,7 +45,7 @@ def build_timed(*args, **kwargs):
 
 def step_seconds(tok: Tokenizer, seq_len: int, local_batch: int, steps: int = 5) -> float:
     """A training step of the debug model on one process: forward, backward, AdamW."""
-    model = Transformer(FLAVORS["debugmodel"].with_(vocab_size=tok.n_words, max_seq_len=seq_len))
+    model = get("llama3").model_class(get("llama3").args("debugmodel", tok.n_words, seq_len))
     model.init_weights(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, tok.n_words, (local_batch, seq_len + 1))
