@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torchtitan_lite.runtime import errors
 from torchtitan_lite.runtime.process import Env
 
+pytestmark = pytest.mark.answers_within_fractions  # so it runs after the shared jobs (multiprocess/conftest.py)
+
 
 class StoppedStore:
     """A client of a store whose server is stopped (SIGSTOP): no request ever returns."""

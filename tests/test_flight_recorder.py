@@ -16,6 +16,8 @@ from torchtitan_lite.runtime import errors, flight_recorder, signals
 from tests.test_errors import StoppedStore
 from torchtitan_lite.runtime.process import Env
 
+pytestmark = pytest.mark.answers_within_fractions  # so it runs after the shared jobs (multiprocess/conftest.py)
+
 ALL_GATHER = {"point": "the forward of block 1", "op": "all_gather", "seq": 30, "group": "dp_shard",
               "ranks": [0, 1, 2, 3]}
 

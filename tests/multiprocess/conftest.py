@@ -18,10 +18,9 @@ import pytest
 # pytest.ini puts tests/multiprocess on the path: the tests here import the shared launcher as a plain module.
 from grad_dump import load_grads, recording
 import probes
-from launch import (CHECKPOINTED, COMMON, STEPS, ckpt, finish_job, in_background, kill_tree, snapshot, start_job,
-                    start_several, stopped_after, torchrun_cmd, train_job)
-from run_table import (ALL_RUNS, HALF_WRITTEN, RECORDED, RESHARD_BACK, RESHARD_LEGS, RESUMED_RUNS, SHARED_RUNS,
-                       SINGLE_OF)
+from launch import (COMMON, STEPS, ckpt, finish_job, in_background, kill_tree, snapshot, start_job, start_several,
+                    stopped_after, torchrun_cmd, train_job)
+from run_table import ALL_RUNS, HALF_WRITTEN, RESHARD_BACK, RESHARD_LEGS, RESUMED_RUNS, SHARED_RUNS, Resumed, Run
 
 
 class SharedRuns:
@@ -41,8 +40,8 @@ class SharedRuns:
 
     def __getitem__(self, name: str) -> Path:
         """The dump folder of the shared run `name` (COMMON settings, STEPS steps), launched on first use."""
-        if name in self.done or ALL_RUNS.get(name, (0,))[0] == 1:  # made, or made in this process (never by the
-            return self._get(name)                                    # background): no job to wait for
+        if name in self.done or name in ALL_RUNS and ALL_RUNS[name].nproc == 1:  # made, or made in this process
+            return self._get(name)                                              # (never by the background): no job
         with self.lock:
             return self._get(name)
 
@@ -50,20 +49,20 @@ class SharedRuns:
         self.finish_started()
         if name not in self.done:
             if name in RESUMED_RUNS:
-                self._resume(RESUMED_RUNS[name][2])
-            elif (nproc := ALL_RUNS[name][0]) == 1:
+                self._resume(RESUMED_RUNS[name].nproc)
+            elif (run := ALL_RUNS[name]).nproc == 1:
                 (self.root / name).mkdir(parents=True, exist_ok=True)
-                with recording(self.root / name) if name in RECORDED else contextlib.nullcontext():
-                    train_job(nproc, self.root / name, *COMMON, "--training.steps", str(STEPS), *ALL_RUNS[name][1])
+                with recording(self.root / name) if run.record else contextlib.nullcontext():
+                    train_job(1, self.root / name, *COMMON, "--training.steps", str(STEPS), *run.argv)
                 self.done[name] = self.root / name
             else:  # every shared run of this many processes not yet made, in one job (several_runs.py)
                 self._no_failure()
-                self._make(nproc, self._not_made(nproc))
+                self._make(run.nproc, self._not_made(run.nproc))
         return self.done[name]
 
-    def _not_made(self, nproc: int) -> list[tuple[str, tuple[str, ...]]]:
-        """(name, overrides) of every shared run of `nproc` processes not yet made."""
-        return [(n, overrides) for n, (p, overrides) in ALL_RUNS.items() if p == nproc and n not in self.done]
+    def _not_made(self, nproc: int) -> list[tuple[str, Run]]:
+        """(name, run) of every shared run of `nproc` processes not yet made."""
+        return [(n, run) for n, run in ALL_RUNS.items() if run.nproc == nproc and n not in self.done]
 
     def output(self, name: str) -> str:
         """What the job that made `name` printed (every run of that job; each names its own dump folder)."""
@@ -97,8 +96,8 @@ class SharedRuns:
             return self.probed
 
     def make_in_background(self, jobs: list) -> None:
-        """Makes `jobs` (LATER_JOBS' makers) one after another in a thread of their own, at the lowest CPU priority.
-        When one fails, the thread stops, and every test that needs a job not yet made fails with its log."""
+        """Makes `jobs` (BACKGROUND_JOBS' makers) one after another in a thread of their own, at the lowest CPU
+        priority. When one fails, the thread stops, and every test that needs a job not yet made fails with its log."""
         def make() -> None:
             with in_background():
                 try:
@@ -130,39 +129,41 @@ class SharedRuns:
     def _resume(self, nproc: int) -> None:
         """Every resumed run of this many processes not yet made, in one job; with 4, the resharding legs too."""
         self._no_failure()
-        batch = [n for n, (_, _, p, _) in RESUMED_RUNS.items() if p == nproc and n not in self.done]
+        batch = [n for n, resumed in RESUMED_RUNS.items() if resumed.nproc == nproc and n not in self.done]
         runs, legs, resharded = [], [], {}
         for n in batch:
-            run, step, _, overrides = RESUMED_RUNS[n]
-            stopped_after(self[run], step, self.root / n)
+            resumed = RESUMED_RUNS[n]
+            stopped_after(self[resumed.run], resumed.after_step, self.root / n)
             if n in HALF_WRITTEN:
                 ckpt(self.root / n, HALF_WRITTEN[n]).mkdir()
                 (ckpt(self.root / n, HALF_WRITTEN[n]) / "__0_0.distcp").write_bytes(b"not a checkpoint")
-            runs.append((n, overrides))
+            runs.append((n, resumed))
         if nproc == 4 and not self.resharded:
-            root, source = self.root / "resharded", ckpt(self["fsdp4"], 4)
-            initial = ("--checkpoint.initial_load_path", str(source), "--no-checkpoint.initial_load_model_only")
-            for name, (run, overrides) in RESHARD_LEGS.items():
-                if run is not None:
-                    shutil.copytree(ckpt(self[run], 4), ckpt(root / name, 4))
-                legs.append((root / name, (*CHECKPOINTED, "--training.steps", "6", *overrides,
-                                           *(initial if run is None else ()))))
-            legs += [(root / name, SHARED_RUNS[run][1]) for name, run in RESHARD_BACK.items()]
-            resharded = {name: root / name for name in RESHARD_LEGS} | {"source_snapshot": snapshot(source)}
+            root = self.root / "resharded"
+            for name, leg in RESHARD_LEGS.items():
+                source, initial = ckpt(self[leg.run], leg.after_step), ()
+                if leg.initial_load:  # its snapshot now, before the leg reads it: reading must write nothing
+                    initial = ("--checkpoint.initial_load_path", str(source), "--no-checkpoint.initial_load_model_only")
+                    resharded["source_snapshot"] = snapshot(source)
+                else:
+                    shutil.copytree(source, ckpt(root / name, leg.after_step))
+                legs.append((root / name, (*leg.argv, *initial)))
+            legs += [(root / name, SHARED_RUNS[run].argv) for name, run in RESHARD_BACK.items()]
+            resharded |= {name: root / name for name in RESHARD_LEGS}
         self._make(nproc, runs, legs)
         self.resharded = self.resharded or resharded
 
-    def _make(self, nproc: int, runs: list[tuple[str, tuple[str, ...]]],
+    def _make(self, nproc: int, runs: list[tuple[str, Run | Resumed]],
               others: list[tuple[Path, tuple[str, ...]]] = ()) -> None:
-        """`runs` (name, overrides) in one job of `nproc` processes, then `others` (folder, overrides), with COMMON
+        """`runs` (name, Run or Resumed) in one job of `nproc` processes, then `others` (folder, overrides), with COMMON
         and STEPS before the overrides; the job's output kept beside them."""
         self._finish(self._start(nproc, runs, others))
 
-    def _start(self, nproc: int, runs: list[tuple[str, tuple[str, ...]]],
+    def _start(self, nproc: int, runs: list[tuple[str, Run | Resumed]],
                others: list[tuple[Path, tuple[str, ...]]] = ()) -> tuple:
         log = self.root / f"job{len(list(self.root.glob('job*.log')))}.log"
         args = (*COMMON, "--training.steps", str(STEPS))
-        made = [(self.root / n, n in RECORDED, (*args, *overrides)) for n, overrides in runs]
+        made = [(self.root / n, run.record, (*args, *run.argv)) for n, run in runs]
         proc = start_several(nproc, made + [(f, False, (*args, *overrides)) for f, overrides in others], log)
         return self._track(proc), runs, log
 
@@ -173,47 +174,57 @@ class SharedRuns:
         self.done.update({n: self.root / n for n, _ in runs})  # last: a test that finds a run here reads its log
 
 
+def _job_of(table: dict, nproc: int):
+    """What makes the job of `table`'s runs of `nproc` processes: reading any of them makes every one not yet made."""
+    first = next((name for name, run in table.items() if run.nproc == nproc), None)
+    return lambda shared: first and shared[first]
+
+
 # The 4-process shared job is the suite's largest, and the unit tests run in one process: so when a session holds both
-# (the layout parity tests read every 4-process run), the job starts with the session, beside the unit tests. Every
-# multi-process test waits for it; the unit tests whose threads answer within fractions of a second run last of all.
+# (the layout parity tests read every 4-process run: their module is marked `starts_with_session(4)`), the job starts
+# with the session, beside the unit tests. Every multi-process test waits for it; the unit tests whose threads answer
+# within fractions of a second (marked `answers_within_fractions`) run last of all.
 # The other shared jobs are made after it, one after another in a background thread at the lowest CPU priority
 # (launch.in_background), on the cores that the tests in front leave idle (launchers starting, faults and timeouts
-# waited out); the tests that read them run last. Each job (what makes it) with the files that read it, in their order.
-LATER_JOBS = [
-    (SharedRuns.reshard_legs, {"test_checkpoint.py", "test_collectives.py", "test_context_parallel.py",  # and the
-                               "test_float8.py", "test_pipeline.py", "test_validation.py"}),  # 4-process resumes
-    (SharedRuns.probes, {"test_collectives.py", "test_init_layouts.py", "test_syncs.py"}),
-    (lambda r: r["tp2_compiled"], {"test_compile.py", "test_context_parallel.py", "test_layouts.py",  # 2 processes
-                                   "test_pairs.py", "test_pipeline.py"}),
-    (lambda r: r["tp2_compiled_resumed"], {"test_compile.py", "test_context_parallel.py", "test_pipeline.py"}),
-    (lambda r: r["pairs17_float32_8p"], {"test_pairs.py"}),  # 8 processes
-]
+# waited out); the tests that read them run last. A test module says which it reads (`reads(job, ...)`, pytest.ini
+# registers the markers); only the jobs some selected test reads are made, in this order.
+BACKGROUND_JOBS = {
+    "resumed_4p": SharedRuns.reshard_legs,  # the 4-process resumed runs, and the resharding legs in the same job
+    "probes": SharedRuns.probes,
+    "shared_2p": _job_of(ALL_RUNS, 2),
+    "resumed_2p": _job_of(RESUMED_RUNS, 2),
+    "shared_8p": _job_of(ALL_RUNS, 8),
+}
 _SHARED: list[SharedRuns] = []
-_LATER: list = []  # the session's LATER_JOBS, until they start
+_LATER: list = []  # the session's background jobs (BACKGROUND_JOBS' makers), until they start
 HERE = Path(__file__).parent
-ANSWER_WITHIN_FRACTIONS = {"test_errors.py", "test_flight_recorder.py"}
 
 
-def _reads_later_job(item) -> bool:
-    return bool({"runs", "resharded", "probed"} & set(item.fixturenames)) and any(
-        Path(str(item.path)).name in readers for _, readers in LATER_JOBS)
+def _reads(item) -> set[str]:
+    """The background jobs `item` reads: its `reads` markers' jobs, where it asks for shared runs at all."""
+    if not {"runs", "resharded", "probed"} & set(item.fixturenames):
+        return set()
+    jobs = {job for mark in item.iter_markers("reads") for job in mark.args}
+    if unknown := jobs - BACKGROUND_JOBS.keys():
+        raise pytest.UsageError(f"{item.nodeid} reads {sorted(unknown)}: no such job in {list(BACKGROUND_JOBS)}")
+    return jobs
 
 
 def pytest_collection_modifyitems(config, items):
     def place(item) -> int:
-        path = Path(str(item.path))
-        if path.name in ANSWER_WITHIN_FRACTIONS:
+        if item.get_closest_marker("answers_within_fractions"):
             return 3
-        return 0 if HERE not in path.parents else 2 if _reads_later_job(item) else 1
+        return 0 if HERE not in Path(str(item.path)).parents else 2 if _reads(item) else 1
 
     items.sort(key=place)  # stable: each group keeps pytest's order
     if not any(place(i) in (1, 2) for i in items):
         return
     _SHARED.append(shared := SharedRuns(config._tmp_path_factory.mktemp("shared_runs")))
-    if any(place(i) == 0 for i in items) and any(Path(str(i.path)).name == "test_layouts.py" for i in items):
-        shared.start(4)
-    files = {Path(str(i.path)).name for i in items if place(i) == 2}
-    _LATER.extend(job for job, readers in LATER_JOBS if readers & files)
+    if any(place(i) == 0 for i in items):
+        for nproc in sorted({m.args[0] for i in items for m in i.iter_markers("starts_with_session")}):
+            shared.start(nproc)
+    read = set().union(*(_reads(i) for i in items if place(i) == 2))
+    _LATER.extend(make for job, make in BACKGROUND_JOBS.items() if job in read)
 
 
 def pytest_runtest_setup(item):  # a hook of this folder's tests only
@@ -246,5 +257,5 @@ def probed(runs) -> Path:
 @pytest.fixture(scope="session")
 def eager_grads(runs):
     """eager_grads(name): every parameter's gradient after step 1 of the single-process run that the shared run
-    `name` is compared with (SINGLE_OF), on the shared runs' batch."""
-    return lambda name: load_grads(runs[SINGLE_OF[name]])
+    `name` is compared with (its `reference`), on the shared runs' batch."""
+    return lambda name: load_grads(runs[ALL_RUNS[name].reference])

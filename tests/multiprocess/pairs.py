@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from launch import COMMON, FLOAT8, train_argv
-from torchtitan_lite.config import load_config
+from torchtitan_lite.config import JobConfig, load_config
 from torchtitan_lite.parallel.dims import ParallelDims
 
 GLOBAL_BATCH = 8  # every shared run's (launch.COMMON): the rows' sizes below are cut from it
@@ -187,12 +187,19 @@ def excluded_pairs() -> dict[tuple[tuple[str, str], tuple[str, str]], str]:
     return out
 
 
+@functools.lru_cache(maxsize=None)  # the generator, the kinds of run_table.py and the tests ask for the same runs
+def parsed(nproc: int, overrides: tuple[str, ...]) -> tuple[JobConfig, ParallelDims]:
+    """A run's config and mesh degrees, read by the trainer's own loader as the run itself reads them (shared by
+    every caller: never changed)."""
+    cfg = load_config(list(train_argv(Path("unused"), *COMMON, *overrides)))
+    return cfg, ParallelDims.from_config(cfg.parallelism, nproc)
+
+
 def levels_of(nproc: int, overrides: tuple[str, ...]) -> dict[str, str]:
     """A run's levels, read through the trainer's config loader and mesh degrees as the run itself reads them; an
     option its layout ignores counts at its default."""
-    cfg = load_config(list(train_argv(Path("unused"), *COMMON, *overrides)))
+    cfg, dims = parsed(nproc, tuple(overrides))
     t, p = cfg.training, cfg.parallelism
-    dims = ParallelDims.from_config(p, nproc)
     on = lambda flag: "on" if flag else "off"  # noqa: E731
     sharded, ac = dims.dp_shard * dims.cp, cfg.activation_checkpoint
     row = {
@@ -287,11 +294,11 @@ def fill(row: dict[str, str], order: list[str], uncovered: set) -> dict[str, str
     return row
 
 
-def generate(runs: dict[str, tuple[int, tuple[str, ...]]]) -> dict[str, tuple[int, tuple[str, ...]]]:
-    """Rows that cover every applicable pair `runs` (name -> (processes, overrides)) miss: greedy (AETG-like) and
+def generate(runs: list[tuple[int, tuple[str, ...]]]) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """Rows that cover every applicable pair `runs` ((processes, overrides) each) miss: greedy (AETG-like) and
     deterministic, so every session makes the same rows; then pruned of costly levels they need not hold."""
     uncovered = applicable_pairs()
-    for nproc, overrides in runs.values():
+    for nproc, overrides in runs:
         uncovered -= pairs_of(levels_of(nproc, overrides))
     wide = {p for p in uncovered if complete(dict(p), MAX_WORLD) is None}  # a row of 8 processes only for these
     needed, rows = set(uncovered), []

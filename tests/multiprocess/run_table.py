@@ -1,98 +1,179 @@
-"""The suite's shared runs, by name: what each trains (processes and train.py overrides beside launch.COMMON), which
-record their gradients, what each is compared with, and which are resumed or resharded. conftest.py makes them
-(SharedRuns), the tests import these tables to parametrize over them: a plain module, imported once, so the pair
-rows are generated once per session."""
+"""The suite's shared runs, by name: what each trains (processes, train.py overrides beside launch.COMMON, the
+model), which single-process run it is compared with, which record their gradients, and which are resumed or
+resharded. conftest.py makes them (SharedRuns), the tests import these tables to parametrize over them: a plain
+module, imported once, so the pair rows are generated once per session.
 
+A name is a label: what kind of run it is (pipelined, context parallel, compiled) is read from its config as the
+trainer parses it (`Run.dims`, `Run.config`, `of_kind`), so renaming a run changes no test that selects by kind. A
+new architecture joins the parity matrix as table entries with its `model` and a single-process reference run of its
+own: test_layouts.py compares every shared run with its `reference`, and test_run_table.py checks that a reference is
+one process training what its runs train."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pairs
 from launch import CHECKPOINTED, CP2, DEBUGMODEL, FLOAT8, HSDP, MASKED, PP2, PROFILED, TP2, TP2_FSDP2
-from pairs import REFERENCES, generate
+from torchtitan_lite.config import JobConfig
+from torchtitan_lite.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class Run:
+    """A shared run: made once per session, in the job of every shared run of its processes (conftest.py)."""
+    nproc: int
+    overrides: tuple[str, ...] = ()  # train.py's, after launch.COMMON and --training.steps STEPS, so they win
+    # The single-process run it is compared with: most train the tests' model in fp32 as "single" does. None: it is
+    # one itself.
+    reference: Optional[str] = "single"
+    model: str = "llama3"  # model.name: the architecture it trains
+    record: bool = True  # every parameter's gradient at step 1 (grad_dump.py), which the parity tests compare
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        """Its train.py overrides, the model first: a run always says which architecture it trains."""
+        return ("--model.name", self.model, *self.overrides)
+
+    @property
+    def config(self) -> JobConfig:
+        """Its JobConfig, as train.py loads it (pairs.parsed: cached, so shared; never changed)."""
+        return pairs.parsed(self.nproc, self.argv)[0]
+
+    @property
+    def dims(self) -> ParallelDims:
+        """Its mesh degrees (pp, cp, tp, dp_replicate, dp_shard), as the trainer derives them from its config."""
+        return pairs.parsed(self.nproc, self.argv)[1]
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The shared run `run` stopped after `after_step` and resumed in a new job, on `nproc` processes and the
+    overrides here (the run's layout or another). The resumed runs of one size are made in one job of their own,
+    after the shared runs', so none shares a process with the run it resumes."""
+    run: str
+    after_step: int
+    nproc: int
+    overrides: tuple[str, ...]
+    model: str = "llama3"  # the run's: a checkpoint loads into the architecture that saved it (test_run_table.py)
+    record: bool = False  # as Run's, with graphs.json (grad_dump.py); most resumes are checked by their curve
+    # A resharding leg that reads the run's checkpoint where it lies (checkpoint.initial_load_path), which must stay
+    # as it was, rather than a copy in its own folder.
+    initial_load: bool = False
+
+    argv = Run.argv
+
+
+# A run's kinds, from what the trainer parses: the tests of each kind parametrize over its runs.
+KINDS = {
+    "pipelined": lambda run: run.dims.pp > 1,
+    "context_parallel": lambda run: run.dims.cp > 1,
+    "compiled": lambda run: run.config.compile.enable,
+}
+
+
+def of_kind(runs: dict[str, Run], kind: str) -> list[str]:
+    """The names of `runs` of `kind` (KINDS), in the table's order."""
+    return [name for name, run in runs.items() if KINDS[kind](run)]
+
 
 SHORT = ("--training.steps", "4")  # after STEPS on the command line, so it wins
-# name -> (processes, overrides), all with global batch 8. One process and DDP accumulate; the 4-process layouts take
-# one micro-batch per rank (under TP each costs ~8 collectives per block; test_checkpoint.py accumulates on TP 2 x 2).
+# name -> Run, all with global batch 8. One process and DDP accumulate; the 4-process layouts take one micro-batch per
+# rank (under TP each costs ~8 collectives per block; test_checkpoint.py accumulates on TP 2 x 2).
 SHARED_RUNS = {
-    "single": (1, ()),  # 4 micro-batches of 2
+    "single": Run(1, (), reference=None),  # 4 micro-batches of 2
     # 1 of 2 per rank; traced at steps 4 and 8 (test_profiling.py: profiling changes no number the others read).
-    "fsdp4": (4, (*CHECKPOINTED, *PROFILED)),
+    "fsdp4": Run(4, (*CHECKPOINTED, *PROFILED)),
     # 1 of 4 per rank, each block recomputed in backward: AC leaves the numerics alone (the TP 2 x FSDP 2 reshard leg
     # of test_checkpoint.py runs without it).
-    "tp2_fsdp2": (4, TP2_FSDP2),
+    "tp2_fsdp2": Run(4, TP2_FSDP2),
     # Read by the layout test alone, which compares the steps both runs have: 4 show parity as well as 8.
-    "tp4": (4, ("--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "8", *SHORT)),  # 1 of 8
-    "hsdp2x2": (4, (*HSDP, *SHORT)),  # 1 of 2 per rank
+    "tp4": Run(4, ("--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "8", *SHORT)),  # 1 of 8
+    "hsdp2x2": Run(4, (*HSDP, *SHORT)),  # 1 of 2 per rank
     # DDP is FSDP2 on a (replicate, shard = 1) mesh; 2 replicas show it as well as 4. 2 micro-batches of 2 per rank.
-    "ddp2": (2, ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-                 *SHORT)),
+    "ddp2": Run(2, ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
+                    "1", *SHORT)),
     # Pipeline layouts, one per schedule, recording every parameter's gradient at step 1 (grad_dump.py). GPipe: 2
     # local batches of 4 accumulated, 2 micro-batches each; 1F1B beside FSDP, validating and saving every 2 steps.
     # FSDP2's options (test_fsdp_options.py). hpZ over pairs of the 4 shards, two blocks prefetched each way, and 2
     # micro-batches of 1 per rank reduced once after the last; the output and input casts are fp32 here, so they are
     # only shown to run. Then parameters, gradients and AdamW's state in host memory (the device is the host here).
-    "fsdp4_hpz_prefetch_deferred_reduce": (4, (
+    "fsdp4_hpz_prefetch_deferred_reduce": Run(4, (
         "--parallelism.fsdp_reshard_after_forward", "2", "--parallelism.fsdp_prefetch", "2",
         "--training.local_batch_size", "1", "--parallelism.fsdp_defer_grad_reduce",
         "--training.mixed_precision_output", "float32", "--no-training.mixed_precision_cast_forward_inputs", *SHORT)),
-    "fsdp4_offload_reshard_always": (4, (
+    "fsdp4_offload_reshard_always": Run(4, (
         "--parallelism.fsdp_cpu_offload", "--no-parallelism.fsdp_offload_pin_memory",
         "--parallelism.fsdp_reshard_after_forward", "always", *SHORT)),
     # TP 2 compiled (aot_eager), validating and saving every 2 steps: test_compile.py resumes it.
-    "tp2_compiled": (2, (*TP2, "--training.local_batch_size", "4", "--compile.enable", "--compile.backend", "aot_eager",
-                         *CHECKPOINTED, "--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
-                         "--training.steps", "6")),
-    "pp2_gpipe": (2, (*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", "--training.local_batch_size", "4",
-                      *CHECKPOINTED)),
-    "pp2_fsdp2": (4, (*PP2, "--training.local_batch_size", "4", *CHECKPOINTED, "--validation.enable",
-                      "--validation.freq", "2", "--validation.steps", "2")),
+    "tp2_compiled": Run(2, (*TP2, "--training.local_batch_size", "4", "--compile.enable", "--compile.backend",
+                            "aot_eager", *CHECKPOINTED, "--validation.enable", "--validation.freq", "2",
+                            "--validation.steps", "1", "--training.steps", "6")),
+    "pp2_gpipe": Run(2, (*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", "--training.local_batch_size", "4",
+                         *CHECKPOINTED)),
+    "pp2_fsdp2": Run(4, (*PP2, "--training.local_batch_size", "4", *CHECKPOINTED, "--validation.enable",
+                         "--validation.freq", "2", "--validation.steps", "2")),
     # 4 stages of the debug model's 6 blocks (1, 2, 2, 1: the end ones hold the embedding and the output), 2 per rank,
-    # 4 micro-batches of 2, every block recomputed in backward; interleaved with blocks compiled (aot_eager).
-    "pp2_tp2_looped_bfs": (4, (*PP2, *TP2, "--parallelism.pipeline_parallel_schedule", "LoopedBFS",
-                               "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "4",
-                               "--activation_checkpoint.mode", "full", *DEBUGMODEL, *SHORT)),
-    "pp2_interleaved_compiled": (2, (*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                                     "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches",
-                                     "4", "--compile.enable", "--compile.backend", "aot_eager", *DEBUGMODEL, *SHORT)),
+    # 4 micro-batches of 2, every block recomputed in backward; interleaved with blocks compiled (aot_eager). Both
+    # against a single-process run of the debug model (SINGLES).
+    "pp2_tp2_looped_bfs": Run(4, (*PP2, *TP2, "--parallelism.pipeline_parallel_schedule", "LoopedBFS",
+                                  "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatches",
+                                  "4", "--activation_checkpoint.mode", "full", *DEBUGMODEL, *SHORT),
+                              reference="single_debugmodel"),
+    "pp2_interleaved_compiled": Run(2, (*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                        "--training.local_batch_size", "8",
+                                        "--parallelism.pipeline_parallel_microbatches", "4", "--compile.enable",
+                                        "--compile.backend", "aot_eager", *DEBUGMODEL, *SHORT),
+                                    reference="single_debugmodel"),
     # Context-parallel layouts (each sequence split over the cp ranks), recording every parameter's gradient at step
     # 1. CP 2: 2 micro-batches of 4 accumulated, validating and saving every 2 steps (resumed below). CP 2 x FSDP 2 with
     # contiguous chunks, saving (test_context_parallel.py reshards it). CP 4 recomputing every block; CP 2 x TP 2
     # compiled (aot_eager); HSDP over cp with op-level selective AC; CP inside pipeline stages.
-    "cp2": (2, (*CP2, "--training.local_batch_size", "4", *CHECKPOINTED, "--validation.enable", "--validation.freq",
-                "2", "--validation.steps", "2")),
-    "cp2_fsdp2": (4, (*CP2, "--training.local_batch_size", "4", "--parallelism.context_parallel_load_balancer", "none",
-                      *CHECKPOINTED)),
-    "cp4": (4, ("--parallelism.context_parallel_degree", "4", "--training.local_batch_size", "8",
-                "--activation_checkpoint.mode", "full", *SHORT)),
-    "cp2_tp2_compiled": (4, (*CP2, *TP2, "--training.local_batch_size", "8", "--compile.enable", "--compile.backend",
-                             "aot_eager", *SHORT)),
-    "hsdp2_cp2": (4, (*HSDP, *CP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
-                      "--activation_checkpoint.selective_ac_option", "op", *SHORT)),
-    "pp2_cp2": (4, (*PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
+    "cp2": Run(2, (*CP2, "--training.local_batch_size", "4", *CHECKPOINTED, "--validation.enable", "--validation.freq",
+                   "2", "--validation.steps", "2")),
+    "cp2_fsdp2": Run(4, (*CP2, "--training.local_batch_size", "4", "--parallelism.context_parallel_load_balancer",
+                         "none", *CHECKPOINTED)),
+    "cp4": Run(4, ("--parallelism.context_parallel_degree", "4", "--training.local_batch_size", "8",
+                   "--activation_checkpoint.mode", "full", *SHORT)),
+    "cp2_tp2_compiled": Run(4, (*CP2, *TP2, "--training.local_batch_size", "8", "--compile.enable", "--compile.backend",
+                                "aot_eager", *SHORT)),
+    "hsdp2_cp2": Run(4, (*HSDP, *CP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
+                         "--activation_checkpoint.selective_ac_option", "op", *SHORT)),
+    "pp2_cp2": Run(4, (*PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
 }
-# The rows that run every pair of options the runs above miss (pairs.py, test_pairs.py), and the single-process
-# runs of each half precision they are compared with; made in the same jobs as the shared runs of their size.
-PAIR_RUNS = generate(SHARED_RUNS)
+# The rows that run every pair of options the runs above miss (pairs.py, test_pairs.py), each against the
+# single-process run of its precision and float8 recipe, and the single-process runs of each half precision they are
+# compared with; made in the same jobs as the shared runs of their size. They compare curves only: nothing recorded.
+PAIR_RUNS = {name: Run(nproc, overrides, reference=pairs.reference(pairs.levels_of(nproc, overrides)), record=False)
+             for name, (nproc, overrides) in pairs.generate([(r.nproc, r.argv) for r in SHARED_RUNS.values()]).items()}
+REFERENCES = {name: Run(nproc, overrides, reference=None, record=False)
+              for name, (nproc, overrides) in pairs.REFERENCES.items()}
 # Document masking (block_causal) on every kind of layout, against its own single-process run (test_documents.py),
 # 4 steps each, recording every parameter's gradient at step 1; in the jobs of the shared runs of their size.
 MASKED_RUNS = {
-    "masked_single": (1, (*MASKED, *SHORT)),  # 4 micro-batches of 2
+    "masked_single": Run(1, (*MASKED, *SHORT), reference=None),  # 4 micro-batches of 2
     # TP 2 x FSDP 2, blocks compiled (aot_eager): 1 micro-batch of 4 per rank.
-    "masked_tp2_fsdp2_compiled": (4, (*MASKED, *TP2, "--training.local_batch_size", "4", "--compile.enable",
-                                      "--compile.backend", "aot_eager", *SHORT)),
+    "masked_tp2_fsdp2_compiled": Run(4, (*MASKED, *TP2, "--training.local_batch_size", "4", "--compile.enable",
+                                         "--compile.backend", "aot_eager", *SHORT), reference="masked_single"),
     # PP 2 (1F1B, 2 micro-batches of 4: the documents reach the second stage beside its hidden states) x CP 2
     # (head-tail chunks under the mask).
-    "masked_pp2_cp2": (4, (*MASKED, *PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
+    "masked_pp2_cp2": Run(4, (*MASKED, *PP2, *CP2, "--training.local_batch_size", "8", *SHORT),
+                          reference="masked_single"),
 }
 # test_compile.py's 4-process layouts, each block compiled, in the job of the shared runs of their size: TP 2 x FSDP 2
 # (the shared run's settings) by inductor, 4 steps validating every 2 (step 4 repeats step 2's work, which must build
 # no graph); FSDP 4 with every other block recomputed and HSDP 2 x 2 with op-level selective AC and bf16, by
-# aot_eager, one step each (their gradients are the point).
+# aot_eager, one step each (their gradients are the point, against the single-process eager run's).
 AOT, ONE_STEP = ("--compile.enable", "--compile.backend", "aot_eager"), ("--training.steps", "1")
 COMPILED_RUNS = {
-    "tp2_fsdp2_inductor": (4, (*TP2_FSDP2, "--compile.enable", "--compile.backend", "inductor", "--validation.enable",
-                               "--validation.freq", "2", "--validation.steps", "1", *SHORT)),
-    "fsdp4_ac_every_2_compiled": (4, ("--activation_checkpoint.mode", "selective",
-                                      "--activation_checkpoint.selective_ac_option", "2", *AOT, *ONE_STEP)),
-    "hsdp_op_sac_bf16_compiled": (4, (*HSDP, "--activation_checkpoint.mode", "selective",
-                                      "--activation_checkpoint.selective_ac_option", "op",
-                                      "--training.mixed_precision_param", "bfloat16", *AOT, *ONE_STEP)),
+    "tp2_fsdp2_inductor": Run(4, (*TP2_FSDP2, "--compile.enable", "--compile.backend", "inductor",
+                                  "--validation.enable", "--validation.freq", "2", "--validation.steps", "1", *SHORT)),
+    "fsdp4_ac_every_2_compiled": Run(4, ("--activation_checkpoint.mode", "selective",
+                                         "--activation_checkpoint.selective_ac_option", "2", *AOT, *ONE_STEP)),
+    "hsdp_op_sac_bf16_compiled": Run(4, (*HSDP, "--activation_checkpoint.mode", "selective",
+                                         "--activation_checkpoint.selective_ac_option", "op",
+                                         "--training.mixed_precision_param", "bfloat16", *AOT, *ONE_STEP)),
 }
 # Float8 (test_float8.py): each layout against the single-process float8 run of its recipe, every micro-batch 2
 # sequences as there (a tensorwise scale is the max of a whole micro-batch's activations), recording every parameter's
@@ -103,51 +184,52 @@ COMPILED_RUNS = {
 ALL_GATHER, PRECOMPUTE = "--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"
 ROWWISE, TWO = ("--float8.recipe_name", "rowwise"), ("--training.steps", "2")
 FLOAT8_RUNS = {
-    "float8_single": (1, (*FLOAT8, *SHORT)),
-    "float8_rowwise_single": (1, (*FLOAT8, *ROWWISE, *SHORT)),
+    "float8_single": Run(1, (*FLOAT8, *SHORT), reference=None),
+    "float8_rowwise_single": Run(1, (*FLOAT8, *ROWWISE, *SHORT), reference=None),
     # Weights gathered in float8, each weight's max all-reduced before its gather; saving every 2 steps (resumed).
-    "float8_fsdp4_ag": (4, (*FLOAT8, ALL_GATHER, *CHECKPOINTED, *SHORT)),
-    "float8_fsdp4": (4, (*FLOAT8, *TWO)),  # weights gathered in fp32 and cast after: the same numbers, bitwise
-    "float8_pp2_fsdp2": (4, (*FLOAT8, *PP2, "--training.local_batch_size", "4", *TWO)),  # 1F1B, 2 micro-batches
+    "float8_fsdp4_ag": Run(4, (*FLOAT8, ALL_GATHER, *CHECKPOINTED, *SHORT), reference="float8_single"),
+    # Weights gathered in fp32 and cast after: the same numbers as the all-gather run's, bitwise, which is all that
+    # is compared (no gradients recorded).
+    "float8_fsdp4": Run(4, (*FLOAT8, *TWO), reference="float8_single", record=False),
+    "float8_pp2_fsdp2": Run(4, (*FLOAT8, *PP2, "--training.local_batch_size", "4", *TWO),  # 1F1B, 2 micro-batches
+                            reference="float8_single"),
     # torchao's float8 TP styles, which gather activations in float8; every weight's scale from one all-reduce after
     # each optimizer step. 2 micro-batches a rank.
-    "float8_tp2_fsdp2_ag_pre": (4, (*FLOAT8, *TP2, "--training.local_batch_size", "2", ALL_GATHER, PRECOMPUTE,
-                                    *TWO)),
-    "float8_rowwise_tp2_fsdp2": (4, (*FLOAT8, *ROWWISE, *TP2, "--training.local_batch_size", "2", *TWO)),
+    "float8_tp2_fsdp2_ag_pre": Run(4, (*FLOAT8, *TP2, "--training.local_batch_size", "2", ALL_GATHER, PRECOMPUTE,
+                                       *TWO), reference="float8_single"),
+    "float8_rowwise_tp2_fsdp2": Run(4, (*FLOAT8, *ROWWISE, *TP2, "--training.local_batch_size", "2", *TWO),
+                                    reference="float8_rowwise_single"),
 }
 # The single-process run of the layouts of 4 pipeline stages, which train the debug model's 6 blocks, 4 steps as they.
-SINGLES = {"single_debugmodel": (1, (*DEBUGMODEL, *SHORT))}
+SINGLES = {"single_debugmodel": Run(1, (*DEBUGMODEL, *SHORT), reference=None)}
 ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **COMPILED_RUNS, **FLOAT8_RUNS, **SINGLES}
-RECORDED = [*SHARED_RUNS, *SINGLES, "tp2_compiled_resumed", *MASKED_RUNS, *COMPILED_RUNS,
-            *(n for n in FLOAT8_RUNS if n != "float8_fsdp4")]
-# The single-process run each run of SHARED_RUNS and COMPILED_RUNS is compared with.
-SINGLE_OF = {name: "single_debugmodel" if "debugmodel" in overrides else "single"
-             for name, (_, overrides) in {**SHARED_RUNS, **COMPILED_RUNS}.items()}
 
-PIPELINED = [name for name in SHARED_RUNS if name.startswith("pp")]
-CONTEXT_PARALLEL = [name for name in SHARED_RUNS if "cp" in name]
-# name -> (run, step it resumes after, processes, overrides): a run stopped after that step and resumed to STEPS.
-# The resumed runs of one size are made in one job of their own, after the shared runs': none shares a process with
-# the run it resumes, so a resume proves what the checkpoint holds, not what a process still held.
+PIPELINED, CONTEXT_PARALLEL = of_kind(SHARED_RUNS, "pipelined"), of_kind(SHARED_RUNS, "context_parallel")
+COMPILED = of_kind(SHARED_RUNS, "compiled")
+# A run stopped after a step and resumed to STEPS (or as far as its overrides say).
 RESUMED_RUNS = {
     # Saving asynchronously, with a half-written-looking step-99 in the way (HALF_WRITTEN; test_checkpoint.py).
-    "fsdp4_resumed": ("fsdp4", 4, 4, (*CHECKPOINTED, "--checkpoint.async_mode", "async")),
+    "fsdp4_resumed": Resumed("fsdp4", 4, 4, (*CHECKPOINTED, "--checkpoint.async_mode", "async")),
     # Validating at steps 6 and 8, keeping the newest 2 checkpoints: steps 7 and 8 still the straight run's, bitwise.
-    "tp2_fsdp2_resumed": ("tp2_fsdp2", 4, 4, (*TP2_FSDP2, "--checkpoint.keep_latest_k", "2", "--validation.enable",
-                                              "--validation.freq", "2", "--validation.steps", "2")),
+    "tp2_fsdp2_resumed": Resumed("tp2_fsdp2", 4, 4, (*TP2_FSDP2, "--checkpoint.keep_latest_k", "2",
+                                                     "--validation.enable", "--validation.freq", "2",
+                                                     "--validation.steps", "2")),
     # Saving asynchronously and keeping the newest 2 (test_pipeline.py).
-    "pp2_gpipe_resumed": ("pp2_gpipe", 4, 2, (*SHARED_RUNS["pp2_gpipe"][1], "--checkpoint.async_mode", "async",
-                                              "--checkpoint.keep_latest_k", "2")),
-    "cp2_resumed": ("cp2", 6, 2, SHARED_RUNS["cp2"][1]),
-    "tp2_compiled_resumed": ("tp2_compiled", 2, 2, SHARED_RUNS["tp2_compiled"][1]),  # recording its graph counts
+    "pp2_gpipe_resumed": Resumed("pp2_gpipe", 4, 2, (*SHARED_RUNS["pp2_gpipe"].overrides, "--checkpoint.async_mode",
+                                                     "async", "--checkpoint.keep_latest_k", "2")),
+    "cp2_resumed": Resumed("cp2", 6, 2, SHARED_RUNS["cp2"].overrides),
+    # Recording its graph counts.
+    "tp2_compiled_resumed": Resumed("tp2_compiled", 2, 2, SHARED_RUNS["tp2_compiled"].overrides, record=True),
     # Float8 weights in FSDP's state: a DTensor of torchao's float8-casting subclass, saved and loaded by DCP.
-    "float8_fsdp4_ag_resumed": ("float8_fsdp4_ag", 2, 4, FLOAT8_RUNS["float8_fsdp4_ag"][1]),
+    "float8_fsdp4_ag_resumed": Resumed("float8_fsdp4_ag", 2, 4, FLOAT8_RUNS["float8_fsdp4_ag"].overrides),
 }
 HALF_WRITTEN = {"fsdp4_resumed": 99}  # resumed run -> the step of a checkpoint folder without .metadata put there
 # The resharding legs (test_checkpoint.py, test_pipeline.py, test_context_parallel.py), in the job of the 4-process
-# resumed runs, each a shared run's step 4 resumed on another layout to step 6, saving every 2 steps: name -> (the run
-# whose step-4 checkpoint is copied in, overrides); "hsdp2x2" starts from FSDP 4's through initial_load_path instead.
-RESHARD_LEGS = {"tp2_fsdp2": ("fsdp4", TP2), "hsdp2x2": (None, HSDP), "pp_to_fsdp4": ("pp2_fsdp2", ()),
-                "cp_to_fsdp4": ("cp2_fsdp2", ())}
+# resumed runs, each a shared run's step 4 resumed on another layout to step 6, saving every 2 steps; "hsdp2x2"
+# starts from FSDP 4's through initial_load_path instead of a copy.
+LEG = (*CHECKPOINTED, "--training.steps", "6")
+RESHARD_LEGS = {"tp2_fsdp2": Resumed("fsdp4", 4, 4, (*LEG, *TP2)),
+                "hsdp2x2": Resumed("fsdp4", 4, 4, (*LEG, *HSDP), initial_load=True),
+                "pp_to_fsdp4": Resumed("pp2_fsdp2", 4, 4, LEG), "cp_to_fsdp4": Resumed("cp2_fsdp2", 4, 4, LEG)}
 # Then these go on in their folder on their first layout to step 8 (their step-6 checkpoints stay).
 RESHARD_BACK = {"pp_to_fsdp4": "pp2_fsdp2", "cp_to_fsdp4": "cp2_fsdp2"}

@@ -25,6 +25,8 @@ from torchtitan_lite.runtime.run_history import history_run
 from torchtitan_lite.config import ConfigError
 from torchtitan_lite.checkpoint.reader import read_tensors
 
+pytestmark = pytest.mark.reads("resumed_4p")  # the resumed runs and resharding legs
+
 BPE = str(ROOT / "torchtitan_lite" / "assets" / "stdlib_bpe_2k.tiktoken")
 SLOW_DELETE = ROOT / "tests" / "multiprocess" / "slow_delete.py"
 TOLERANCE = 1e-5

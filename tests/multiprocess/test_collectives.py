@@ -31,6 +31,8 @@ from launch import FLOAT8, TINY, tiny_model
 from torchtitan_lite.models.llama3.model import Transformer
 from torchtitan_lite.quantization.float8 import converted_names
 
+pytestmark = pytest.mark.reads("resumed_4p", "probes")
+
 ARGS = tiny_model()
 BATCH = 2  # sequences per micro-batch (tiny.toml's local_batch_size)
 L = ARGS.n_layers

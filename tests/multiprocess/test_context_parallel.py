@@ -14,6 +14,8 @@ from grad_dump import assert_grads_match, load_grads
 from launch import ckpt, read_metrics
 from test_checkpoint import assert_continues, assert_same_state
 
+pytestmark = pytest.mark.reads("resumed_4p", "shared_2p", "resumed_2p")
+
 TOLERANCE = 1e-5
 
 

@@ -12,15 +12,15 @@ from grad_dump import assert_grads_match, load_grads
 from launch import assert_same_curve, losses
 
 TOLERANCE = 1e-5
-LAYOUTS = [name for name in MASKED_RUNS if name != "masked_single"]
+LAYOUTS = [name for name, run in MASKED_RUNS.items() if run.reference is not None]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_masked_layout_follows_the_masked_single_process_run(runs, layout):
     assert sorted(losses(runs[layout])) == [1, 2, 3, 4]
-    assert_same_curve(runs[layout], runs["masked_single"], TOLERANCE)
+    assert_same_curve(runs[layout], runs[MASKED_RUNS[layout].reference], TOLERANCE)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_masked_layout_gives_every_gradient_of_one_process(runs, layout):
-    assert_grads_match(load_grads(runs[layout]), load_grads(runs["masked_single"]), TOLERANCE)
+    assert_grads_match(load_grads(runs[layout]), load_grads(runs[MASKED_RUNS[layout].reference]), TOLERANCE)

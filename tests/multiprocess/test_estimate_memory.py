@@ -21,18 +21,18 @@ MESH = {"fsdp4": "dp_shard 4", "tp2_fsdp2": "dp_shard 2 x tp 2", "pp2_fsdp2": "p
 
 @pytest.mark.parametrize("name", list(MESH))
 def test_estimate_equals_the_trainers_held_bytes(runs, name, caplog):
-    nproc, overrides = SHARED_RUNS[name]
+    run = SHARED_RUNS[name]
     first = read_metrics(runs[name])[0]
     assert first["step"] == 1
-    cfg = load_config(["--job.config_file", str(TINY), *COMMON, "--training.steps", str(STEPS), *overrides])
+    cfg = load_config(["--job.config_file", str(TINY), *COMMON, "--training.steps", str(STEPS), *run.argv])
     with caplog.at_level(logging.INFO, logger="torchtitan_lite.tools.memory"):
-        estimate = estimate_memory(cfg, nproc)
+        estimate = estimate_memory(cfg, run.nproc)
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
         assert key in first, f"the trainer's step-1 record has no {key}: is metrics.held_bytes wired into train.py?"
         assert first[key] == getattr(estimate, key), key
     # Its progress: which rank and mesh it traces, then each piece as it starts.
     said = [r.getMessage() for r in caplog.records if r.name == "torchtitan_lite.tools.memory"]
-    backward = r"backward, after \d+ micro-batch forwards of rank 0's stages" if "pp2" in name else "backward"
+    backward = r"backward, after \d+ micro-batch forwards of rank 0's stages" if run.dims.pp > 1 else "backward"
     expected = [re.escape(f"rank 0 of 4 (mesh {MESH[name]}): building and parallelizing its model on meta"),
                 "materializing rank 0's shards as fake tensors",
                 r"step 1 of 2 \(creates the optimizer state\): forward", backward, "step 1 of 2: optimizer step",

@@ -17,11 +17,15 @@ import torch
 
 from grad_dump import load_grads, load_scales
 from launch import assert_same_curve, metric
+from run_table import FLOAT8_RUNS
+
+pytestmark = pytest.mark.reads("resumed_4p")  # float8_fsdp4_ag_resumed
 
 pytest.importorskip("torchao")
 
-REFERENCE = {"float8_fsdp4_ag": "float8_single", "float8_pp2_fsdp2": "float8_single",
-             "float8_tp2_fsdp2_ag_pre": "float8_single", "float8_rowwise_tp2_fsdp2": "float8_rowwise_single"}
+# Each layout that records its step 1 -> the single-process run of its recipe (float8_fsdp4 records nothing: its numbers
+# are the all-gather run's, below).
+REFERENCE = {name: run.reference for name, run in FLOAT8_RUNS.items() if run.reference and run.record}
 SPLIT = {"float8_tp2_fsdp2_ag_pre", "float8_rowwise_tp2_fsdp2"}  # tensor parallel: a micro-batch's matmuls split
 # Float8's drift over 4 steps (measured: at most 1.4e-4 in the loss over 8 steps on these layouts; a wrong reduction
 # moves the grad norm by its factor), and the gradients of a split layout (measured: <= 5.1e-2 of each parameter's

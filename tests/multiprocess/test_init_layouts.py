@@ -9,6 +9,8 @@ import probes
 from launch import TINY, tiny_model
 from torchtitan_lite.models.llama3.model import Transformer
 
+pytestmark = pytest.mark.reads("probes")
+
 LAYOUTS = {
     "tp2_fsdp2": ["--parallelism.tensor_parallel_degree", "2"],  # FSDP over TP: a _StridedShard on dim 0
     "tp4": ["--parallelism.tensor_parallel_degree", "4"],

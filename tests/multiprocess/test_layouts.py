@@ -12,9 +12,11 @@ import sys
 
 import pytest
 
-from run_table import CONTEXT_PARALLEL, PIPELINED, SHARED_RUNS, SINGLE_OF
+from run_table import COMPILED, CONTEXT_PARALLEL, PIPELINED, SHARED_RUNS
 from grad_dump import assert_grads_match, load_grads
 from launch import ROOT, STEPS, assert_same_curve, losses
+
+pytestmark = [pytest.mark.reads("shared_2p"), pytest.mark.starts_with_session(4)]  # reads every 4-process run
 
 TOLERANCE = 1e-5
 
@@ -25,9 +27,13 @@ def test_single_process_with_accumulation_learns(runs):
     assert curve[STEPS] < curve[1] - 1.0
 
 
-@pytest.mark.parametrize("layout", [name for name in SHARED_RUNS if name != "single"])
+# Every shared run that has a single-process reference: a new model's runs join with theirs (run_table.py).
+COMPARED = [name for name, run in SHARED_RUNS.items() if run.reference is not None]
+
+
+@pytest.mark.parametrize("layout", COMPARED)
 def test_layout_matches_single_process_through_loss_compare(runs, layout):
-    single, folder = runs[SINGLE_OF[layout]], runs[layout]
+    single, folder = runs[SHARED_RUNS[layout].reference], runs[layout]
     curve = losses(folder)
     assert sorted(curve) == list(range(1, len(curve) + 1)) and len(curve) >= 4
     worst = assert_same_curve(folder, single, TOLERANCE)["loss"]
@@ -39,8 +45,7 @@ def test_layout_matches_single_process_through_loss_compare(runs, layout):
 
 
 # Pipeline, context-parallel and compiled layouts are checked beside their own tests.
-@pytest.mark.parametrize("layout", [name for name in SHARED_RUNS if name not in ("single", "tp2_compiled", *PIPELINED,
-                                                                                 *CONTEXT_PARALLEL)])
+@pytest.mark.parametrize("layout", [n for n in COMPARED if n not in (*COMPILED, *PIPELINED, *CONTEXT_PARALLEL)])
 def test_layout_reduces_every_gradient_as_one_process(runs, eager_grads, layout):
     """Every parameter's gradient after step 1, not only the curve: a gradient reduced with the wrong factor or over
     the wrong group can hide behind a plausible loss."""

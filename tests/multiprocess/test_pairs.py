@@ -15,6 +15,8 @@ import pairs
 from run_table import PAIR_RUNS, SHARED_RUNS
 from launch import read_metrics
 
+pytestmark = pytest.mark.reads("shared_2p", "shared_8p")
+
 # Loss and grad norm (relative) of a row against the single-process run of its precision, by the row's precision or
 # reduce dtype, whichever is looser. float32: only the order of reductions differs (as test_layouts.py's layouts).
 # Half precision: FSDP casts the parameters themselves to the compute dtype, so every op runs in it, while one process
@@ -31,7 +33,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 4e-3, "float16": 1e-3}
 FLOAT8 = 1e-3
 
 def covered(runs: dict) -> set:
-    return set().union(*(pairs.pairs_of(pairs.levels_of(nproc, overrides)) for nproc, overrides in runs.values()))
+    return set().union(*(pairs.pairs_of(pairs.levels_of(run.nproc, run.argv)) for run in runs.values()))
 
 
 def test_every_applicable_pair_is_run_by_a_shared_run_or_a_generated_row():
@@ -55,8 +57,8 @@ def test_every_excluded_pair_says_why_and_none_for_the_tests_budget():
 
 def test_generated_rows_hold_the_levels_they_were_made_for():
     # Each row's command line reads back as a row no constraint forbids: no ignored option, no impossible layout.
-    for nproc, overrides in PAIR_RUNS.values():
-        assert pairs.allowed(pairs.levels_of(nproc, overrides))
+    for run in PAIR_RUNS.values():
+        assert pairs.allowed(pairs.levels_of(run.nproc, run.argv))
 
 
 @pytest.mark.parametrize("pair", list(pairs.REFUSED))
@@ -67,9 +69,10 @@ def test_a_refused_pair_is_one_line_from_check(pair, error_line):
 
 @pytest.mark.parametrize("name", list(PAIR_RUNS))
 def test_generated_row_matches_the_single_process_run_of_its_precision(runs, name):
-    levels = pairs.levels_of(*PAIR_RUNS[name])
+    run = PAIR_RUNS[name]
+    levels = pairs.levels_of(run.nproc, run.argv)
     precision = levels["precision"]
-    ref = {m["step"]: m for m in read_metrics(runs[pairs.reference(levels)])}
+    ref = {m["step"]: m for m in read_metrics(runs[run.reference])}
     got = read_metrics(runs[name])
     assert [m["step"] for m in got] == list(range(1, pairs.STEPS[precision] + 1))
     tolerance = max(TOLERANCE[precision], TOLERANCE[levels["reduce"]], FLOAT8 if levels["float8"] != "off" else 0)

@@ -12,10 +12,12 @@ import os
 
 import pytest
 
-from run_table import PIPELINED, SINGLE_OF
+from run_table import PIPELINED, SHARED_RUNS
 from grad_dump import assert_grads_match, load_grads
 from launch import ckpt, curve, read_metrics
 from test_checkpoint import assert_continues, assert_same_state
+
+pytestmark = pytest.mark.reads("resumed_4p", "shared_2p", "resumed_2p")
 
 TOLERANCE = 1e-5
 
@@ -31,7 +33,7 @@ def test_pipeline_trains_every_weight_as_one_process(runs, eager_grads, layout):
 def test_the_logging_rank_reports_the_true_loss_and_norm(runs, layout):
     """Rank 0 logs; it holds the first stage, which never sees the loss: the logged loss and the clipped norm are
     the single-process run's, summed over every stage."""
-    ref = {m["step"]: m for m in read_metrics(runs[SINGLE_OF[layout]])}
+    ref = {m["step"]: m for m in read_metrics(runs[SHARED_RUNS[layout].reference])}
     for m in read_metrics(runs[layout]):
         assert m["loss"] == pytest.approx(ref[m["step"]]["loss"], abs=TOLERANCE, rel=0)
         assert m["grad_norm"] == pytest.approx(ref[m["step"]]["grad_norm"], rel=TOLERANCE, abs=0)

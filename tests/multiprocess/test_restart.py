@@ -11,7 +11,7 @@ from torchtitan_lite.runtime.run_history import history_run
 def test_killed_worker_is_restarted_and_finishes_on_the_uninterrupted_curve(runs, tmp_path):
     # Rank 3 dies at the start of step 6; the newest checkpoint is step 4 (saved every 2). Without the shared run's
     # validation, which leaves the curve as it is (test_validation.py).
-    out = torchrun(4, tmp_path, *COMMON, "--training.steps", str(STEPS), *SHARED_RUNS["pp2_fsdp2"][1],
+    out = torchrun(4, tmp_path, *COMMON, "--training.steps", str(STEPS), *SHARED_RUNS["pp2_fsdp2"].argv,
                    "--no-validation.enable", script=GATE,
                    script_args=(str(tmp_path), "3", "6"), launcher=("--standalone", "--max-restarts", "1"))
     output = out.stdout + out.stderr

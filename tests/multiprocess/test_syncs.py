@@ -14,6 +14,8 @@ import probes
 from launch import COMMON, TINY, TP2
 from torchtitan_lite.tools.sync_count import HOST_READS
 
+pytestmark = pytest.mark.reads("probes")
+
 LOGGED = {1, 3, 6}
 HOST, HOST_AT_LOGGING = HOST_READS  # the preemption flag every step; the stragglers' step times at logging steps
 # A logging step reads the loss (with a mixture's per-source sums: one .tolist()) and grad norm it logs, the guard's stop latch and skip count (check), and the skip

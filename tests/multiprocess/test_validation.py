@@ -1,6 +1,10 @@
 """Validation logs a held-out loss and leaves the training curve exactly as it was."""
 
+import pytest
+
 from launch import read_metrics
+
+pytestmark = pytest.mark.reads("resumed_4p")  # tp2_fsdp2_resumed
 
 
 def test_validation_is_logged_and_does_not_perturb_training(runs):
