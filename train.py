@@ -19,6 +19,8 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -36,19 +38,24 @@ from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import flight_recorder, run_lock
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
-from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, allocator_fields, held_bytes, memory_gib,
-                                             stated_peak_flops)
+from torchtitan_lite.runtime.memory_use import MemoryUse
+from torchtitan_lite.runtime.metrics import FLOAT8, MetricLogger, stated_peak_flops
+from torchtitan_lite.runtime.phases import Phases
 from torchtitan_lite.runtime.precision import NonFiniteError, UpdateGuard, warn_if_slow
 from torchtitan_lite.runtime.process import Env, init_distributed, peer_timeout, set_determinism, set_timeout
 from torchtitan_lite.runtime.profiling import StepProfiler
 from torchtitan_lite.runtime.run_history import start_history
 from torchtitan_lite.runtime.signals import Preemption, exit_code, restore_signals, stop_with_launcher
 from torchtitan_lite.runtime.stragglers import Stragglers
+from torchtitan_lite.runtime.throughput import Throughput
 from torchtitan_lite.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from torchtitan_lite.training.plan import ending, machine_plan
 from torchtitan_lite.training.preflight import preflight
 from torchtitan_lite.training.source_losses import SourceLosses
-from torchtitan_lite.training.step import Inputs, Numerics, Step, build_step
+from torchtitan_lite.training.step import Inputs, Numerics, build_step
+from torchtitan_lite.training.steps import Steps
+from torchtitan_lite.training.update import Update
+from torchtitan_lite.training.validation import Validation
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -94,28 +101,36 @@ def build_model(cfg: JobConfig, model_args: Args, mesh, dims: ParallelDims, devi
     return merge_stages(parts), parts, token_flops
 
 
-def validate(model_step: Step, loaders: dict[str, DataLoader], steps: int, global_tokens: int,
-             loss_mesh) -> dict[str, float]:
-    """The loss on `steps` global batches from the start of each held-out source: the same batches every time.
-    One source logs `val_loss`; a mixture's log `val_loss/NAME` each and `val_loss` over all their tokens, the
-    mean of theirs since each has as many. One all-reduce and one read of the device for all of them."""
-    losses = torch.stack([model_step.eval_step((batch for _ in range(steps) for batch in loader.next_batch()),
-                                               global_tokens * steps) for loader in loaders.values()])
-    dist.all_reduce(losses, group=loss_mesh.get_group())
-    values = dict(zip(loaders, losses.tolist()))
-    return {"val_loss": sum(values.values()) / len(values), **{f"val_loss/{n}": v for n, v in values.items() if n}}
+@dataclass
+class Trainer:
+    """What the loop works with, set up by setup(): each part owns its concern and the fields it logs."""
+    steps: Steps  # the steps to train, and what happens between two (gc, signals, the profiler's step)
+    phase: Phases  # names a part of the step for the profiler's trace and a hang's error line at once
+    data: DataLoader
+    stragglers: Stragglers  # times the data wait; the slowest rank at each logging step
+    per_source: SourceLosses  # the step's forward and backward, with a mixture's per-source losses
+    update: Update  # the optimizer step and everything around it
+    validation: Validation
+    throughput: Throughput  # tokens/s and MFU, validation left out
+    memory: MemoryUse
+    train_state: TrainState
+    guard: UpdateGuard  # steps whose gradients are not finite
+    metrics: MetricLogger
+    loss_group: dist.ProcessGroup  # where the logged loss is all-reduced
+    checkpoint: CheckpointManager
 
 
-def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
-    """Trains; `exits` closes what main opens on every way out (run()). Returns the signal that stopped it early."""
+def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | None:
+    """The run up to its first step, in the order it must be built; None when it has nothing to train (its
+    checkpoint is at training.steps, or it writes a seed checkpoint). `exits` closes what it opens (run())."""
     preflighted = preflight(cfg, env.world_size)
     dims, model_args, bos_id, global_batch, source, val_sources = preflighted
-    training, validation = cfg.training, cfg.validation
+    training = cfg.training
     if env.rank == 0:
         exits.enter_context(run_lock.hold(cfg.job.dump_folder))  # one live run per folder, before anything is written
         if not os.environ.get(PLAN_SHOWN):
             machine_plan(cfg, preflighted, env.local_world_size).say()
-    warn_if_validating_on_training_data(training, validation)
+    warn_if_validating_on_training_data(training, cfg.validation)
 
     device, mesh, dp_mesh, loss_mesh = start_processes(cfg, env, dims)
     built = time.perf_counter()
@@ -161,7 +176,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     if train_state.step >= training.steps:
         logger.info("the checkpoint is at step %d, training.steps is %d: nothing to do (raise training.steps to "
                     "extend the run)", train_state.step, training.steps)
-        return
+        return None
     # The folder's history (metrics.jsonl, config.toml, tb/) becomes this run's, decided once the checkpoint it
     # starts from is known and before anything is written: a resume continues its run's, a fresh start begins one.
     if env.rank == 0:
@@ -174,8 +189,9 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
         checkpoint.save(0, model_only=True)
         checkpoint.close()  # an async save is written only now
         logger.info("seed checkpoint written: runs on any mesh with this checkpoint folder start from it")
-        return
+        return None
 
+    # ---- Around the step: what it logs, what traces it, what acts around its update and between steps.
     metrics = MetricLogger(cfg.job.dump_folder, env.rank, cfg.metrics.log_freq, cfg.metrics.enable_tensorboard,
                            cfg.metrics.save_tb_folder, start_step=train_state.step, total_steps=training.steps,
                            config=to_toml(cfg), enable_wandb=cfg.metrics.enable_wandb)
@@ -186,90 +202,69 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     # FSDP's float8 all-gather with precomputed scales: the weights' scales, before the first step and each later one.
     float8_scales = float8.ScalePrecompute(cfg, dims.fsdp, parts)
     float8_scales()
-    if training.gc_freq > 0:
-        gc.disable()  # collect on a schedule instead, so all ranks pause at the same step
-    step, start = train_state.step, time.perf_counter()
+    memory = MemoryUse(device)
+    update = Update(optimizer, scheduler, guard, partial(clip_grad_norm_, params, training.max_norm, env.world_size))
+    update.after_step += [float8_scales, partial(train_state.advance, global_tokens)]
+    # The bytes held for state, measured after the first step's backward and update (go in the next record); and
+    # start-up is over: a peer silent for train_timeout_seconds from now on is hung.
+    update.after_first_step += [partial(memory.measure_held, model, optimizer),
+                                partial(set_timeout, cfg.comm.train_timeout_seconds)]
     # Agreeing on a signal takes a collective: on the CPU, so it overlaps GPU work (gloo is the CPU's default group).
     # So does the stragglers' gather of step times at logging steps.
     host_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
     preemption = Preemption(host_group, saving=cfg.checkpoint.enable, speak=env.rank == 0)
-    stragglers = Stragglers(host_group, cfg.metrics.straggler_factor)
-    per_source = SourceLosses(data, model_step, training.seq_len)
-    first_step, held = step + 1, {}  # the bytes held for state, measured at the first step, go in the next record
-    last_log_time, last_log_step, stopped = start, step, None
+    phase = Phases(profiler)
+    return Trainer(
+        steps=Steps(train_state.step, training.steps, training.gc_freq, preemption, profiler, snapshots, phase,
+                    checkpoint),
+        phase=phase, data=data, stragglers=Stragglers(host_group, cfg.metrics.straggler_factor),
+        per_source=SourceLosses(data, model_step, training.seq_len, global_tokens), update=update,
+        validation=Validation(cfg.validation, val_sources, loader_args, model_step, global_tokens,
+                              loss_mesh.get_group(), training.steps),
+        throughput=Throughput(global_tokens, env.world_size, model_flops_per_token, peak, train_state.step),
+        memory=memory, train_state=train_state, guard=guard, metrics=metrics, loss_group=loss_mesh.get_group(),
+        checkpoint=checkpoint)
 
-    # ---- The loop.
-    while step < training.steps:
-        step += 1
-        if training.gc_freq > 0 and step % training.gc_freq == 0:
-            gc.collect(1)
-        preemption.begin_step(step)
-        with profiler.phase("data"):
-            batches = stragglers.timed_data(data.next_batch)
-        with profiler.phase("forward_backward"):
-            per_source.begin(logging=metrics.should_log(step, last=step == training.steps))
+
+def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
+    """Trains; `exits` closes what main opens on every way out (run()). Returns the signal that stopped it early."""
+    t = setup(cfg, env, exits)
+    if t is None:
+        return None
+    for step in t.steps:  # and between two steps: gc, the agreement on signals, the profiler's step (steps.py)
+        last = step == t.steps.last
+        logging_step = t.metrics.should_log(step, last=last)
+        with t.phase("data"):
+            batches = t.stragglers.timed_data(t.data.next_batch)
+        with t.phase("forward_backward"):
             # The step's loss, then a mixture's per-source sums at logging steps: one all-reduce for all of them.
-            losses = per_source.totals(model_step.train_step(batches, global_tokens))
-        with profiler.phase("optimizer"):
-            flight_recorder.at("the gradient norm's all-reduce")
-            guard.unscale_(optimizer)  # fp16: clipping and the logged norm see the true gradients
-            grad_norm = clip_grad_norm_(params, training.max_norm, env.world_size)
-            lr = scheduler.get_last_lr()[0]
-            guard.step(optimizer, grad_norm, step)  # skipped when a gradient is inf/NaN, decided on the device
-            float8_scales()
-        if step == first_step:
-            held = held_bytes(model, optimizer)
-            set_timeout(cfg.comm.train_timeout_seconds)  # start-up is over: a peer silent this long is hung
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + global_tokens
-
+            losses = t.per_source.train_step(batches, logging_step)
+        with t.phase("optimizer"):
+            grad_norm = t.update(step)  # skipped when a voter says so (a gradient inf/NaN), decided on the device
         val_losses = {}
-        if validation.enable and (step % validation.freq == 0 or step == training.steps):
-            val_start = time.perf_counter()
-            flight_recorder.at("validation")
-            with profiler.phase("validation"):
-                val_losses = validate(model_step, {n: DataLoader(v, *loader_args) for n, v in val_sources.items()},
-                                      validation.steps, global_tokens, loss_mesh)
-            last_log_time += time.perf_counter() - val_start  # tokens/s and MFU measure training alone
-        if metrics.should_log(step, last=step == training.steps) or val_losses:
-            guard.check()  # a step since the last log that must stop the run raises here (saves check too)
-            flight_recorder.at("the loss all-reduce of a logging step")
-            dist.all_reduce(losses, group=loss_mesh.get_group())
-            losses = losses.tolist()
-            now = time.perf_counter()
-            tps = global_tokens * (step - last_log_step) / env.world_size / (now - last_log_time)
-            metrics.log(step, {
-                "loss": losses[0], "grad_norm": grad_norm.item(), "lr": lr, "tps": tps,
-                "mfu": 100 * tps * model_flops_per_token / peak, "memory_gib": memory_gib(device),
-                "elapsed_s": train_state.elapsed_s(), "tokens_seen": train_state.tokens_seen,
-                "world_size": env.world_size,  # changes when an elastic job shrinks or grows
-                **guard.metrics(), **held, **allocator_fields(device),
-                **stragglers.fields(now - last_log_time, step - last_log_step),
-                **val_losses, **per_source.fields(losses, step),
-            })
-            last_log_time, last_log_step, held = now, step, {}
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-        with profiler.phase("checkpoint"):
-            flight_recorder.at("a checkpoint save")
-            checkpoint.maybe_save(step, last=step == training.steps)
-        profiler.step()
-        snapshots.step(step)
-        flight_recorder.at("the end of step agreement on signals")
-        if (received := preemption.requested()) and step < training.steps:
-            if cfg.checkpoint.enable and step % cfg.checkpoint.interval:
-                checkpoint.save(step)  # the full state, whatever the last save would be: the run goes on elsewhere
-            logger.warning("%s: stopped after step %d%s", received, step, ", checkpoint saved: rerun the same command "
-                           "to resume" if cfg.checkpoint.enable else " (checkpoint.enable is off: nothing saved)")
-            stopped = received
-            break
-    guard.check()  # a preempted run may stop between logging steps
-    checkpoint.close()  # waits for an async save still being written
-    metrics.close()
+        if t.validation.due(step):
+            with t.phase("validation"), t.throughput.paused():  # tokens/s and MFU measure training alone
+                val_losses = t.validation()
+        if logging_step or val_losses:
+            with t.phase("log"):
+                t.guard.check()  # a step since the last log that must stop the run raises here (saves check too)
+                dist.all_reduce(losses, group=t.loss_group)
+                losses, window = losses.tolist(), t.throughput.lap(step)
+                t.metrics.log(step, {
+                    "loss": losses[0], "grad_norm": grad_norm.item(), **t.update.fields(), **window.fields(),
+                    **t.memory.fields(), **t.train_state.fields(),
+                    "world_size": env.world_size,  # changes when an elastic job shrinks or grows
+                    **t.guard.metrics(), **t.stragglers.fields(window.seconds, window.steps), **val_losses,
+                    **t.per_source.fields(losses, step),
+                })
+        with t.phase("checkpoint"):
+            t.checkpoint.maybe_save(step, last=last)
+    t.guard.check()  # a preempted run may stop between logging steps
+    t.checkpoint.close()  # waits for an async save still being written
+    t.metrics.close()
     if env.rank == 0:
-        logger.info("%s", ending(cfg, first_step, step, time.perf_counter() - start, metrics.last))
-    return stopped
+        logger.info("%s", ending(cfg, t.steps.first, t.steps.done, t.steps.seconds(), t.metrics.last))
+    return t.steps.stopped
 
 
 def checked(cfg: JobConfig, world_size: int) -> None:

@@ -15,7 +15,7 @@ import json
 from collections import Counter, defaultdict
 
 COLLECTIVES = ("c10d::", "_c10d_functional::")
-PHASES = ("data", "forward_backward", "optimizer", "validation", "checkpoint")  # train.py's ranges
+PHASES = ("data", "forward_backward", "optimizer", "validation", "log", "checkpoint", "signals")  # runtime/phases.py
 
 
 def summary(path: str, top: int = 8) -> str:

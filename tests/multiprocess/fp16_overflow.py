@@ -19,7 +19,7 @@ from torchtitan_lite.runtime.precision import LossScaler, UpdateGuard
 exp, (inf_rank, inf_step), runs = int(sys.argv[1]), map(int, sys.argv[2].split(":")), sys.argv[3]
 rank = int(os.environ["RANK"])
 LossScaler.init_scale = 2.0**exp
-run, unscale_, step = train.run, UpdateGuard.unscale_, UpdateGuard.step
+run, unscale_, vote = train.run, UpdateGuard.unscale_, UpdateGuard.vote
 scales = {}  # the current run's loss scale after each step
 
 
@@ -39,9 +39,10 @@ def poisoning_unscale_(self, optimizer):
     unscale_(self, optimizer)
 
 
-def recording_step(self, optimizer, grad_norm, n):
-    step(self, optimizer, grad_norm, n)
-    scales[n] = self.metrics()["loss_scale"]
+def recording_vote(self, grad_norm, n):
+    skip = vote(self, grad_norm, n)
+    scales[n] = self.metrics()["loss_scale"]  # updated by the vote
+    return skip
 
 
 def recording_run(argv):
@@ -52,7 +53,7 @@ def recording_run(argv):
     return code
 
 
-train.TrainState, UpdateGuard.unscale_, UpdateGuard.step, train.run = (TrainState, poisoning_unscale_, recording_step,
+train.TrainState, UpdateGuard.unscale_, UpdateGuard.vote, train.run = (TrainState, poisoning_unscale_, recording_vote,
                                                                        recording_run)
 sys.argv = [sys.argv[0], runs]
 runpy.run_path(str(Path(__file__).with_name("several_runs.py")), run_name="__main__")

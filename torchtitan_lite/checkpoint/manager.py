@@ -71,6 +71,13 @@ class TrainState(Stateful):
     def elapsed_s(self) -> float:
         return self._elapsed_before + time.perf_counter() - self._start
 
+    def advance(self, tokens: int) -> None:
+        """One more step done, of `tokens` tokens (the global batch's)."""
+        self.step, self.tokens_seen = self.step + 1, self.tokens_seen + tokens
+
+    def fields(self) -> dict[str, float]:
+        return {"elapsed_s": self.elapsed_s(), "tokens_seen": self.tokens_seen}
+
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s()}
 

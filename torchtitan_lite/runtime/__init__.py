@@ -8,8 +8,11 @@
 - run_lock.py: one live run per dump folder
 - flight_recorder.py: a hang that names its cause: the rank that did not join, the collective, the point of the step
 - profiling.py: torch.profiler traces of chosen steps, with the step's phases named in them
+- phases.py: a phase of the step named once, for the profiler's trace and for a hang's error line
 - memory_snapshot.py: GPU memory snapshots, and the one line a step out of memory ends with
 - stragglers.py: which rank holds the others up, against the median rank at every logging step
+- throughput.py: tokens/s and MFU between two logging steps, validation left out
+- memory_use.py: a logged record's memory fields: the peak, the state held after the first step, the GPU allocator's
 - wandb_run.py: Weights & Biases beside metrics.jsonl, a resumed job continuing the same run
 
 Imports config only: models, data and parallelism use the runtime, never the other way round.

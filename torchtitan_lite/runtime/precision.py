@@ -90,7 +90,7 @@ class LossScaler:
 
 
 class UpdateGuard(Stateful):
-    """Applies each optimizer step, or skips it when its gradients are not finite, and counts the steps it skipped.
+    """Skips each optimizer step whose gradients are not finite, and counts the steps it skipped.
 
     The decision is the gradient norm's: all-reduced over the world, it is non-finite on every rank exactly when a
     gradient anywhere is, so every rank decides alike. In other precisions such a step means the update would poison
@@ -100,11 +100,10 @@ class UpdateGuard(Stateful):
     step in other precisions (stop, or skip up to N in a row), as DeepSpeed stops at its min_loss_scale. A diverged
     fp16 run thus stops about log2(scale) steps after it diverged, with the weights of before.
 
-    The decision stays on the device, so a step never waits for the host: fused AdamW takes a `found_inf` tensor and
-    leaves weights, moments and step count untouched when it is set. A step that must stop the run sets a latch that
-    skips every later update too, so the weights stay those from before that step until the host reads the latch, at
-    the next logging step or checkpoint save (`check`), and raises. Optimizers without `found_inf` (foreach, for-loop)
-    read the flag on the host each step instead.
+    The decision is a vote (`vote`), one of those the trainer's update takes (training/update.py; `step` applies it
+    alone), and stays on the device (apply_or_skip). A step that must stop the run sets a latch that votes to skip
+    every later update too, so the weights stay those from before that step until the host reads the latch, at the
+    next logging step or checkpoint save (`check`), and raises.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, skip_nonfinite: int = 0):
@@ -124,9 +123,9 @@ class UpdateGuard(Stateful):
         if self.enabled:
             self.scaler.unscale_([p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None])
 
-    def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, step: int) -> None:
-        """The optimizer step, unless a gradient is inf/NaN; `grad_norm` (global, of the unscaled gradients) is
-        non-finite exactly then, on every rank."""
+    def vote(self, grad_norm: torch.Tensor, step: int) -> torch.Tensor:
+        """Whether to skip this step's update, on the device: when a gradient is inf/NaN, which `grad_norm` (global,
+        of the unscaled gradients) is exactly then, on every rank, or once the run has had to stop. Counts it."""
         bad = ~torch.isfinite(grad_norm)
         counted = self.scaler.update(bad) if self.enabled else bad  # fp16: only an overflow at the floor counts
         self.in_a_row = torch.where(counted, self.in_a_row + 1, 0)
@@ -135,16 +134,11 @@ class UpdateGuard(Stateful):
         self.stopped_norm = torch.where(stops, grad_norm.float(), self.stopped_norm)
         stopped = self.stopped_at > 0
         self.skipped += bad & ~stopped
-        skip = bad | stopped
-        if optimizer.defaults.get("fused"):
-            device = optimizer.param_groups[0]["params"][0].device  # the host's under CPU offload
-            optimizer.found_inf, optimizer.grad_scale = moved(skip.float(), device), None
-            try:
-                optimizer.step()
-            finally:
-                del optimizer.found_inf, optimizer.grad_scale
-        elif not skip.item():
-            optimizer.step()
+        return bad | stopped
+
+    def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, step: int) -> None:
+        """The optimizer step unless this guard votes to skip it (the trainer's update takes other votes too)."""
+        apply_or_skip(optimizer, self.vote(grad_norm, step))
 
     def check(self) -> None:
         """Raises NonFiniteError if a step since the last check had to stop the run; warns of skipped steps. Syncs
@@ -186,6 +180,21 @@ class UpdateGuard(Stateful):
             self.reported = int(self.skipped.item())
             if self.enabled:
                 self.scaler.load_state_dict(state)
+
+
+def apply_or_skip(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """optimizer.step() unless `skip`, a bool on the device, is set, without the host waiting for it: fused AdamW takes
+    it as its `found_inf` tensor and leaves weights, moments and step count untouched when it is set. Optimizers
+    without `found_inf` (foreach, for-loop) read it on the host each step instead."""
+    if optimizer.defaults.get("fused"):
+        device = optimizer.param_groups[0]["params"][0].device  # the host's under CPU offload
+        optimizer.found_inf, optimizer.grad_scale = moved(skip.float(), device), None
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+    elif not skip.item():
+        optimizer.step()
 
 
 class NonFiniteError(RuntimeError):

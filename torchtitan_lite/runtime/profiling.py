@@ -1,9 +1,9 @@
 """torch.profiler traces of chosen steps, with the step's phases named in them, on any device.
 
 A trace answers what a slow step spent its time on, per rank: which ops, which collectives, how long each phase
-(`data`, `forward_backward`, `optimizer`, `checkpoint`, `validation`) took. Tracing costs time and memory, so it runs
-on a cycle (torchtitan's `[profiling]` keys and meaning): every `profile_freq` steps the profiler warms up for
-`profiler_warmup` steps, then records `profiler_active` steps and writes one gzipped Chrome trace per rank,
+(phases.py names them) took. Tracing costs time and memory, so it runs on a cycle (torchtitan's `[profiling]` keys
+and meaning): every `profile_freq` steps the profiler warms up for `profiler_warmup` steps, then records
+`profiler_active` steps and writes one gzipped Chrome trace per rank,
 `<save_traces_folder>/iteration_<step>/rank<R>_trace.json.gz`, named by the window's last global step. The cycle
 counts global steps, so a resumed run traces the same steps an uninterrupted one would and continues the numbering;
 a window the run ends inside is dropped rather than written under a step that never ran, and so is one a resumed run

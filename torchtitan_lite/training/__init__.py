@@ -3,6 +3,9 @@
 - preflight.py: the checks a config passes before any process talks to another
 - plan.py: what a run will do, said before it does it (`train.py --check`, and rank 0 at start-up)
 - optim.py: AdamW, the learning-rate schedule, and gradient clipping across meshes
+- update.py: the optimizer step and what acts around it: unscaling, clipping, the votes to skip it, its hooks
+- steps.py: the loop's steps, and what happens between two of them (gc, signals, the profiler's step)
+- validation.py: the loss on held-out data, the same batches at every validation
 - source_losses.py: a mixture's loss, tokens and epochs per source at the logging steps
 
 May import every layer below it; only tools, train.py and scripts import it.

@@ -13,32 +13,30 @@ from __future__ import annotations
 import torch
 
 from torchtitan_lite.data.loader import DataLoader
-from torchtitan_lite.training.step import Step
+from torchtitan_lite.training.step import Batch, Step
 
 
 class SourceLosses:
-    """Per-source fields for metrics.jsonl; nothing at all unless the training data is a mixture of several sources."""
+    """The step's forward and backward with, at a mixture's logging steps, each source's summed token losses beside
+    the loss; the per-source fields for metrics.jsonl. Nothing more unless the training data mixes several sources."""
 
-    def __init__(self, loader: DataLoader, model_step: Step, seq_len: int):
-        self.loader, self.step, self.seq_len = loader, model_step, seq_len
+    def __init__(self, loader: DataLoader, model_step: Step, seq_len: int, global_tokens: int):
+        self.loader, self.step, self.seq_len, self.tokens = loader, model_step, seq_len, global_tokens
         self.mixture = loader.source if len(getattr(loader.source, "names", ())) > 1 else None
 
-    def begin(self, logging: bool) -> None:
-        """Before a step: measure its rows when it will be logged."""
-        if self.mixture is not None:
-            self.step.rows = [] if logging else None
-
-    def totals(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """What the logging step all-reduces: the step's loss, then each source's summed token losses on this rank."""
-        if self.mixture is None or self.step.rows is None:
+    def train_step(self, batches: list[Batch], logging: bool) -> torch.Tensor:
+        """model_step.train_step; returns what a logging step all-reduces: the step's loss, then at a mixture's
+        logging steps each source's summed token losses on this rank."""
+        rows = [] if self.mixture is not None and logging else None
+        loss_sum = self.step.train_step(batches, self.tokens, rows)
+        if rows is None:
             return loss_sum.view(1)
         per_source = torch.zeros(len(self.mixture.names), device=loss_sum.device)
         sources = self.loader.sources
-        if self.step.rows:  # a pipeline's first stages compute no loss: they add zeros
+        if rows:  # a pipeline's first stages compute no loss: they add zeros
             # The last rows are the batch's: a pipeline's shape inference computes one loss more at its first step.
-            rows = torch.cat(self.step.rows)[-len(sources):]
-            per_source.index_add_(0, torch.tensor(sources, device=rows.device), rows)
-        self.step.rows = None
+            batch_rows = torch.cat(rows)[-len(sources):]
+            per_source.index_add_(0, torch.tensor(sources, device=batch_rows.device), batch_rows)
         return torch.cat([loss_sum.view(1), per_source])
 
     def fields(self, totals: list[float], step: int) -> dict[str, float]:

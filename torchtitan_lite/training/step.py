@@ -114,19 +114,23 @@ class Step:
                  inputs: Inputs = Inputs()):
         self.model, self.device, self.numerics, self.inputs = model, device, numerics, inputs
         self.scale = scale  # fp16's loss scaling (precision.UpdateGuard.scale)
-        # When a list (at a mixture's logging steps, source_losses.py), each micro-batch's row_losses go in it.
+        # During a train_step given a list of rows: where each micro-batch's row_losses go.
         self.rows: list[torch.Tensor] | None = None
         # Reduce gradients after the last micro-batch only: FSDP accumulates unsharded gradients until then.
         self.defer_reduce = defer_reduce
 
-    def train_step(self, batches: list[Batch], tokens: int) -> torch.Tensor:
-        """Forward and backward of every micro-batch; `tokens` is the step's global token count."""
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (inputs, labels) in enumerate(batches):
-            if self.defer_reduce:
-                self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            with self.numerics.context(self.device.type):
-                loss_sum += self.forward_backward(inputs, labels, tokens)
+    def train_step(self, batches: list[Batch], tokens: int, rows: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Forward and backward of every micro-batch; `tokens` is the step's global token count. With `rows`, each
+        micro-batch's sequence losses are appended to it (row_losses: a mixture's per source, source_losses.py)."""
+        loss_sum, self.rows = torch.zeros((), device=self.device), rows
+        try:
+            for i, (inputs, labels) in enumerate(batches):
+                if self.defer_reduce:
+                    self.model.set_requires_gradient_sync(i == len(batches) - 1)
+                with self.numerics.context(self.device.type):
+                    loss_sum += self.forward_backward(inputs, labels, tokens)
+        finally:
+            self.rows = None
         return loss_sum
 
     @torch.no_grad()
