@@ -34,9 +34,16 @@ class SharedRuns:
         """Starts the job of every shared run of `nproc` processes and returns: it runs while other tests do."""
         self.started[nproc] = self._start(nproc, self._not_made(nproc))
 
-    def finish_started(self) -> None:  # waits for what start() began
-        for nproc in list(self.started):
-            self._finish(self.started.pop(nproc))
+    def finish_started(self) -> None:
+        """Waits for what start() began. Under the lock: a caller that finds a job being waited for by another
+        thread waits for it too, rather than read runs not yet made. A job leaves `started` once made, so finding it
+        empty needs no lock, which a background job holds while it runs."""
+        if not self.started:
+            return
+        with self.lock:
+            for nproc in list(self.started):
+                self._finish(self.started[nproc])
+                del self.started[nproc]
 
     def __getitem__(self, name: str) -> Path:
         """The dump folder of the shared run `name` (COMMON settings, STEPS steps), launched on first use."""
@@ -185,8 +192,9 @@ def _job_of(table: dict, nproc: int):
 # with the session, beside the unit tests. Every multi-process test waits for it; the unit tests whose threads answer
 # within fractions of a second (marked `answers_within_fractions`) run last of all.
 # The other shared jobs are made after it, one after another in a background thread at the lowest CPU priority
-# (launch.in_background), on the cores that the tests in front leave idle (launchers starting, faults and timeouts
-# waited out); the tests that read them run last. A test module says which it reads (`reads(job, ...)`, pytest.ini
+# (launch.in_background), from the moment it ends: on the core the unit tests still running in one process leave
+# idle, then on what the multi-process tests in front leave (launchers starting, faults and timeouts waited out); the
+# tests that read them run last. A test module says which it reads (`reads(job, ...)`, pytest.ini
 # registers the markers); only the jobs some selected test reads are made, in this order.
 BACKGROUND_JOBS = {
     "resumed_4p": SharedRuns.reshard_legs,  # the 4-process resumed runs, and the resharding legs in the same job
@@ -197,6 +205,7 @@ BACKGROUND_JOBS = {
 }
 _SHARED: list[SharedRuns] = []
 _LATER: list = []  # the session's background jobs (BACKGROUND_JOBS' makers), until they start
+_LATER_LOCK = threading.Lock()
 HERE = Path(__file__).parent
 
 
@@ -225,13 +234,28 @@ def pytest_collection_modifyitems(config, items):
             shared.start(nproc)
     read = set().union(*(_reads(i) for i in items if place(i) == 2))
     _LATER.extend(make for job, make in BACKGROUND_JOBS.items() if job in read)
+    if shared.started and _LATER:
+        threading.Thread(target=_start_later, args=(shared, True), daemon=True).start()
+
+
+def _start_later(shared: SharedRuns, watching: bool = False) -> None:
+    """Once the job started with the session has ended, the background jobs start, once: from the thread that
+    watches for its end (`watching`), or the first multi-process test, whichever comes first."""
+    try:
+        shared.finish_started()
+    except Exception as e:  # noqa: BLE001 - the tests that read its runs fail with it
+        if not watching:
+            raise
+        shared.failure = e
+        return
+    with _LATER_LOCK:
+        if _LATER:
+            shared.make_in_background(_LATER.copy())
+            _LATER.clear()
 
 
 def pytest_runtest_setup(item):  # a hook of this folder's tests only
-    _SHARED[0].finish_started()
-    if _LATER:  # the first test here: the 4-process job has ended
-        _SHARED[0].make_in_background(_LATER.copy())
-        _LATER.clear()
+    _start_later(_SHARED[0])
 
 
 def pytest_sessionfinish(session):
