@@ -34,4 +34,8 @@ for folder, record, argv in json.loads(Path(sys.argv[1]).read_text()):
     if dist.get_rank() == 0:  # where a shared job's time goes, in its log
         print(f"several_runs: {Path(folder).name} took {time.perf_counter() - start:.1f} s, rank 0's CPU "
               f"{time.process_time() - cpu:.1f} s", flush=True)
+# No rank exits while a send of its last run may still be in flight: gloo (torch 2.13) can abort such a process at
+# exit ("terminate called without an active exception", as checkpoint/manager.py says of rank 0's broadcasts), seen
+# once on one rank of the 8-process job after both its runs had trained.
+dist.barrier()
 destroy()
