@@ -7,7 +7,7 @@ from unittest import mock
 import pytest
 import torch
 
-from torchtitan_lite.runtime.precision import LossScaler, NonFiniteError, UpdateGuard, moved
+from torchtitan_lite.runtime.precision import LossScaler, NonFiniteError, UpdateGuard, apply_or_skip, moved
 from torchtitan_lite.tools.sync_count import SyncRecorder
 
 
@@ -17,7 +17,7 @@ def step(guard: UpdateGuard, grad: float, n: int = 1) -> torch.nn.Parameter:
     guard.scale(p.sum()).backward()
     p.grad.fill_(grad * guard.scale(torch.tensor(1.0)).item())  # what backward of a loss with this gradient gives
     guard.unscale_(opt)
-    guard.step(opt, p.grad.norm(), n)
+    apply_or_skip(opt, guard.vote(p.grad.norm(), n))
     return p
 
 
@@ -35,7 +35,7 @@ def test_fp16_skips_overflowed_steps_and_resumes_its_scale():
 def adamw_step(guard: UpdateGuard, opt: torch.optim.Optimizer, grad: float, n: int) -> None:
     p = opt.param_groups[0]["params"][0]
     p.grad = torch.full_like(p, grad)
-    guard.step(opt, p.grad.norm(), n)
+    apply_or_skip(opt, guard.vote(p.grad.norm(), n))
 
 
 def state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -139,7 +139,7 @@ def test_an_fp16_step_with_fused_adamw_never_waits_for_the_device():
         with SyncRecorder() as recorder:
             guard.scale((p * grad).sum()).backward()
             guard.unscale_(opt)
-            guard.step(opt, torch.linalg.vector_norm(p.grad), n)
+            apply_or_skip(opt, guard.vote(torch.linalg.vector_norm(p.grad), n))
             opt.zero_grad()
         assert not recorder.syncs, f"step {n}: {dict(recorder.syncs)}"
     assert guard.metrics() == {"loss_scale": 2.0**15, "skipped_steps": 1}

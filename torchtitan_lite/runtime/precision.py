@@ -136,10 +136,6 @@ class UpdateGuard(Stateful):
         self.skipped += bad & ~stopped
         return bad | stopped
 
-    def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, step: int) -> None:
-        """The optimizer step unless this guard votes to skip it (the trainer's update takes other votes too)."""
-        apply_or_skip(optimizer, self.vote(grad_norm, step))
-
     def check(self) -> None:
         """Raises NonFiniteError if a step since the last check had to stop the run; warns of skipped steps. Syncs
         with the device: call where the host waits anyway (logging, saving)."""
