@@ -58,16 +58,14 @@ export TORCHTITAN_LITE_PLAN_SHOWN=1  # rank 0 does not print the plan again
 # session of its own). torchrun would raise a SignalException, pass the signal on, SIGKILL workers still saving 30 s
 # later and exit 1 with a traceback: it is told to leave SIGINT alone (started in the background, it then ignores
 # it), and the trap below forwards it to the workers as it does SIGTERM.
-TORCHTITAN_LITE_ERROR_LOG=$errors "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
-  --max-restarts="$MAX_RESTARTS" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  --signals-to-handle SIGTERM,SIGHUP,SIGQUIT \
-  train.py --job.config_file "$CONFIG_FILE" "$@" &
-launcher=$!
+# The traps below come first: a signal in the moment before them would end this script and leave torchrun, which
+# ignores SIGINT, running on its own.
+launcher=
 # Preemption (SIGTERM from Slurm or Kubernetes, SIGUSR1 as Slurm's early warning) goes to the workers, torchrun's
 # children: they agree on a step, save it and exit 0, and torchrun with them. Given to torchrun itself, the signal
 # would also reach them, but torchrun would report it as a failure (exit 1).
-trap 'pkill -TERM -P "$launcher"' TERM
-trap 'pkill -USR1 -P "$launcher"' USR1
+trap 'pkill -TERM -P "$launcher" || true' TERM
+trap 'pkill -USR1 -P "$launcher" || true' USR1
 # Ctrl-C is the same preemption, and the job exits 130 (the shell's convention for it; the workers exit 0, as
 # torchrun takes anything else for a failure to report and restart). A second Ctrl-C kills the job at once: the
 # checkpoint being written is never published (torchtitan_lite/checkpoint/manager.py writes step-N.tmp and renames
@@ -88,6 +86,11 @@ kept() {  # what a job killed now leaves: a save in progress is never published 
   else echo "no checkpoint was complete yet in $checkpoints"; fi
 }
 trap interrupt INT
+TORCHTITAN_LITE_ERROR_LOG=$errors "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+  --max-restarts="$MAX_RESTARTS" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  --signals-to-handle SIGTERM,SIGHUP,SIGQUIT \
+  train.py --job.config_file "$CONFIG_FILE" "$@" &
+launcher=$!
 while true; do
   status=0
   wait "$launcher" || status=$?  # returns early when a trap ran: wait again until torchrun is gone
