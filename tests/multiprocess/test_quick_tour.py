@@ -26,15 +26,16 @@ def tour_commands(section: str = "Quick tour") -> str:
 def test_the_readme_tours_run_as_written_and_keep_every_runs_history(tmp_path):
     """The quick tour, then the five-minute tour's first run in the same clone: a fresh run beside the tour's
     checkpoints, told so, its history apart and the tour's whole. (That a later resume of the tour's checkpoint
-    continues the tour's history, not the latest run's, test_run_history.py shows in one process.)"""
+    continues the tour's history, not the latest run's, test_run_history.py shows in one process.) On 2 processes,
+    as on a machine of 2 GPUs (TP 2, no FSDP): half the CPU of the 4 a CPU machine gets, and TP 2 x FSDP 2, the
+    default layout, trains in the shared runs (run_table.py)."""
     for name in LINKED:  # the code, not the repository's own outputs/
         (tmp_path / name).symlink_to(ROOT / name)
     overrides = next(line for line in tour_commands("A five-minute tour").splitlines() if "run_train.sh" in line)
     commands = f"{tour_commands()}\n{overrides}\n"
     # `python` is the interpreter running the suite, as in the README's venv.
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
-           "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("NGPU", None)
+           "CUDA_VISIBLE_DEVICES": "", "NGPU": "2"}
     proc = subprocess.run(["bash", "-e", "-x", "-c", commands], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     out = proc.stdout + proc.stderr
