@@ -210,6 +210,9 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
     if cfg.parallelism.fsdp_cpu_offload:
         cfg.parallelism.fsdp_offload_pin_memory = False  # pinned or not, the same bytes; pinning needs a GPU here
     args, vocab_note = model_args(cfg)
+    if getattr(args, "moe", None) is not None:  # its routed experts' groups are sized by data a fake tensor lacks
+        raise ConfigError(f"model.flavor {cfg.model.flavor} is a mixture of experts, which the estimate does not "
+                          "know yet")
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     cfg.float8.emulate = False  # float8: the GPU's matmuls, whose fake kernel allocates only the output (docstring)
     with mock.patch.object(float8, "has_float8_matmul", lambda: True):

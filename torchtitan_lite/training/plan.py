@@ -23,6 +23,7 @@ from torchtitan_lite.checkpoint.folder import checkpoint_to_load, complete_check
 from torchtitan_lite.config import JobConfig
 from torchtitan_lite.data.mixture import mixture_phases
 from torchtitan_lite.models import registry
+from torchtitan_lite.models.moe import inactive_params
 from torchtitan_lite.models.spec import Args
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8
@@ -55,7 +56,7 @@ def _steps(steps: list[int]) -> str:
     return named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
 
 
-def _model(cfg: JobConfig, n_params: int, dims: ParallelDims) -> str:
+def _model(cfg: JobConfig, n_params: int, active: int, dims: ParallelDims) -> str:
     extras = [f"{cfg.model.attn_mask_type} attention" + (" (documents masked at each BOS)"
                                                          if cfg.model.attn_mask_type == "block_causal" else ""),
               cfg.training.mixed_precision_param]
@@ -66,7 +67,8 @@ def _model(cfg: JobConfig, n_params: int, dims: ParallelDims) -> str:
     if cfg.activation_checkpoint.mode != "none":
         extras.append(f"{cfg.activation_checkpoint.mode} activation checkpointing")
     mesh = f"mesh {dims.layout()} on {dims.world_size} processes" if dims.world_size > 1 else "1 process"
-    return f"{cfg.model.name} {cfg.model.flavor}: {n_params / 1e6:,.2f}M parameters, {mesh}, {', '.join(extras)}"
+    params = f"{n_params / 1e6:,.2f}M parameters" + (f" ({active / 1e6:,.2f}M active a token)" * (active < n_params))
+    return f"{cfg.model.name} {cfg.model.flavor}: {params}, {mesh}, {', '.join(extras)}"
 
 
 def _data(cfg: JobConfig, dims: ParallelDims, global_batch: int) -> str:
@@ -150,7 +152,8 @@ def make_plan(cfg: JobConfig, dims: ParallelDims, model_args: Args, global_batch
         model = spec.model_class(model_args)
     n_params = sum(p.numel() for p in model.parameters())
     outputs, warnings, done, checkpoints = _outputs(cfg)
-    plan = Plan([_model(cfg, n_params, dims), _data(cfg, dims, global_batch), outputs], warnings, done, checkpoints)
+    plan = Plan([_model(cfg, n_params, n_params - inactive_params(model), dims), _data(cfg, dims, global_batch),
+                 outputs], warnings, done, checkpoints)
     if peak is not None and not done:
         dtype = Numerics.from_config(cfg, dims).compute_dtype
         token_flops = spec.flops_per_token(model, cfg.training.seq_len)

@@ -33,9 +33,22 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
         if not hasattr(spec.model_class, "attend_with"):
             raise ConfigError(f"model {spec.name} has no swappable attention (attend_with), which context parallelism "
                               "swaps: set parallelism.context_parallel_degree = 1")
+    if getattr(model_args, "moe", None) is not None:
+        check_moe(cfg, dims)
     if float8.enabled(cfg):
         with torch.device("meta"):
             float8.check(cfg, spec.model_class(model_args), dims)
+
+
+def check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
+    """What a mixture-of-experts model trains with so far: one process, fp32, eager (its parity on the layouts,
+    expert parallelism first, is still to be built and tested)."""
+    flavor = f"model.flavor {cfg.model.flavor} is a mixture of experts, which trains"
+    if dims.world_size > 1:
+        raise ConfigError(f"{flavor} on one process so far: run it with NGPU=1 (its parallelisms are not built yet)")
+    if cfg.compile.enable or float8.enabled(cfg) or cfg.training.mixed_precision_param != "float32":
+        raise ConfigError(f"{flavor} in float32 and eager so far: drop compile.enable and float8, and set "
+                          "training.mixed_precision_param float32")
 
 
 def document_start(cfg: JobConfig, tokenizer) -> int | None:

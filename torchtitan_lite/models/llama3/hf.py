@@ -32,8 +32,13 @@ _IN_LAYER = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_pr
 _OURS_LAYER, _HF_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight"), re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
 
 
+NO_MOE = "a mixture-of-experts model has no Hugging Face export yet (Mixtral's layout is to come): export a dense one"
+
+
 def hf_name(name: str) -> str:
     """Our parameter name -> transformers' LlamaForCausalLM name."""
+    if ".moe." in name:
+        raise ConversionError(NO_MOE)
     if name in _TOP:
         return _TOP[name]
     i, part = _OURS_LAYER.fullmatch(name).groups()
@@ -69,6 +74,8 @@ def to_hf_tensor(name: str, w: torch.Tensor, args: ModelArgs, inverse: bool = Fa
 def hf_config(args: ModelArgs, bos_id: int, eos_id: int, dtype: torch.dtype) -> dict:
     """config.json in the form of Meta's published Llama 3.x folders (rope_theta and rope_scaling at the top level),
     which transformers 4 and 5 and other readers all understand."""
+    if args.moe is not None:  # never an export that loads as a dense model, or routes otherwise than training did
+        raise ConversionError(NO_MOE)
     name = str(dtype).removeprefix("torch.")
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,

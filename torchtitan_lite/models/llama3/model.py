@@ -25,6 +25,7 @@ from torch import nn
 
 from torchtitan_lite.models import documents as docs
 from torchtitan_lite.models.init import canonical_name, trunc_normal_
+from torchtitan_lite.models.moe import MoE, MoEArgs
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ModelArgs:
     rope_scaling: bool = False  # Llama 3.1's long-context frequency scaling
     max_seq_len: int = 2048
     depth_init: bool = True  # output projections' std shrinks with depth (Llama recipe)
+    moe: MoEArgs | None = None  # mixture-of-experts feed-forwards in the blocks it names (models/moe.py); None: dense
 
     @property
     def head_dim(self) -> int:
@@ -72,6 +74,15 @@ FLAVORS: dict[str, ModelArgs] = {
                      rope_theta=500000, rope_scaling=True),
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
                       rope_theta=500000, rope_scaling=True),
+    # Mixtral's architecture (8 routed experts, top-2 by softmax, renormalized, no shared expert) at the debug
+    # model's width, and in 2 blocks for the suite; each expert as wide as the dense model's feed-forward.
+    "debugmodel_moe": ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000, moe=MoEArgs()),
+    "tiny_moe": ModelArgs(dim=256, n_layers=2, n_heads=16, rope_theta=500000, moe=MoEArgs()),
+    # Mixtral 8x7B and 8x22B, their published shapes.
+    "mixtral_8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, rope_theta=1e6, max_seq_len=32768,
+                              moe=MoEArgs(hidden=14336)),
+    "mixtral_8x22b": ModelArgs(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, rope_theta=1e6, max_seq_len=65536,
+                               moe=MoEArgs(hidden=16384)),
 }
 
 
@@ -167,11 +178,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torc
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
-        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -188,20 +199,27 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        # A mixture-of-experts block holds `moe` where a dense one holds `feed_forward`: distinct parameter names.
+        self.moe_enabled = args.moe is not None and args.moe.is_moe(layer_id)
+        if self.moe_enabled:
+            hidden = args.moe.hidden or args.ffn_hidden
+            shared = FeedForward(args.dim, args.moe.shared_experts * hidden) if args.moe.shared_experts else None
+            self.moe = MoE(args.dim, hidden, args.moe, shared)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_std = 0.02 / (2 * depth) ** 0.5
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache=None) -> torch.Tensor:
         # The cache as a keyword: TP's PrepareModuleInput lays out the positional inputs alone.
         h = x + self.attention(self.attention_norm(x), rope, mask, cache=cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + (self.moe if self.moe_enabled else self.feed_forward)(self.ffn_norm(h))
 
     def init_weights(self, init) -> None:
         self.attention_norm.init_weights(init)
         self.ffn_norm.init_weights(init)
         self.attention.init_weights(init, self.out_std)
-        self.feed_forward.init_weights(init, self.out_std)
+        (self.moe if self.moe_enabled else self.feed_forward).init_weights(init, self.out_std)
 
 
 class Transformer(nn.Module):

@@ -8,16 +8,19 @@ from torch import nn
 from torchtitan_lite.models.llama3 import hf
 from torchtitan_lite.models.llama3.model import FLAVORS, Transformer, count_params
 from torchtitan_lite.models.llama3.parallelize import tp_plan, tp_sizes
+from torchtitan_lite.models.moe import inactive_params
 from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 from torchtitan_lite.runtime import metrics
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs of a token of the whole model (on meta will do) at `seq_len`: the dense formula of
-    runtime/metrics.py over the parameters outside the embedding table, and the attention's S x S scores."""
+    runtime/metrics.py over the parameters outside the embedding table that a token uses (of the routed experts, its
+    top k), and the attention's S x S scores."""
     n_params, n_embedding = count_params(model)
     a = model.args
-    return metrics.flops_per_token(n_params, a.n_layers, a.n_heads, a.head_dim, seq_len, n_embedding)
+    return metrics.flops_per_token(n_params - inactive_params(model), a.n_layers, a.n_heads, a.head_dim, seq_len,
+                                   n_embedding)
 
 
 SPEC = ModelSpec(

@@ -1,0 +1,167 @@
+"""The mixture-of-experts feed-forward (models/moe.py) in Llama's blocks: routing, dropless expert compute by
+grouped GEMM equal to the per-expert loop, the layers it replaces, its init, its FLOPs, one process training it, and
+what --check refuses while its parallelisms are not built."""
+
+import pytest
+import torch
+
+from torchtitan_lite.checkpoint.reader import read_tensors
+from torchtitan_lite.config import ConfigError, load_config
+from torchtitan_lite.models import moe
+from torchtitan_lite.models.init import fill_block_, trunc_normal_
+from torchtitan_lite.models.llama3 import hf
+from torchtitan_lite.models.llama3.model import FLAVORS, FeedForward, Transformer
+from torchtitan_lite.models.llama3.spec import flops_per_token
+from torchtitan_lite.models.moe import MoE, MoEArgs
+from torchtitan_lite.models.spec import ConversionError
+from torchtitan_lite.tools.memory import estimate_memory
+from launch import TINY, read_metrics, train_in_process
+
+
+def layer(args: MoEArgs, dim: int = 64, hidden: int = 96, seed: int = 0) -> MoE:
+    shared = FeedForward(dim, args.shared_experts * hidden) if args.shared_experts else None
+    m = MoE(dim, hidden, args, shared)
+    names = {p: n for n, p in m.named_parameters()}
+    m.init_weights(lambda p, std: trunc_normal_(p, std, float("inf"), key=f"{seed}/{names[p]}"), 0.02)
+    return m
+
+
+def naive(m: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: softmax/sigmoid scores, the top k, each chosen expert's SwiGLU, weighted."""
+    a, out = m.args, []
+    for token in x.reshape(-1, x.shape[-1]):
+        logits = (m.router.gate.weight @ token).float()
+        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
+        top = scores.topk(a.top_k)
+        w = top.values / top.values.sum() if a.renormalize else top.values
+        y = sum(wi * a.route_scale * (m.experts.w2[e] @ (torch.nn.functional.silu(m.experts.w1[e] @ token) *
+                                                         (m.experts.w3[e] @ token)))
+                for wi, e in zip(w, top.indices.tolist()))
+        if m.shared_experts is not None:
+            y = y + m.shared_experts(token)
+        out.append(y)
+    return torch.stack(out).view(x.shape)
+
+
+@pytest.mark.parametrize("args", [MoEArgs(), MoEArgs(top_k=1), MoEArgs(num_experts=4, top_k=3, shared_experts=2),
+                                  MoEArgs(score_func="sigmoid", route_scale=2.5),
+                                  MoEArgs(score_func="sigmoid", renormalize=False)],
+                         ids=["mixtral", "top1", "shared", "sigmoid_scaled", "sigmoid_raw"])
+def test_every_token_reaches_its_top_k_experts_weighted_as_its_router_says(args):
+    m = layer(args)
+    x = torch.randn(3, 11, 64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(m(x), naive(m, x), rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_gemm_equals_the_loop_over_experts_bitwise_forward_and_backward():
+    """Uneven groups and an expert no token chose: the one kernel and the loop give the same bits, gradients too."""
+    m = layer(MoEArgs())
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(2))
+    counts = torch.tensor([9, 0, 14, 3, 1, 6, 0, 7])
+    assert moe.grouped_mm_fits(x, m.experts.w1)
+    outs = []
+    for mm in (moe.grouped, moe.looped):
+        xi = x.clone().requires_grad_()
+        w = m.experts.w1.detach().clone().requires_grad_()
+        y = mm(xi, w, counts)
+        y.backward(torch.arange(y.numel(), dtype=y.dtype).view_as(y).sin())
+        outs.append((y, xi.grad, w.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert outs[0][2][1].abs().sum() == 0 and outs[0][2][6].abs().sum() == 0  # no token, no gradient
+
+
+def test_a_layer_computes_the_same_bits_by_grouped_gemm_as_by_the_loop(monkeypatch):
+    m = layer(MoEArgs())
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(3))
+    grouped = m(x)
+    monkeypatch.setattr(moe, "grouped_mm_fits", lambda *_: False)
+    assert torch.equal(m(x), grouped)
+    assert not moe.grouped_mm_fits(torch.zeros(4, 6), torch.zeros(2, 10, 6))  # 24-byte rows: the loop
+
+
+def test_the_router_scores_in_fp32_and_orders_each_tokens_experts_by_score():
+    router = layer(MoEArgs(num_experts=6, top_k=3)).router
+    x = torch.randn(50, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    router.gate.weight.data = router.gate.weight.data.bfloat16()
+    weights, experts = router(x)
+    assert weights.dtype == torch.float32 and experts.shape == (50, 3)
+    scores = (x @ router.gate.weight.T).float().softmax(-1)
+    assert torch.equal(scores.gather(-1, experts) / scores.gather(-1, experts).sum(-1, keepdim=True), weights)
+    assert (scores.gather(-1, experts).diff(dim=-1) <= 0).all()
+
+
+def test_every_parameter_gets_a_gradient():
+    m = layer(MoEArgs(shared_experts=1))
+    m(torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(5))).square().sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("every, first_dense, moe_layers", [(1, 0, [0, 1, 2, 3, 4, 5]), (2, 0, [1, 3, 5]),
+                                                            (1, 2, [2, 3, 4, 5]), (2, 2, [3, 5])])
+def test_the_blocks_it_replaces_are_every_kth_after_the_first_dense_ones(every, first_dense, moe_layers):
+    args = FLAVORS["debugmodel_moe"].with_(vocab_size=64, moe=MoEArgs(every=every, first_dense=first_dense))
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert [int(i) for i, block in model.layers.items() if hasattr(block, "moe")] == moe_layers
+    assert all(hasattr(block, "feed_forward") != block.moe_enabled for block in model.layers.values())
+
+
+def test_an_experts_initial_weights_depend_on_its_global_index_alone():
+    """What expert parallelism needs: the experts 4-7 a rank of EP 2 holds start as they do in the whole tensor."""
+    full = torch.empty(8, 96, 64)
+    fill_block_(full, (8, 96, 64), (0, 0, 0), 0.02, float("inf"), "0/layers.0.moe.experts.w1")
+    half = torch.empty(4, 96, 64)
+    fill_block_(half, (8, 96, 64), (4, 0, 0), 0.02, float("inf"), "0/layers.0.moe.experts.w1")
+    assert torch.equal(half, full[4:])
+
+
+def test_mfu_counts_the_parameters_a_token_uses():
+    """Mixtral 8x7B: 46.7B parameters, 12.9B of them active (two of eight experts), as published."""
+    with torch.device("meta"):
+        model = Transformer(FLAVORS["mixtral_8x7b"].with_(vocab_size=32000))
+    total = sum(p.numel() for p in model.parameters())
+    assert round(total / 1e9, 1) == 46.7 and round((total - moe.inactive_params(model)) / 1e9, 1) == 12.9
+    dense = FLAVORS["mixtral_8x7b"].with_(vocab_size=32000, moe=MoEArgs(num_experts=2, top_k=2, hidden=14336))
+    with torch.device("meta"):
+        both = Transformer(dense)  # every expert of two active: what 8 experts top-2 computes per token
+    router = 32 * 4096 * (8 - 2)  # but the router scores all 8: 6 more per block
+    assert flops_per_token(model, 4096) == flops_per_token(both, 4096) + 6 * router  # 6 FLOPs a parameter
+
+
+def test_one_process_trains_every_weight_of_the_moe_model(tmp_path):
+    # Without weight decay, which moves every weight, gradient or not: a weight unchanged from step 2 to step 4 is one
+    # that got no gradient.
+    run = train_in_process(tmp_path, "--model.flavor", "tiny_moe", "--training.steps", "4", "--checkpoint.enable",
+                           "--checkpoint.interval", "2", "--optimizer.weight_decay", "0")
+    losses = [r["loss"] for r in read_metrics(tmp_path)]
+    assert len(losses) == 4 and losses[-1] < losses[0], run.stdout[-2000:]
+    step2, step4 = (read_tensors(str(tmp_path / "checkpoint" / f"step-{s}")) for s in (2, 4))
+    params = [name for name in step4 if name.startswith("model.")]
+    assert {"model.layers.0.moe.router.gate.weight", "model.layers.1.moe.experts.w2"} <= set(params)
+    for name in params:
+        assert not torch.equal(step2[name], step4[name]), f"{name} did not train"
+
+
+@pytest.mark.parametrize("world, overrides, said", [
+    (2, [], "on one process so far: run it with NGPU=1"),
+    (1, ["--compile.enable"], "in float32 and eager so far"),
+    (1, ["--training.mixed_precision_param", "bfloat16"], "in float32 and eager so far"),
+])
+def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_line, world, overrides, said):
+    line = error_line(world, ["--model.flavor", "tiny_moe", *overrides])
+    assert "model.flavor tiny_moe is a mixture of experts" in line and said in line, line
+
+
+def test_the_hugging_face_export_refuses_a_moe_model_rather_than_drop_its_experts():
+    """Refused before a file is written (scripts/convert_to_hf.py: one line, exit 2): by name and by config."""
+    for refused in (lambda: hf.hf_name("layers.0.moe.experts.w1"),
+                    lambda: hf.hf_config(FLAVORS["tiny_moe"].with_(vocab_size=256), 1, 2, torch.float32)):
+        with pytest.raises(ConversionError, match="mixture-of-experts model has no Hugging Face export yet"):
+            refused()
+
+
+def test_the_memory_estimate_refuses_a_moe_model_in_one_line():
+    with pytest.raises(ConfigError, match="model.flavor tiny_moe is a mixture of experts, which the estimate does not"):
+        estimate_memory(load_config(["--job.config_file", str(TINY), "--model.flavor", "tiny_moe"]), 1)

@@ -1,0 +1,141 @@
+"""A mixture-of-experts feed-forward: a router picks each token's top-k routed experts, which compute it, and their
+outputs are summed with the router's weights, plus the shared experts' output that every token gets. Single-device
+code, like the models that use it: expert parallelism and the other layouts are applied from outside.
+
+Dropless: every token reaches each of its k experts, however uneven the routing (no capacity factor). The routed
+experts are one 3-D weight per projection, (experts, out, in), each expert's slice laid out as an nn.Linear weight:
+the token slots are sorted by expert, computed group by group, and put back. Two implementations of that one call,
+chosen once per layer: torch._grouped_mm (one kernel for every group) where the dtype and the strides allow it, and
+a loop over the experts otherwise; on the same slots they give the same bits (tests/test_moe.py).
+
+Routing is discontinuous: a top-k choice flips when two scores cross, whatever the rounding that made them cross.
+The router therefore computes its scores in fp32, and the order of a token's k experts (the topk's, by score) fixes
+the order in which their outputs are summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    num_experts: int = 8
+    top_k: int = 2
+    hidden: int = 0  # each routed expert's hidden size; 0: the dense feed-forward's
+    shared_experts: int = 0  # each of `hidden`; together one feed-forward of shared_experts x hidden
+    score_func: str = "softmax"  # softmax over the experts (Mixtral, Qwen3) or each one's sigmoid (DeepSeek-V3)
+    renormalize: bool = True  # the top-k weights divided by their sum (Mixtral, DeepSeek-V3)
+    route_scale: float = 1.0  # the weights' factor after that (DeepSeek-V3: 2.5)
+    every: int = 1  # every k-th block is MoE, the others dense (Llama 4 interleaves with 2)
+    first_dense: int = 0  # the first n blocks dense (DeepSeek-V3: 3)
+
+    def is_moe(self, layer_id: int) -> bool:
+        return layer_id >= self.first_dense and (layer_id + 1) % self.every == 0
+
+
+class Router(nn.Module):
+    """Each token's k experts and their weights, from a linear gate's scores."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) of the tokens `x` (tokens, dim): (tokens, k) each, a token's experts by falling
+        score."""
+        a = self.args
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
+        weights, experts = scores.topk(a.top_k, dim=-1)
+        if a.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * a.route_scale, experts
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts' SwiGLU feed-forwards, as 3-D weights (experts, out, in)."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`x`: token slots sorted by expert, counts[e] of them for expert e (every expert of these weights)."""
+        mm = grouped if grouped_mm_fits(x, self.w1) else looped
+        return mm(F.silu(mm(x, self.w1, counts)) * mm(x, self.w3, counts), self.w2, counts)
+
+    def init_weights(self, init, out_std: float) -> None:
+        init(self.w1, 0.02)
+        init(self.w2, out_std)
+        init(self.w3, out_std)
+
+
+def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes these operands: bf16 (on a GPU too), or fp32 on the CPU; strides that are
+    multiples of 16 bytes."""
+    dtype_ok = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.device.type == "cpu")
+    elements = 16 // x.element_size()
+    return dtype_ok and x.dtype == w.dtype and all(n % elements == 0 for n in w.shape[1:])
+
+
+def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x @ w[e].T for each expert e's rows of x, in one kernel."""
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+
+
+def looped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """grouped(), one matmul per expert (the counts are read on the host: one sync per call on a device)."""
+    rows = x.split(counts.tolist())
+    return torch.cat([part @ w[e].T for e, part in enumerate(rows)]) if rows else x.new_empty(0, w.shape[1])
+
+
+class MoE(nn.Module):
+    """The mixture: router, routed experts and, optionally, shared experts (`shared`, a feed-forward module of the
+    model's own taking (tokens..., dim))."""
+
+    def __init__(self, dim: int, hidden: int, args: MoEArgs, shared: nn.Module | None = None):
+        super().__init__()
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(dim, hidden, args.num_experts)
+        self.shared_experts = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, k = x.shape, self.args.top_k
+        tokens = x.reshape(-1, shape[-1])
+        weights, experts = self.router(tokens)
+        # Each token's k slots, sorted by expert; stable, so an expert's slots keep the tokens' order.
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        # Not bincount, whose length depends on the data: fake tensors (the memory estimate) and compile need this.
+        counts = torch.zeros(self.args.num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        out = self.experts(tokens[order // k], counts)
+        routed = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, shape[-1])
+        y = (routed.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(tokens)
+        return y.view(shape)
+
+    def init_weights(self, init, out_std: float) -> None:
+        init(self.router.gate.weight, out_std)
+        self.experts.init_weights(init, out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init, out_std)
+
+
+def inactive_params(model: nn.Module) -> int:
+    """The routed experts' parameters a token does not use, (experts - k) / experts of them: what MFU's FLOPs leave
+    out (works on meta tensors)."""
+    return sum(p.numel() * (m.args.num_experts - m.args.top_k) // m.args.num_experts
+               for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters())
