@@ -55,7 +55,7 @@ class BareLoop:
         source = build_source(self.t.dataset, self.t.dataset_path, self.t.seq_len, tokenizer, self.t.seed)
         self.loader = DataLoader(source, self.t.local_batch_size, self.t.local_batch_size, 0, 1)
         spec = registry.get(cfg.model.name)
-        self.model = spec.model_class(spec.args(cfg.model.flavor, tokenizer.n_words, self.t.seq_len))
+        self.model = spec.model_class(spec.run_args(cfg, tokenizer.n_words))
         self.model.init_weights(seed=self.t.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay, foreach=True)

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt, cfg = checkpoint_and_config(args.ckpt, args.config)
         tokenizer = load_tokenizer(cfg.model.tokenizer_path)
         # The trainer's model.
-        shape = registry.get(cfg.model.name).args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
+        shape = registry.get(cfg.model.name).run_args(cfg, tokenizer.n_words)
 
         def add_tokenizer(folder: Path) -> None:
             # Imported here, not at the top: checking and converting the weights need none of it.

@@ -1,13 +1,14 @@
 """The mixture-of-experts feed-forward (models/moe.py) in Llama's blocks: routing, dropless expert compute by
 grouped GEMM equal to the per-expert loop, the layers it replaces, its init, its FLOPs, one process training it, and
-what --check refuses while its parallelisms are not built."""
+what --check refuses while its other parallelisms are not built (tests/multiprocess/test_moe_layouts.py: the
+data-parallel layouts)."""
 
 import pytest
 import torch
 
 from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import ConfigError, load_config
-from torchtitan_lite.models import moe
+from torchtitan_lite.models import moe, registry
 from torchtitan_lite.models.init import fill_block_, trunc_normal_
 from torchtitan_lite.models.llama3 import hf
 from torchtitan_lite.models.llama3.model import FLAVORS, FeedForward, Transformer
@@ -145,13 +146,15 @@ def test_one_process_trains_every_weight_of_the_moe_model(tmp_path):
 
 
 @pytest.mark.parametrize("world, overrides, said", [
-    (2, [], "on one process so far: run it with NGPU=1"),
+    (4, ["--parallelism.tensor_parallel_degree", "2"], "on data-parallel layouts so far (FSDP, HSDP, DDP)"),
+    (4, ["--parallelism.context_parallel_degree", "2"], "on data-parallel layouts so far (FSDP, HSDP, DDP)"),
+    (4, ["--parallelism.pipeline_parallel_degree", "2"], "on data-parallel layouts so far (FSDP, HSDP, DDP)"),
     (1, ["--compile.enable"], "in float32 and eager so far"),
     (1, ["--training.mixed_precision_param", "bfloat16"], "in float32 and eager so far"),
 ])
 def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_line, world, overrides, said):
     line = error_line(world, ["--model.flavor", "tiny_moe", *overrides])
-    assert "model.flavor tiny_moe is a mixture of experts" in line and said in line, line
+    assert "the model (model.flavor tiny_moe, [moe]) is a mixture of experts" in line and said in line, line
 
 
 def test_the_hugging_face_export_refuses_a_moe_model_rather_than_drop_its_experts():
@@ -163,5 +166,31 @@ def test_the_hugging_face_export_refuses_a_moe_model_rather_than_drop_its_expert
 
 
 def test_the_memory_estimate_refuses_a_moe_model_in_one_line():
-    with pytest.raises(ConfigError, match="model.flavor tiny_moe is a mixture of experts, which the estimate does not"):
+    with pytest.raises(ConfigError, match=r"mixture of experts, which the estimate does not know yet"):
         estimate_memory(load_config(["--job.config_file", str(TINY), "--model.flavor", "tiny_moe"]), 1)
+
+
+def run_args(*overrides: str):
+    cfg = load_config(["--job.config_file", str(TINY), *overrides])
+    return registry.get("llama3").run_args(cfg, 256)
+
+
+def test_the_config_overrides_the_flavors_moe_settings_and_can_make_a_dense_flavor_moe():
+    assert run_args("--model.flavor", "tiny_moe").moe == MoEArgs()
+    assert run_args("--model.flavor", "tiny_moe", "--moe.top_k", "1", "--moe.score_func", "sigmoid",
+                    "--no-moe.renormalize").moe == MoEArgs(top_k=1, score_func="sigmoid", renormalize=False)
+    assert run_args("--model.flavor", "tiny").moe is None
+    made = run_args("--model.flavor", "tiny", "--moe.num_experts", "4", "--moe.every", "2").moe
+    assert made == MoEArgs(num_experts=4, every=2)
+    with torch.device("meta"):
+        model = Transformer(run_args("--model.flavor", "tiny", "--moe.num_experts", "4", "--moe.every", "2"))
+    assert not model.layers["0"].moe_enabled and model.layers["1"].moe.experts.w1.shape[0] == 4
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["--model.flavor", "tiny", "--moe.top_k", "1"], "moe.top_k is set but model.flavor tiny is dense: set "
+                                                     "moe.num_experts too"),
+    (["--model.flavor", "tiny_moe", "--moe.top_k", "9"], "moe.top_k 9 exceeds the 8 routed experts"),
+])
+def test_moe_settings_that_name_no_model_are_one_line(error_line, overrides, said):
+    assert said in error_line(1, overrides)

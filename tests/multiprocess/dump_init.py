@@ -21,7 +21,7 @@ def dump(out, config: str, layouts: dict[str, list[str]], device: torch.device) 
         mesh = dims.build_mesh(device.type)[0]
         spec = registry.get(cfg.model.name)
         with torch.device("meta"):
-            model = spec.model_class(spec.args(cfg.model.flavor, TINY_VOCAB, cfg.training.seq_len))
+            model = spec.model_class(spec.run_args(cfg, TINY_VOCAB))
         parallelize(model, mesh, dims, cfg, spec.tp_plan)
         model.to_empty(device=device)
         model.init_weights(seed=cfg.training.seed)

@@ -6,6 +6,8 @@ graphs torch.compile has built by each step.
                                             OUT_DIR/graphs.json (rank 0: graphs built by each step's clipping)
                                             OUT_DIR/scales.R.pt (float8 runs: rank R's casts to float8 in step 1,
                                             each [role, its scale whole]: `load_scales`)
+                                            OUT_DIR/routes.R.pt (mixture-of-experts runs: every token's experts in
+                                            step 1, route_dump.py)
 
 The gradients are read where train.py clips them, after every micro-batch's backward: a parameter that autograd
 never reached has no gradient there, or a zero one, and the test sees it. `recording(out)` does the same for a run
@@ -23,6 +25,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
 import train
+from route_dump import RouteRecorder
 from torchtitan_lite.models.init import canonical_name
 
 GRAD_DUMP = Path(__file__)
@@ -30,12 +33,13 @@ GRAD_DUMP = Path(__file__)
 
 @contextlib.contextmanager
 def recording(out: Path):
-    models, graphs, scales = [], [], ScaleRecorder(out)
+    models, graphs, scales, routes = [], [], ScaleRecorder(out), RouteRecorder(out)
     parallelize, clip = train.parallelize, train.clip_grad_norm_
 
     def recording_parallelize(model, *args, **kwargs):
         models.append(model)
         scales.start(lambda: not graphs)  # float8 linears are converted by now
+        routes.start(models, lambda: not graphs)
         return parallelize(model, *args, **kwargs)
 
     def recording_clip(params, *args, **kwargs):
@@ -53,6 +57,7 @@ def recording(out: Path):
     finally:
         train.parallelize, train.clip_grad_norm_ = parallelize, clip
         scales.stop()
+        routes.stop()
         if int(os.environ.get("RANK", "0")) == 0:
             (out / "graphs.json").write_text(json.dumps(graphs))
 

@@ -47,6 +47,7 @@ CP2 = ("--parallelism.context_parallel_degree", "2")
 PROFILED = ("--profiling.enable_profiling", "--profiling.profile_freq", "4", "--profiling.profiler_warmup", "1")
 TP2_FSDP2 = (*TP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full",
              *CHECKPOINTED)  # the shared run "tp2_fsdp2"
+MOE = ("--model.flavor", "tiny_moe")  # the tests' model with every block a mixture of 8 experts, top 2
 # Document masking on short documents (tests/assets/documents.jsonl: 1 to 12 words each, several to a window).
 MASKED = ("--model.attn_mask_type", "block_causal", "--training.dataset", "jsonl", "--training.dataset_path",
           str(ROOT / "tests" / "assets" / "documents.jsonl"))
@@ -63,7 +64,7 @@ def tiny_model():
     from torchtitan_lite.models import registry  # noqa: PLC0415
 
     cfg = load_config(["--job.config_file", str(TINY)])
-    return registry.get(cfg.model.name).args(cfg.model.flavor, TINY_VOCAB, cfg.training.seq_len)
+    return registry.get(cfg.model.name).run_args(cfg, TINY_VOCAB)
 
 
 def descendants(pid: int) -> list[int]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import pairs
-from launch import CHECKPOINTED, CP2, DEBUGMODEL, FLOAT8, HSDP, MASKED, PP2, PROFILED, TP2, TP2_FSDP2
+from launch import CHECKPOINTED, CP2, DEBUGMODEL, FLOAT8, HSDP, MASKED, MOE, PP2, PROFILED, TP2, TP2_FSDP2
 from torchtitan_lite.config import JobConfig
 from torchtitan_lite.parallel.dims import ParallelDims
 
@@ -161,6 +161,16 @@ MASKED_RUNS = {
     "masked_pp2_cp2": Run(4, (*MASKED, *PP2, *CP2, "--training.local_batch_size", "8", *SHORT),
                           reference="masked_single"),
 }
+# Mixture of experts (test_moe_layouts.py) on the data-parallel layouts, against its own single-process run, 4 steps
+# each, recording every parameter's gradient and every token's experts at step 1: FSDP 4 (the experts' 3-D weights
+# sharded over the experts), HSDP 2 x 2, and DDP 2 accumulating 2 micro-batches; the single process accumulates 4.
+MOE_RUNS = {
+    "moe_single": Run(1, (*MOE, *SHORT), reference=None),
+    "moe_fsdp4": Run(4, (*MOE, *SHORT), reference="moe_single"),
+    "moe_hsdp2x2": Run(4, (*MOE, *HSDP, *SHORT), reference="moe_single"),
+    "moe_ddp2": Run(2, (*MOE, "--parallelism.data_parallel_replicate_degree", "2",
+                        "--parallelism.data_parallel_shard_degree", "1", *SHORT), reference="moe_single"),
+}
 # test_compile.py's layouts, each block compiled, in the job of the shared runs of their size: TP 2 by inductor, every
 # block recomputed, 4 steps validating every 2 (step 4 repeats step 2's work, which must build no graph), on 2
 # processes: each rank compiles and builds its C++ kernels itself, cold on CI, and dynamo never traces FSDP's hooks
@@ -205,7 +215,8 @@ FLOAT8_RUNS = {
 }
 # The single-process run of the layouts of 4 pipeline stages, which train the debug model's 6 blocks, 4 steps as they.
 SINGLES = {"single_debugmodel": Run(1, (*DEBUGMODEL, *SHORT), reference=None)}
-ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **COMPILED_RUNS, **FLOAT8_RUNS, **SINGLES}
+ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **MOE_RUNS, **COMPILED_RUNS, **FLOAT8_RUNS,
+            **SINGLES}
 
 PIPELINED, CONTEXT_PARALLEL = of_kind(SHARED_RUNS, "pipelined"), of_kind(SHARED_RUNS, "context_parallel")
 COMPILED = of_kind(SHARED_RUNS, "compiled")

@@ -44,6 +44,27 @@ class Model:
 
 
 @dataclass
+class Moe:
+    """mixture of experts (models/moe.py): each setting overrides the flavor's; on a dense flavor, num_experts makes
+    its blocks mixtures"""
+    num_experts: Optional[int] = opt(None, "routed experts of an MoE block; none = the flavor's", rule=at_least(1))
+    top_k: Optional[int] = opt(None, "routed experts a token goes to (at most num_experts); none = the flavor's",
+                               rule=at_least(1))
+    hidden: Optional[int] = opt(None, "a routed expert's hidden size, 0 = the dense feed-forward's; none = the "
+                                "flavor's", rule=at_least(0))
+    shared_experts: Optional[int] = opt(None, "experts every token goes to, each of that hidden size; none = the "
+                                        "flavor's", rule=at_least(0))
+    score_func: str = opt("", 'router scores: softmax over the experts (Mixtral) or each one\'s sigmoid '
+                          '(DeepSeek-V3); "" = the flavor\'s', choices=("", "softmax", "sigmoid"))
+    renormalize: Optional[bool] = opt(None, "divide a token's top-k weights by their sum; none = the flavor's")
+    route_scale: Optional[float] = opt(None, "the weights' factor, after that; none = the flavor's",
+                                       rule=finite_above(0))
+    every: Optional[int] = opt(None, "every k-th block is MoE, the others dense; none = the flavor's",
+                               rule=at_least(1))
+    first_dense: Optional[int] = opt(None, "the first n blocks stay dense; none = the flavor's", rule=at_least(0))
+
+
+@dataclass
 class Optimizer:
     """optimizer and its hyperparameters"""
     name: str = opt("AdamW", "optimizer", choices=("AdamW",))
@@ -253,6 +274,7 @@ class Mixture:
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    moe: Moe = field(default_factory=Moe)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)

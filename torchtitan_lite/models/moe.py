@@ -15,11 +15,13 @@ the order in which their outputs are summed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torchtitan_lite.config import ConfigError
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -38,6 +40,18 @@ class MoEArgs:
 
     def is_moe(self, layer_id: int) -> bool:
         return layer_id >= self.first_dense and (layer_id + 1) % self.every == 0
+
+
+def configured(flavor_args: MoEArgs | None, section, flavor: str) -> MoEArgs | None:
+    """A flavor's MoEArgs (None: dense) with the config's [moe] settings (config.Moe) over them."""
+    changes = {f.name: getattr(section, f.name) for f in fields(section) if getattr(section, f.name) not in (None, "")}
+    if flavor_args is None and changes and "num_experts" not in changes:
+        raise ConfigError(f"moe.{next(iter(changes))} is set but model.flavor {flavor} is dense: set moe.num_experts "
+                          "too, to make its blocks mixtures of experts")
+    args = replace(flavor_args or MoEArgs(), **changes) if changes else flavor_args
+    if args is not None and args.top_k > args.num_experts:
+        raise ConfigError(f"moe.top_k {args.top_k} exceeds the {args.num_experts} routed experts (moe.num_experts)")
+    return args
 
 
 class Router(nn.Module):

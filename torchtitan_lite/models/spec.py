@@ -79,6 +79,8 @@ class ModelSpec:
     # (the whole model, on meta; seq_len) -> training FLOPs per token (forward and backward): MFU's numerator
     flops_per_token: Callable[[nn.Module, int], float]
     hf: HFAdapter | None = None  # Hugging Face conversion; None: the model has none
+    # (args, JobConfig) -> the args with the config's settings of the model over its flavor's (run_args); None: none
+    configure: Callable[[Any, Any], Any] | None = None
 
     def args(self, flavor: str, vocab_size: int, seq_len: int) -> Any:
         """The args a run builds its model from: the flavor's, with the tokenizer's vocabulary and training.seq_len
@@ -87,3 +89,8 @@ class ModelSpec:
             raise ConfigError(f"model.flavor {flavor!r} is not a flavor of model {self.name}: choose one of "
                               f"{', '.join(self.flavors)}{did_you_mean(flavor, list(self.flavors))}")
         return dataclasses.replace(self.flavors[flavor], vocab_size=vocab_size, max_seq_len=seq_len)
+
+    def run_args(self, cfg, vocab_size: int) -> Any:
+        """The args of the run `cfg` configures: its flavor's (args), with what the config sets over them."""
+        args = self.args(cfg.model.flavor, vocab_size, cfg.training.seq_len)
+        return self.configure(args, cfg) if self.configure else args

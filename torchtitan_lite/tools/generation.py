@@ -141,7 +141,7 @@ def load_model(cfg: JobConfig, checkpoint: str, device: torch.device,
     or dump folder (its newest complete step; checkpoint_finder.find_checkpoint)."""
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     spec = registry.get(cfg.model.name)
-    args = spec.args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
+    args = spec.run_args(cfg, tokenizer.n_words)
     path, _ = find_checkpoint(checkpoint, cfg.checkpoint.folder)
     with torch.device("meta"):
         model = spec.model_class(args)

@@ -116,7 +116,7 @@ def model_args(cfg: JobConfig) -> tuple[Args, str]:
         vocab, note = LLAMA3_VOCAB, f"{cfg.model.tokenizer_path} not found: Llama 3's vocabulary assumed"
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.tokenizer_path: {e}") from None
-    return registry.get(cfg.model.name).args(cfg.model.flavor, vocab, cfg.training.seq_len), note
+    return registry.get(cfg.model.name).run_args(cfg, vocab), note
 
 
 class _DevicePeak:
@@ -211,8 +211,8 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
         cfg.parallelism.fsdp_offload_pin_memory = False  # pinned or not, the same bytes; pinning needs a GPU here
     args, vocab_note = model_args(cfg)
     if getattr(args, "moe", None) is not None:  # its routed experts' groups are sized by data a fake tensor lacks
-        raise ConfigError(f"model.flavor {cfg.model.flavor} is a mixture of experts, which the estimate does not "
-                          "know yet")
+        raise ConfigError(f"the model (model.flavor {cfg.model.flavor}, [moe]) is a mixture of experts, which the "
+                          "estimate does not know yet")
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     cfg.float8.emulate = False  # float8: the GPU's matmuls, whose fake kernel allocates only the output (docstring)
     with mock.patch.object(float8, "has_float8_matmul", lambda: True):

@@ -41,11 +41,13 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
 
 
 def check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
-    """What a mixture-of-experts model trains with so far: one process, fp32, eager (its parity on the layouts,
-    expert parallelism first, is still to be built and tested)."""
-    flavor = f"model.flavor {cfg.model.flavor} is a mixture of experts, which trains"
-    if dims.world_size > 1:
-        raise ConfigError(f"{flavor} on one process so far: run it with NGPU=1 (its parallelisms are not built yet)")
+    """What a mixture-of-experts model trains with so far: data parallelism (FSDP, HSDP, DDP: a token's route and
+    experts are its own, whichever rank holds it), fp32, eager; the other layouts, expert parallelism first, are
+    still to be built and tested."""
+    flavor = f"the model (model.flavor {cfg.model.flavor}, [moe]) is a mixture of experts, which trains"
+    if dims.tp > 1 or dims.cp > 1 or dims.pp > 1:
+        raise ConfigError(f"{flavor} on data-parallel layouts so far (FSDP, HSDP, DDP): set the tensor, context and "
+                          "pipeline parallel degrees to 1")
     if cfg.compile.enable or float8.enabled(cfg) or cfg.training.mixed_precision_param != "float32":
         raise ConfigError(f"{flavor} in float32 and eager so far: drop compile.enable and float8, and set "
                           "training.mixed_precision_param float32")
@@ -70,7 +72,7 @@ def preflight(cfg: JobConfig, world_size: int):
     spec = registry.get(cfg.model.name)  # first: the rest of the checks are the model's
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    model_args = spec.args(cfg.model.flavor, tokenizer.n_words, cfg.training.seq_len)
+    model_args = spec.run_args(cfg, tokenizer.n_words)
     check_layout(cfg, dims, model_args)
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
     check_profiling(cfg.profiling, world_size)

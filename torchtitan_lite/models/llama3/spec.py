@@ -8,7 +8,7 @@ from torch import nn
 from torchtitan_lite.models.llama3 import hf
 from torchtitan_lite.models.llama3.model import FLAVORS, Transformer, count_params
 from torchtitan_lite.models.llama3.parallelize import tp_plan, tp_sizes
-from torchtitan_lite.models.moe import inactive_params
+from torchtitan_lite.models.moe import configured, inactive_params
 from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 from torchtitan_lite.runtime import metrics
 
@@ -30,6 +30,7 @@ SPEC = ModelSpec(
     tp_plan=tp_plan,
     tp_sizes=tp_sizes,
     flops_per_token=flops_per_token,
+    configure=lambda args, cfg: args.with_(moe=configured(args.moe, cfg.moe, cfg.model.flavor)),
     hf=HFAdapter(hf_name=hf.hf_name, our_name=hf.our_name, to_hf_tensor=hf.to_hf_tensor, config=hf.hf_config,
                  args_from_config=hf.model_args_from_hf, flavor_of=hf.matching_flavor),
 )

@@ -1,0 +1,76 @@
+"""Every token's routing decision at step 1, for the parity tests of mixture-of-experts layouts: routing is
+discontinuous (a score difference of one rounding can flip a token's top-k choice, and a flipped token moves the curve
+by more than rounding), so a layout's numbers are compared with one process's only once every token is known to have
+gone to the same experts.
+
+grad_dump.recording starts a RouteRecorder: rank R writes OUT_DIR/routes.R.pt, {MoE layer: [(global sequence index,
+its tokens' experts (seq, k), their margins (seq,))]}; a token's margin is how far its k-th expert's score is above
+the best one it did not choose. A sequence is named by its index in the data's one global order (data/loader.py: dp
+rank r takes a contiguous slice of the step's windows and cuts it into micro-batches), so any data-parallel layout's
+records line up with one process's. `load_routes` joins the ranks' files.
+"""
+
+import os
+from pathlib import Path
+
+import torch
+
+from torchtitan_lite.data.loader import DataLoader
+from torchtitan_lite.models import moe
+
+
+class RouteRecorder:
+    def __init__(self, out: Path):
+        self.out, self.routes, self.sequences, self.local, self.names, self.patched = out, {}, [], 1, {}, []
+
+    def start(self, models: list, first_step) -> None:
+        self.names = {id(m.router): n for model in models for n, m in model.named_modules() if isinstance(m, moe.MoE)}
+        if self.patched or not self.names:
+            return
+        forward, next_batch = moe.Router.forward, DataLoader.next_batch
+
+        def recording_forward(router, x):
+            weights, experts = forward(router, x)
+            # The forward's call, not activation checkpointing's recompute of it in backward.
+            if first_step() and torch._C._current_autograd_node() is None:
+                self._record(router, x, experts)
+            return weights, experts
+
+        def recording_next_batch(loader):
+            if first_step():
+                first = loader.position + loader.dp_rank * (loader.global_batch // loader.dp_size)
+                self.sequences = [first + i for i in range(loader.global_batch // loader.dp_size)]
+                self.local = loader.local_batch
+            return next_batch(loader)
+
+        self.patched = [(moe.Router, "forward", forward), (DataLoader, "next_batch", next_batch)]
+        moe.Router.forward, DataLoader.next_batch = recording_forward, recording_next_batch
+
+    def _record(self, router, x: torch.Tensor, experts: torch.Tensor) -> None:
+        """One micro-batch's call of one layer's router: its sequences are the next `local` of this rank's."""
+        a = router.args
+        logits = router.gate(x).float()
+        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
+        top = scores.topk(min(a.top_k + 1, a.num_experts), dim=-1).values
+        margin = top[:, a.top_k - 1] - (top[:, a.top_k] if a.top_k < a.num_experts else 0)
+        calls = self.routes.setdefault(self.names[id(router)], [])
+        rows = experts.shape[0] // self.local  # a sequence's tokens
+        for i, seq in enumerate(self.sequences[len(calls):len(calls) + self.local]):
+            calls.append((seq, experts[i * rows:(i + 1) * rows].detach().clone(),
+                          margin[i * rows:(i + 1) * rows].detach().clone()))
+
+    def stop(self) -> None:
+        for owner, name, original in self.patched:
+            setattr(owner, name, original)
+        if self.patched:
+            torch.save(self.routes, self.out / f"routes.{os.environ.get('RANK', '0')}.pt")
+
+
+def load_routes(out: Path) -> dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """MoE layer -> global sequence index -> (its tokens' experts, their margins), from every rank's file."""
+    routes = {}
+    for f in sorted(out.glob("routes.*.pt")):
+        for layer, calls in torch.load(f).items():
+            for seq, experts, margin in calls:
+                routes.setdefault(layer, {})[seq] = (experts, margin)
+    return routes

@@ -1,0 +1,60 @@
+"""A mixture of experts (models/moe.py, the tests' model with every block a mixture of 8 experts, top 2) on every
+data-parallel layout gives its single-process run: first every token's routing decision at step 1, then the curve
+within 1e-5, the grad norm within 1e-5 relative, and every parameter's gradient (router, experts) at step 1.
+
+Routing is discontinuous: where a layout's router scores differ from one process's by a rounding, a token whose k-th
+and (k+1)-th scores are closer than that goes to another expert, and the numbers after it differ by more than any
+tolerance. So the routes are compared first, and a failure says which it saw: a flipped decision (with the token's
+margin) or a wrong number. The runs are run_table.py's MOE_RUNS."""
+
+import pytest
+
+from grad_dump import assert_grads_match, load_grads
+from launch import assert_same_curve, losses
+from route_dump import load_routes
+from run_table import MOE_RUNS
+
+# moe_ddp2; the 4-process runs are in the job that starts with the session
+pytestmark = pytest.mark.reads("shared_2p")
+TOLERANCE = 1e-5
+LAYOUTS = [name for name, run in MOE_RUNS.items() if run.reference is not None]
+
+
+def assert_same_routes(got: dict, ref: dict, layout: str) -> tuple[float, float]:
+    """Every token of every sequence of the step went to the same experts in the same order; returns the smallest
+    margin seen (how close a token came to a flip) and the largest difference of a margin from one process's (how far
+    the layout moved the scores at the decision)."""
+    assert got.keys() == ref.keys() and got, f"MoE layers {sorted(got)} against {sorted(ref)}"
+    smallest, moved = float("inf"), 0.0
+    for layer, sequences in ref.items():
+        assert got[layer].keys() == sequences.keys(), f"{layer}: sequences {sorted(got[layer])} vs {sorted(sequences)}"
+        for seq, (experts, margin) in sequences.items():
+            flipped = (got[layer][seq][0] != experts).any(-1).nonzero().flatten().tolist()
+            if flipped:
+                t = flipped[0]
+                raise AssertionError(f"a flipped routing decision, not a wrong number: on {layout}, {layer}, sequence "
+                                     f"{seq}, token {t} went to experts {got[layer][seq][0][t].tolist()}, on one "
+                                     f"process to {experts[t].tolist()} (its margin {margin[t].item():.2e})")
+            smallest = min(smallest, margin.min().item())
+            moved = max(moved, (got[layer][seq][1] - margin).abs().max().item())
+    return smallest, moved
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_layout_routes_every_token_as_one_process(runs, layout):
+    smallest, moved = assert_same_routes(load_routes(runs[layout]), load_routes(runs[MOE_RUNS[layout].reference]),
+                                         layout)
+    print(f"{layout}: every token's experts as one process's; smallest top-k margin {smallest:.2e}, margins "
+          f"moved by at most {moved:.2e}")
+    assert moved < smallest / 10  # far from a flip: the data keeps the decisions stable on every layout
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_layout_follows_the_single_process_curve(runs, layout):
+    assert sorted(losses(runs[layout])) == [1, 2, 3, 4]
+    assert_same_curve(runs[layout], runs[MOE_RUNS[layout].reference], TOLERANCE)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_layout_gives_every_gradient_of_one_process(runs, layout):
+    assert_grads_match(load_grads(runs[layout]), load_grads(runs[MOE_RUNS[layout].reference]), TOLERANCE)
