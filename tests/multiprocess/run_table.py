@@ -163,13 +163,15 @@ MASKED_RUNS = {
 }
 # Mixture of experts (test_moe_layouts.py) on the data-parallel layouts, against its own single-process run, 4 steps
 # each, recording every parameter's gradient and every token's experts at step 1: FSDP 4 (the experts' 3-D weights
-# sharded over the experts), HSDP 2 x 2, and DDP 2 accumulating 2 micro-batches; the single process accumulates 4.
+# sharded over the experts, saving every 2 steps: resumed on DDP 2 below), HSDP 2 x 2 recomputing every block, and
+# DDP 2 accumulating 2 micro-batches with op-level selective AC; the single process accumulates 4.
 MOE_RUNS = {
     "moe_single": Run(1, (*MOE, *SHORT), reference=None),
-    "moe_fsdp4": Run(4, (*MOE, *SHORT), reference="moe_single"),
-    "moe_hsdp2x2": Run(4, (*MOE, *HSDP, *SHORT), reference="moe_single"),
+    "moe_fsdp4": Run(4, (*MOE, *CHECKPOINTED, *SHORT), reference="moe_single"),
+    "moe_hsdp2x2": Run(4, (*MOE, *HSDP, "--activation_checkpoint.mode", "full", *SHORT), reference="moe_single"),
     "moe_ddp2": Run(2, (*MOE, "--parallelism.data_parallel_replicate_degree", "2",
-                        "--parallelism.data_parallel_shard_degree", "1", *SHORT), reference="moe_single"),
+                        "--parallelism.data_parallel_shard_degree", "1", "--activation_checkpoint.mode", "selective",
+                        "--activation_checkpoint.selective_ac_option", "op", *SHORT), reference="moe_single"),
 }
 # test_compile.py's layouts, each block compiled, in the job of the shared runs of their size: TP 2 by inductor, every
 # block recomputed, 4 steps validating every 2 (step 4 repeats step 2's work, which must build no graph), on 2
@@ -234,6 +236,8 @@ RESUMED_RUNS = {
     "cp2_resumed": Resumed("cp2", 6, 2, SHARED_RUNS["cp2"].overrides),
     # Recording its graph counts.
     "tp2_compiled_resumed": Resumed("tp2_compiled", 2, 2, SHARED_RUNS["tp2_compiled"].overrides, record=True),
+    # The experts' sharded 3-D weights and their AdamW moments, saved on FSDP 4 and loaded on DDP 2.
+    "moe_fsdp4_on_ddp2": Resumed("moe_fsdp4", 2, 2, MOE_RUNS["moe_ddp2"].overrides),
     # Float8 weights in FSDP's state: a DTensor of torchao's float8-casting subclass, saved and loaded by DCP.
     "float8_fsdp4_ag_resumed": Resumed("float8_fsdp4_ag", 2, 4, FLOAT8_RUNS["float8_fsdp4_ag"].overrides),
 }

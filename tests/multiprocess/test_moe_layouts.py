@@ -10,12 +10,14 @@ margin) or a wrong number. The runs are run_table.py's MOE_RUNS."""
 import pytest
 
 from grad_dump import assert_grads_match, load_grads
-from launch import assert_same_curve, losses
+from launch import assert_same_curve, ckpt, losses
 from route_dump import load_routes
 from run_table import MOE_RUNS
 
-# moe_ddp2; the 4-process runs are in the job that starts with the session
-pytestmark = pytest.mark.reads("shared_2p")
+from torchtitan_lite.checkpoint.reader import read_metadata
+
+# moe_ddp2 and the resumed run; the 4-process runs are in the job that starts with the session
+pytestmark = pytest.mark.reads("shared_2p", "resumed_2p")
 TOLERANCE = 1e-5
 LAYOUTS = [name for name, run in MOE_RUNS.items() if run.reference is not None]
 
@@ -58,3 +60,15 @@ def test_moe_layout_follows_the_single_process_curve(runs, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_moe_layout_gives_every_gradient_of_one_process(runs, layout):
     assert_grads_match(load_grads(runs[layout]), load_grads(runs[MOE_RUNS[layout].reference]), TOLERANCE)
+
+
+def test_a_moe_checkpoint_resumes_on_another_layout_on_the_same_curve(runs):
+    """FSDP 4's step 2 (the experts sharded over the experts) goes on as DDP 2 to step 4: the experts' weights and
+    their AdamW moments are in the checkpoint, and the curve is the FSDP 4 run's."""
+    keys = read_metadata(str(ckpt(runs["moe_fsdp4"], 2))).state_dict_metadata
+    for layer in ("0", "1"):
+        for name in ("moe.router.gate.weight", "moe.experts.w1", "moe.experts.w2", "moe.experts.w3"):
+            assert f"model.layers.{layer}.{name}" in keys
+            assert any(k.startswith("optimizer.") and k.endswith(f"layers.{layer}.{name}.exp_avg") for k in keys), name
+    assert sorted(losses(runs["moe_fsdp4_on_ddp2"])) == [1, 2, 3, 4]  # steps 1-2 the FSDP 4 run's own records
+    assert_same_curve(runs["moe_fsdp4_on_ddp2"], runs["moe_fsdp4"], TOLERANCE, steps=[3, 4])
