@@ -49,9 +49,10 @@ class RouteRecorder:
     def _record(self, router, x: torch.Tensor, experts: torch.Tensor) -> None:
         """One micro-batch's call of one layer's router: its sequences are the next `local` of this rank's."""
         a = router.args
-        logits = router.gate(x).float()
-        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
-        top = scores.topk(min(a.top_k + 1, a.num_experts), dim=-1).values
+        with torch.no_grad():  # nothing saved for backward: activation checkpointing counts what the forward saves
+            logits = router.gate(x).float()
+            scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
+            top = scores.topk(min(a.top_k + 1, a.num_experts), dim=-1).values
         margin = top[:, a.top_k - 1] - (top[:, a.top_k] if a.top_k < a.num_experts else 0)
         calls = self.routes.setdefault(self.names[id(router)], [])
         rows = experts.shape[0] // self.local  # a sequence's tokens
