@@ -79,6 +79,9 @@ class ModelSpec:
     # (the whole model, on meta; seq_len) -> training FLOPs per token (forward and backward): MFU's numerator
     flops_per_token: Callable[[nn.Module, int], float]
     hf: HFAdapter | None = None  # Hugging Face conversion; None: the model has none
+    # Every block the same module on the same shapes, only its index differs: the memory estimate may then trace a
+    # few blocks and extrapolate (tools/memory_extrapolate.py)
+    blocks_alike: bool = False
 
     def args(self, flavor: str, vocab_size: int, seq_len: int) -> Any:
         """The args a run builds its model from: the flavor's, with the tokenizer's vocabulary and training.seq_len
