@@ -68,6 +68,9 @@ def table(e: Estimate, cfg: JobConfig) -> str:
     lines = [header]
     if e.vocab_note:
         lines.append(f"  ({e.vocab_note})")
+    if len(e.traced) > 1:
+        counts = f"{', '.join(map(str, e.traced[:-1]))} and {e.traced[-1]}"
+        lines.append(f"  (traced with {counts} of its blocks: every figure exactly affine in the block count)")
     where = " (host)" if e.host_bytes else ""
     rows = [(f"parameters{where}", e.param_bytes), (f"gradients{where}", e.grad_bytes),
             (f"optimizer state{where}", e.optimizer_bytes), ("activations", e.activation_bytes),

@@ -1,11 +1,12 @@
 """The memory table of docs/performance.md, made from estimate_memory.py's figures so that it cannot go stale.
 
-    python scripts/memory_table.py           # the table as markdown, every row estimated (70B and 405B: minutes)
+    python scripts/memory_table.py           # the table as markdown, every row estimated (the pipeline's: minutes)
     python scripts/memory_table.py --check   # also compares it with docs/performance.md: exit 1 naming stale rows
 
 ROWS is the one list of what the table shows. tests/test_memory.py checks on every run of the suite that the page
-lists these rows, and the figures of the first (seconds to estimate; the others take one to several minutes each);
-this script checks them all, to be run after a change to what the estimate counts.
+lists these rows, and the figures of the first (seconds to estimate, as every row but the pipeline's, whose blocks
+are all traced: tools/memory_extrapolate.py); this script checks them all, to be run after a change to what the
+estimate counts.
 """
 
 from __future__ import annotations

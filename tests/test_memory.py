@@ -1,15 +1,21 @@
 """metrics.held_bytes counts real storages; memory.py's fake-tensor estimate reproduces them on any world size; the
 memory table of docs/performance.md quotes the estimate (scripts/memory_table.py)."""
 
+import dataclasses
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models import documents
-from torchtitan_lite.models.llama3.model import Transformer
+from torchtitan_lite.models import documents, registry
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
+from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.runtime.metrics import held_bytes, storage_bytes
-from torchtitan_lite.tools.memory import LLAMA3_VOCAB, estimate_memory, model_args
+from torchtitan_lite.tools import memory, memory_extrapolate
+from torchtitan_lite.tools.memory import LLAMA3_VOCAB, Estimate, estimate_memory, model_args
+from torchtitan_lite.tools.memory_extrapolate import Plan, extrapolate
 from torchtitan_lite.training.optim import build_optimizer
 
 import memory_table  # scripts/memory_table.py (pytest.ini puts scripts/ on the path)
@@ -22,8 +28,8 @@ STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 @pytest.fixture(scope="module")
 def first_table_row():
-    """The table's first row, 8B on FSDP 8, and its estimate: the one row the suite can afford (seconds; the
-    others take minutes each, and scripts/memory_table.py --check compares them all)."""
+    """The table's first row, 8B on FSDP 8, and its estimate, extrapolated from a few of its blocks (seconds);
+    scripts/memory_table.py --check compares every row."""
     row = memory_table.ROWS[0]
     return row, memory_table.estimate(row)
 
@@ -69,6 +75,7 @@ def test_8b_state_follows_from_its_parameter_count(first_table_row):
     row, estimate = first_table_row
     assert row.world_size == 8 and row.argv[1].endswith("llama3_8b.toml")
     assert estimate.vocab_size == LLAMA3_VOCAB == 128256
+    assert estimate.traced == (3, 4, 5)  # extrapolated: selective AC by op, one block at either edge
     n_params, n_tensors = 8_030_261_248, 32 * 9 + 3  # Llama 3 8B; per block 2 norms + 7 linears; embedding, norm, out
     # Every dim of 8B splits evenly over 8 ranks: no padding. fp32 everything; AdamW's step is one fp32 scalar.
     assert estimate.param_bytes == estimate.grad_bytes == 4 * n_params // 8
@@ -137,3 +144,124 @@ def test_float8_keeps_the_state_and_gathers_converted_weights_at_one_byte(monkey
     step = [root, *[converted + 4 * norms] * 6, *[converted + 4 * norms] * 5]
     assert gathered == 2 * step
     assert f8.transient_bytes < plain.transient_bytes and f8.peak_bytes < plain.peak_bytes
+
+
+@pytest.fixture
+def debug_blocks(monkeypatch):
+    """`debug_blocks(n)`: the overrides of a flavor of the debug model with n blocks."""
+    def flavor(n: int) -> list[str]:
+        monkeypatch.setitem(FLAVORS, f"debug{n}", FLAVORS["debugmodel"].with_(n_layers=n))
+        return ["--model.flavor", f"debug{n}"]
+    return flavor
+
+
+SELECTIVE = ("--activation_checkpoint.mode", "selective")  # every 2nd block, the option's default
+
+
+@pytest.mark.parametrize("blocks, world_size, layout, counts", [
+    # Selective AC's period of 2 blocks: traces of 4, 6 and 8 blocks; FlexAttention's block mask counted on top.
+    (10, 1, [*SELECTIVE, "--model.attn_mask_type", "block_causal"], (4, 6, 8)),
+    # FSDP's edges (the last block stays gathered) over CP's shards, full AC, the state on the host, CP's explicit
+    # mask: traces of 3, 4 and 5 blocks.
+    (6, 2, ["--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full",
+            "--parallelism.fsdp_cpu_offload", "--model.attn_mask_type", "block_causal"], (3, 4, 5)),
+])
+def test_the_estimate_from_a_few_blocks_is_the_full_traces_to_the_byte(debug_blocks, blocks, world_size, layout,
+                                                                        counts):
+    """Traced with a few blocks and extrapolated, or traced whole: the same figures, to the byte. Each case costs
+    its blocks' traces, so the others are checked once by hand (TP, float8, prefetch: the commit's message), and
+    the big configs by scripts/memory_table.py --check."""
+    cfg = load_config([*DEBUG, *debug_blocks(blocks), *layout])
+    few = estimate_memory(cfg, world_size, extrapolate=True)
+    full = estimate_memory(cfg, world_size, extrapolate=False)
+    assert (few.traced, full.traced) == (counts, (blocks,))
+    assert dataclasses.replace(few, traced=()) == dataclasses.replace(full, traced=())
+    offload = "--parallelism.fsdp_cpu_offload" in layout  # the cases it is meant to show: the host's state, the mask
+    assert few.host_bytes == offload * (few.param_bytes + few.grad_bytes + few.optimizer_bytes) and few.mask_bytes
+
+
+def test_a_plan_without_the_period_is_caught_and_every_block_traced(monkeypatch, caplog):
+    """The rule without selective AC's period traces 3, 4 and 5 of the debug model's blocks, of which 2, 2 and 3 are
+    checkpointed: the activations are off a line, and the estimate goes on to trace every block (which this test
+    leaves out: the full trace's figures are the other tests')."""
+    cfg = load_config([*DEBUG, *SELECTIVE])
+    monkeypatch.setattr(memory_extrapolate, "plan", lambda *args: Plan((3, 4, 5), edge=1, every=1))
+    trace, whole = memory._trace, []
+
+    def few_only(cfg, dims, args, vocab_note, of=None):
+        if of is None:
+            whole.append(args.n_layers)
+            return "the full trace", None
+        return trace(cfg, dims, args, vocab_note, of)
+
+    monkeypatch.setattr(memory, "_trace", few_only)
+    with caplog.at_level(logging.INFO, logger=memory.__name__):
+        assert estimate_memory(cfg, 1, extrapolate=True) == "the full trace" and whole == [6]
+    said = [r.getMessage() for r in caplog.records if r.name == memory.__name__]
+    assert "activation_bytes is not affine in the block count: tracing all 6 blocks" in said
+
+
+def test_the_plan_follows_the_blocks_period_and_edges():
+    def plan(world_size, *overrides):
+        cfg = load_config(["--job.config_file", "train_configs/llama3_8b.toml", *overrides])
+        args = model_args(cfg)[0]
+        return memory_extrapolate.plan(cfg, ParallelDims.from_config(cfg.parallelism, world_size), args,
+                                       registry.get(cfg.model.name))
+
+    assert plan(8) == Plan((3, 4, 5), edge=1, every=1)  # selective AC by op
+    # Every 3rd block: counts of 2 modulo 3, as the model's 32 blocks, so the last blocks line up with its.
+    assert plan(8, "--activation_checkpoint.selective_ac_option", "3") == Plan((5, 8, 11), edge=1, every=3)
+    assert plan(8, "--parallelism.fsdp_prefetch", "2") == Plan((7, 8, 9), edge=3, every=1)
+    assert plan(1, "--parallelism.fsdp_prefetch", "2").edge == 1  # no FSDP: no prefetch
+    assert plan(16, "--parallelism.pipeline_parallel_degree", "2") is None  # rank 0's share of the blocks
+    filtered = ("--float8.enable_float8_linear", "--float8.filter_fqns")
+    assert plan(8, *filtered, "feed_forward") is not None  # the same linears of every block
+    assert plan(8, *filtered, "layers.1.") is None  # block 1's, and none of the others'
+
+
+def _made_up_trace(n: int) -> tuple[Estimate, dict]:
+    """A trace of n blocks whose backward segments peak as `_backward` says, (bytes, transient); the figures affine,
+    the step's peak the first of the highest segment's."""
+    segments = {None: (0, 0), **{("forward", i): (i, 0) for i in range(n)},
+                **{("backward", i): _backward(i, n) for i in reversed(range(n))}}
+    peak, transient = max(segments.values(), key=lambda v: v[0])
+    figures = dict(param_bytes=8 * n, grad_bytes=8 * n, optimizer_bytes=16 * n, activation_bytes=100 + n,
+                   transient_bytes=transient, peak_bytes=peak, host_bytes=0, mask_bytes=0)
+    return Estimate("made up", 1, "", {}, **figures, traced=(n,)), segments
+
+
+def _backward(i: int, n: int) -> tuple[int, int]:
+    # The last block's backward starts with the loss's gradient, large and growing slowly with the blocks; block
+    # i's holds the gradients of the blocks after it and the activations of those before: the first block's grows
+    # faster, and overtakes beyond the traced counts.
+    return (1000 + 10 * n, 7) if i == n - 1 else (100 * n - 90 * i, 3)
+
+
+def test_the_peak_comes_from_the_segment_that_overtakes_beyond_the_traced_counts():
+    plan = Plan((3, 4, 5), edge=1, every=1)
+    traces = [_made_up_trace(n) for n in plan.counts]
+    assert [t[0].peak_bytes for t in traces] == [1030, 1040, 1050]  # on a line, which would say 1200 at 20 blocks
+    estimate, why = extrapolate(traces, plan, 20)
+    assert (estimate.peak_bytes, estimate.transient_bytes, why) == (2000, 3, "")
+    assert (estimate.param_bytes, estimate.activation_bytes, estimate.traced) == (160, 120, (3, 4, 5))
+
+
+def _bump(segments: dict, segment: tuple) -> None:
+    segments[segment] = segments[segment][0] + 1, segments[segment][1]
+
+
+@pytest.mark.parametrize("tweak, why", [
+    (lambda n, e, s: setattr(e, "grad_bytes", e.grad_bytes + (n == 4)), "grad_bytes is not affine"),
+    (lambda n, e, s: n == 4 and _bump(s, ("backward", 0)), "the peak of the backward of the first block is not"),
+    (lambda n, e, s: n == 5 and _bump(s, ("backward", 2)), "the blocks between the edges differ"),
+    (lambda n, e, s: setattr(e, "peak_bytes", e.peak_bytes + 1), "the segments' peaks miss the step's"),
+])
+def test_a_figure_or_segment_off_its_line_refuses_to_extrapolate(tweak, why):
+    """Each check on its own: a figure off its line, a segment that may hold the peak off its line, a block between
+    the edges off the line of its neighbours, segments that do not account for the step's peak."""
+    plan = Plan((3, 4, 5), edge=1, every=1)
+    traces = [_made_up_trace(n) for n in plan.counts]
+    for n, (estimate, segments) in zip(plan.counts, traces):
+        tweak(n, estimate, segments)
+    estimate, said = extrapolate(traces, plan, 20)
+    assert estimate is None and said.startswith(why)

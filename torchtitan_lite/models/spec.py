@@ -81,6 +81,9 @@ class ModelSpec:
     hf: HFAdapter | None = None  # Hugging Face conversion; None: the model has none
     # (args, JobConfig) -> the args with the config's settings of the model over its flavor's (run_args); None: none
     configure: Callable[[Any, Any], Any] | None = None
+    # Every block the same module on the same shapes, only its index differs: the memory estimate may then trace a
+    # few blocks and extrapolate (tools/memory_extrapolate.py)
+    blocks_alike: bool = False
 
     def args(self, flavor: str, vocab_size: int, seq_len: int) -> Any:
         """The args a run builds its model from: the flavor's, with the tokenizer's vocabulary and training.seq_len

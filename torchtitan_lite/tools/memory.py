@@ -9,7 +9,10 @@ FSDP2's all-gather and reduce-scatter buffers and the storage resizes that free 
 allocate nothing and compute nothing, so the cost is Python time per op (docs/performance.md has the times), and every
 layout rule (TP shards, FSDP padding, hpZ, which block stays gathered after forward, what activation checkpointing
 saves) is the trainer's by construction: a formula would have to be kept in step with parallelize.py by hand. Two
-steps: the optimizer state exists from the first on, so the second is the steady state.
+steps: the optimizer state exists from the first on, so the second is the steady state. The tracker is
+memory_tracker.py's. Nearly all the time goes to the blocks: a model whose blocks are alike is traced with a few of
+them, at three block counts, and each figure extrapolated to the model's count where they lie exactly on a line,
+else every block is traced (memory_extrapolate.py says when, and why that is exact).
 
 What the figures mean (bytes of rank 0):
 - parameters, gradients, optimizer state: `held_bytes` of the fake model after the optimizer step, exactly what the
@@ -60,16 +63,13 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
@@ -82,6 +82,8 @@ from torchtitan_lite.parallel.pipeline import merge_stages, microbatches, schedu
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.metrics import held_bytes
 from torchtitan_lite.runtime.precision import UpdateGuard
+from torchtitan_lite.tools import memory_extrapolate as extrapolation
+from torchtitan_lite.tools.memory_tracker import DevicePeak, FSDPTracker, Tracker
 from torchtitan_lite.training.optim import build_optimizer, clip_grad_norm_
 from torchtitan_lite.training.preflight import check_layout
 from torchtitan_lite.training.step import Inputs, Numerics, Step
@@ -105,6 +107,7 @@ class Estimate:
     peak_bytes: int
     host_bytes: int
     mask_bytes: int = 0  # block_causal: the document mask of one micro-batch (already in activations and peak)
+    traced: tuple[int, ...] = ()  # the blocks traced: all of them, or the few counts the figures are extrapolated from
 
 
 def model_args(cfg: JobConfig) -> tuple[Args, str]:
@@ -119,92 +122,11 @@ def model_args(cfg: JobConfig) -> tuple[Args, str]:
     return registry.get(cfg.model.name).run_args(cfg, vocab), note
 
 
-class _DevicePeak:
-    """Mixed into torch's MemTracker (FSDPMemTracker under FSDP, which requires it): keeps the peak of what the
-    device holds (without the `host` categories), and ignores DTensor's shape propagation.
-
-    DTensor derives an op's output shape by running it on fake tensors of the global shape, in the active fake mode,
-    which is ours: loss parallel's log-softmax alone would count as a (tokens x full vocab) fp32 tensor. Those ops
-    run under ShardingPropagator._fake_mode_lock (a no-op context by default), so the tracker swaps in a context of
-    its own that pauses it.
-    """
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, host: tuple[str, ...]):
-        if isinstance(self, FSDPMemTracker):
-            super().__init__(model, optimizer)
-        else:
-            super().__init__()
-            self.track_external(model, optimizer)
-        self.host, self.device_peak, self.device_snap, self.paused = host, 0, {}, False
-
-    def __enter__(self):
-        # torch 2.11 (the GPU machines') has no such lock: there the estimate also counts DTensor's propagation,
-        # which only loss parallel makes large.
-        self._saved_lock = getattr(ShardingPropagator, "_fake_mode_lock", None)
-        if self._saved_lock is not None:
-            ShardingPropagator._fake_mode_lock = self._Pause(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        if self._saved_lock is not None:
-            ShardingPropagator._fake_mode_lock = self._saved_lock
-        return super().__exit__(*exc)
-
-    class _Pause:
-        def __init__(self, tracker: _DevicePeak):
-            self.tracker = tracker
-
-        def __enter__(self):
-            self.tracker.paused = True
-
-        def __exit__(self, *exc):
-            self.tracker.paused = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.paused:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-    def _update_peak_stats(self, peak_state) -> None:
-        # Not torch's: after every op it walks every module's statistics (per-module peaks, which nothing here
-        # reads), most of an estimate's time (docs/performance.md).
-        if self._in_opt:
-            return  # under fake tensors an in-place optimizer kernel allocates its outputs anew: not real memory
-        if sum(dev["Total"] for dev in self._curr_mem_snap.values()) <= self.device_peak:
-            return  # what the device holds is at most the total: no new peak (most ops; now() costs more)
-        snap = self.now()
-        on_device = snap["Total"] - sum(snap[k] for k in self.host)
-        if on_device > self.device_peak:
-            self.device_peak, self.device_snap = on_device, snap
-
-    def now(self) -> dict[str, int]:
-        """Bytes alive by category, under FSDPMemTracker's names (MemTracker's PARAM and GRAD are unsharded)."""
-        out = dict.fromkeys(("SHARDED_PARAM", "BUFFER", "SHARDED_GRAD", "ACT", "OPT", "Total"), 0)
-        for snap in self._curr_mem_snap.values():
-            for kind, size in snap.items():
-                name = getattr(kind, "name", kind)  # an enum member, or "Total"
-                name = {"PARAM": "SHARDED_PARAM", "GRAD": "SHARDED_GRAD"}.get(name, name)
-                out[name] = out.get(name, 0) + size
-        return out
-
-
-class _FSDPTracker(_DevicePeak, FSDPMemTracker):
-    pass
-
-
-class _Tracker(_DevicePeak, MemTracker):
-    """Without per-module statistics, which nothing here reads and which torch keeps for one forward per module per
-    step: a pipeline stage runs one per micro-batch."""
-
-    def _pre_fw_hook(self, *args):
-        pass
-
-    _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
-
-
-def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
+def estimate_memory(cfg: JobConfig, world_size: int, extrapolate: bool | None = None) -> Estimate:
     """Per-rank memory of training `cfg` on `world_size` ranks; see the module docstring for what each figure holds.
-    Raises ConfigError for a config the trainer would reject. Needs no process group (it makes a fake one)."""
+    Raises ConfigError for a config the trainer would reject. Needs no process group (it makes a fake one).
+    `extrapolate`: whether a model of alike blocks may be traced with a few of them (memory_extrapolate.py); by
+    default where the few together are fewer than the model's, True wherever its rule allows, False never."""
     cfg = copy.deepcopy(cfg)
     cfg.compile.enable = False  # fake tensors cannot be compiled: the estimate is of the eager model
     if cfg.parallelism.fsdp_cpu_offload:
@@ -217,14 +139,33 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
     cfg.float8.emulate = False  # float8: the GPU's matmuls, whose fake kernel allocates only the output (docstring)
     with mock.patch.object(float8, "has_float8_matmul", lambda: True):
         check_layout(cfg, dims, args)  # the trainer's preflight of the layout
+    plan = extrapolation.plan(cfg, dims, args, registry.get(cfg.model.name)) if extrapolate is not False else None
+    if plan and (extrapolate or sum(plan.counts) < args.n_layers):  # by default, only where it saves time
+        progress.info("its %d blocks are alike: tracing %d, %d and %d of them, to extrapolate", args.n_layers,
+                      *plan.counts)
+        traces = [_trace(cfg, dims, replace(args, n_layers=n), vocab_note, of=args.n_layers)
+                  for n in plan.counts]
+        estimate, refusal = extrapolation.extrapolate(traces, plan, args.n_layers)
+        if estimate is not None:
+            progress.info("extrapolated to %d blocks: every figure is affine in the block count", args.n_layers)
+            return estimate
+        progress.info("%s: tracing all %d blocks", refusal, args.n_layers)
+    return _trace(cfg, dims, args, vocab_note)[0]
+
+
+def _trace(cfg: JobConfig, dims: ParallelDims, args: Args, vocab_note: str,
+           of: int | None = None) -> tuple[Estimate, dict | None]:
+    """The estimate of the model of `args`; when it holds a few of the model's `of` blocks, also the peak (bytes,
+    transient bytes) of each segment of the measured step (memory_tracker.DevicePeak), as the estimate counts them."""
     # Imported here: the fake backend registers itself on import, and only the estimate needs it.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)
     try:
         mesh = dims.build_mesh("cpu")[0]
         layout = " x ".join(f"{n} {d}" for n, d in zip(mesh.mesh_dim_names, mesh.shape) if d > 1) or "1 rank"
-        progress.info("rank 0 of %d (mesh %s): building and parallelizing its model on meta", world_size, layout)
+        progress.info("rank 0 of %d (mesh %s): building and parallelizing its model on meta%s", dims.world_size,
+                      layout, "" if of is None else f", with {args.n_layers} of its {of} blocks")
         spec = registry.get(cfg.model.name)
         with torch.device("meta"):  # rank 0's stages, under PP
             parts = [spec.model_class(args)] if dims.pp == 1 else split_stages(spec.model_class, args, 0,
@@ -247,23 +188,23 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> Estimate:
         offload = cfg.parallelism.fsdp_cpu_offload
         host = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT") if offload else ()
         # FSDPMemTracker follows one forward per module per step: not a pipeline's micro-batches.
-        tracker_class = _FSDPTracker if isinstance(model, FSDPModule) and dims.pp == 1 else _Tracker
+        tracker_class = FSDPTracker if isinstance(model, FSDPModule) and dims.pp == 1 else Tracker
         numerics = Numerics.from_config(cfg, dims)
         guard = UpdateGuard(torch.device("cpu"), numerics.compute_dtype)  # fp16's loss scale, a real scalar
         mask, added = _document_mask(cfg, dims, numerics.compute_dtype)
         for part in parts:
             part.document_mask = documents.explicit_mask if dims.cp > 1 else lambda ids, dtype: None
-        with fake, tracker_class(model, optimizer, host) as tracker:
+        with fake, tracker_class(model, optimizer, host, segments=of is not None) as tracker:
             activations, held = _two_steps(parts, optimizer, cfg, dims, args, numerics, guard, tracker)
     finally:
         dist.destroy_process_group()
     state = sum(held.values())
-    snap = tracker.device_snap
-    at_peak_state = snap["SHARDED_PARAM"] + snap["BUFFER"] + snap["SHARDED_GRAD"] + snap["OPT"]
-    transient = tracker.device_peak - (0 if offload else at_peak_state) - snap["ACT"]
+    transient = tracker.transient(tracker.device_peak, tracker.device_snap)
+    segments = None if of is None else {k: (peak + added, t) for k, (peak, t) in tracker.segments.items()}
     return Estimate(cfg.model.flavor, args.vocab_size, vocab_note, dict(zip(mesh.mesh_dim_names, mesh.shape)),
                     **held, activation_bytes=activations + added, transient_bytes=transient,
-                    peak_bytes=tracker.device_peak + added, host_bytes=state if offload else 0, mask_bytes=mask)
+                    peak_bytes=tracker.device_peak + added, host_bytes=state if offload else 0, mask_bytes=mask,
+                    traced=(args.n_layers,)), segments
 
 
 def _document_mask(cfg: JobConfig, dims: ParallelDims, dtype: torch.dtype) -> tuple[int, int]:
@@ -281,7 +222,7 @@ def _document_mask(cfg: JobConfig, dims: ParallelDims, dtype: torch.dtype) -> tu
 
 def _two_steps(parts: list[nn.Module], optimizer: torch.optim.Optimizer, cfg: JobConfig, dims: ParallelDims,
                args: Args, numerics: Numerics, guard: UpdateGuard,
-               tracker: _DevicePeak) -> tuple[int, dict[str, int]]:
+               tracker: DevicePeak) -> tuple[int, dict[str, int]]:
     """train.py's step twice on fake data: (activation bytes, held bytes after step 1). Step 1 creates the optimizer
     state; step 2, the steady state, is the one measured. Without PP the trainer's own step (step.Step) on one
     micro-batch; under PP the first stage's schedule, stage by stage."""
@@ -292,8 +233,7 @@ def _two_steps(parts: list[nn.Module], optimizer: torch.optim.Optimizer, cfg: Jo
     float8_scales()
     for step in (1, 2):
         progress.info("step %d of 2 (%s): forward", step, "creates the optimizer state" if step == 1 else "measured")
-        tracker.reset_mod_stats()  # per-module statistics only; the peaks carry over
-        tracker.device_peak = 0
+        tracker.reset_peaks()
         if dims.pp == 1:
             activations = _model_step(model, cfg, dims, args, numerics, guard, tracker)
         else:
@@ -312,7 +252,7 @@ def _two_steps(parts: list[nn.Module], optimizer: torch.optim.Optimizer, cfg: Jo
 class _MeasuredStep(Step):
     """The trainer's step, noting the activation bytes once the forward and the loss are done, before backward."""
 
-    def __init__(self, *args, tracker: _DevicePeak, **kwargs):
+    def __init__(self, *args, tracker: DevicePeak, **kwargs):
         super().__init__(*args, **kwargs)
         self.tracker, self.after_forward = tracker, 0
 
@@ -324,7 +264,7 @@ class _MeasuredStep(Step):
 
 
 def _model_step(model: nn.Module, cfg: JobConfig, dims: ParallelDims, args: Args, numerics: Numerics,
-                guard: UpdateGuard, tracker: _DevicePeak) -> int:
+                guard: UpdateGuard, tracker: DevicePeak) -> int:
     """One micro-batch of rank 0's tokens through the trainer's step; returns the activation bytes."""
     training = cfg.training
     inputs, seq_share = Inputs.build(_bos(cfg, args), _rank0_share(cfg, dims))
@@ -354,7 +294,7 @@ def _rank0_share(cfg: JobConfig, dims: ParallelDims):
 
 
 def _first_rank_stages(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims, args: Args,
-                       dtype: torch.dtype, tracker: _DevicePeak) -> int:
+                       dtype: torch.dtype, tracker: DevicePeak) -> int:
     """Rank 0's stages in its schedule's order: as many forwards ahead of their backwards as the schedule runs there,
     each stage reducing after its last micro-batch; returns the activation bytes at the most forwards ahead."""
     training = cfg.training

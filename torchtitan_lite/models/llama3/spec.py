@@ -33,4 +33,5 @@ SPEC = ModelSpec(
     configure=lambda args, cfg: args.with_(moe=configured(args.moe, cfg.moe, cfg.model.flavor)),
     hf=HFAdapter(hf_name=hf.hf_name, our_name=hf.our_name, to_hf_tensor=hf.to_hf_tensor, config=hf.hf_config,
                  args_from_config=hf.model_args_from_hf, flavor_of=hf.matching_flavor),
+    blocks_alike=True,  # dense blocks; only their initialization depends on the index (depth_init)
 )
