@@ -23,9 +23,6 @@ from torch import nn
 
 from torchtitan_lite.config import ConfigError
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-
-
 @dataclass(frozen=True)
 class MoEArgs:
     num_experts: int = 8
@@ -131,7 +128,7 @@ class MoE(nn.Module):
         # Each token's k slots, sorted by expert; stable, so an expert's slots keep the tokens' order.
         flat = experts.flatten()
         order = flat.argsort(stable=True)
-        # Not bincount, whose length depends on the data: fake tensors (the memory estimate) and compile need this.
+        # Not bincount, whose length depends on the data: a shape fake tensors and compile can know beforehand.
         counts = torch.zeros(self.args.num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         out = self.experts(tokens[order // k], counts)
