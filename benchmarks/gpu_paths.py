@@ -22,7 +22,9 @@ Each check is a real train.run (one process; a one-rank mesh) or the model's own
 - masked: block_causal with FlexAttention's block mask against the explicit mask, eager, compiled and bf16;
 - mask_memory: the block mask's peak bytes at 8192 and 32k tokens, ours beside create_block_mask's (on a CPU too);
 - observe: a profiled run's trace holds the GPU's kernels, memory snapshots every profile_freq steps, and a step that
-  runs out of memory writes its snapshot and exits 1 with its one line.
+  runs out of memory writes its snapshot and exits 1 with its one line;
+- moe: benchmarks/moe_step.py (grouped GEMM against the loop, MoE against dense, compile), the debug MoE model's fp32
+  curve against the same run on the CPU, and its training steps' syncs.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from torchtitan_lite.models.registry import get  # noqa: E402
 from torchtitan_lite.parallel.dims import ParallelDims  # noqa: E402
 from torchtitan_lite.runtime.metrics import storage_bytes  # noqa: E402
 from torchtitan_lite.runtime.run_history import read_metrics  # noqa: E402
-from speed_8b import blocks8b, float8_linear_ms  # noqa: E402 - benchmarks/, beside this script
+import moe_step  # noqa: E402 - benchmarks/, beside this script
+from speed_8b import blocks8b, float8_linear_ms  # noqa: E402
 
 TINY = str(ROOT / "tests/assets/tiny.toml")
 DEBUGMODEL = ("--model.flavor", "debugmodel")  # the reference's model, not tiny.toml's 2 blocks
@@ -170,7 +173,7 @@ def _fsdp_offload_on_gpu() -> dict:
     return out
 
 
-def syncs() -> dict:
+def syncs(*args: str) -> dict:
     """Syncs per step of steps 2..9 (logging at step 10 only), with pinned batches (train.py) and pageable ones."""
     out = {}
     for pinned in (True, False):
@@ -187,7 +190,7 @@ def syncs() -> dict:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                run("--metrics.log_freq", "10", steps=10)
+                run("--metrics.log_freq", "10", *args, steps=10)
         finally:
             DataLoader.next_batch = next_batch
             torch.cuda.set_sync_debug_mode("default")
@@ -368,7 +371,14 @@ def observe() -> dict:
     return out
 
 
-CHECKS = {"reference": reference, "init": init, "precisions": precisions, "offload": offload, "syncs": syncs, "step8b": step8b,
+def moe_paths() -> dict:
+    """benchmarks/moe_step.py on the GPU, the debug MoE model's curve against the CPU's, its training steps' syncs."""
+    out = {"curve": moe_step.curve_against_cpu(run), "syncs": syncs("--model.flavor", "debugmodel_moe")}
+    print(json.dumps(out), flush=True)
+    return {**out, "precisions": moe_step.trainer_precisions(run), **moe_step.main()}
+
+
+CHECKS = {"moe": moe_paths, "reference": reference, "init": init, "precisions": precisions, "offload": offload, "syncs": syncs, "step8b": step8b,
           "float8": float8_numerics, "float8_8b": float8_8b, "observe": observe, "masked": masked,
           "float8_fsdp": float8_fsdp, "mask_memory": mask_memory}
 RUN_ON_CPU = {"mask_memory"}  # what a machine without a GPU measures too; the others are reported skipped there

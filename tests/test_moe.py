@@ -81,6 +81,44 @@ def test_a_layer_computes_the_same_bits_by_grouped_gemm_as_by_the_loop(monkeypat
     assert not moe.grouped_mm_fits(torch.zeros(4, 6), torch.zeros(2, 10, 6))  # 24-byte rows: the loop
 
 
+@pytest.mark.parametrize("dtype, kernel", [(torch.bfloat16, "grouped"), (torch.float16, "looped")])
+def test_under_autocast_the_experts_compute_as_the_layer_held_in_its_dtype(monkeypatch, dtype, kernel):
+    """Autocast casts nn.Linear's operands, not grouped_mm's: the experts cast theirs, so a one-process bf16 run takes
+    the one kernel (fp16, which it lacks, the loop) and gets the bits of the layer held in that dtype (what FSDP2's
+    mixed precision computes), with fp32 gradients for every fp32 parameter."""
+    m, used = layer(MoEArgs()), []
+    for name in ("grouped", "looped"):
+        monkeypatch.setattr(moe, name, lambda *a, f=getattr(moe, name), name=name: used.append(name) or f(*a))
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(6))
+    with torch.autocast("cpu", dtype=dtype):
+        y = m(x)
+    y.square().sum().backward()
+    assert set(used) == {kernel}
+    held = layer(MoEArgs()).to(dtype)
+    assert torch.equal(y.to(dtype), held(x.to(dtype)))
+    for name, p in m.named_parameters():
+        assert p.grad.dtype == torch.float32 and p.grad.abs().sum() > 0, name
+
+
+def test_a_compiled_layer_in_bf16_is_one_graph_that_no_routing_recompiles():
+    """Inductor, fullgraph: no host read of the counts (the loop's .tolist() fails to lower; aot_eager would take it),
+    no bincount's data-dependent length; the steps after the first route differently and reuse its graph."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415 - compile's own bookkeeping
+
+    torch._dynamo.reset()
+    counters.clear()
+    m = layer(MoEArgs()).bfloat16()
+    compiled, graphs = torch.compile(m, fullgraph=True), []
+    for step in range(3):
+        x = torch.randn(48, 64, generator=torch.Generator().manual_seed(step)).bfloat16()
+        y = compiled(x)
+        y.float().square().sum().backward()
+        eager = m(x)  # inductor fuses in fp32 what eager rounds to bf16: a few bf16 roundings apart
+        assert (y - eager).abs().max() <= 0.02 * eager.abs().max()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 1, 1], graphs
+
+
 def test_the_router_scores_in_fp32_and_orders_each_tokens_experts_by_score():
     router = layer(MoEArgs(num_experts=6, top_k=3)).router
     x = torch.randn(50, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -149,8 +187,9 @@ def test_one_process_trains_every_weight_of_the_moe_model(tmp_path):
     (4, ["--parallelism.tensor_parallel_degree", "2"], "on data-parallel layouts so far (FSDP, HSDP, DDP)"),
     (4, ["--parallelism.context_parallel_degree", "2"], "on data-parallel layouts so far (FSDP, HSDP, DDP)"),
     (4, ["--parallelism.pipeline_parallel_degree", "2"], "on data-parallel layouts so far (FSDP, HSDP, DDP)"),
-    (1, ["--compile.enable"], "in float32 and eager so far"),
-    (1, ["--training.mixed_precision_param", "bfloat16"], "in float32 and eager so far"),
+    (1, ["--compile.enable"], "compiled in bfloat16 alone"),
+    (1, ["--compile.enable", "--training.mixed_precision_param", "float16"], "compiled in bfloat16 alone"),
+    (1, ["--float8.enable_float8_linear", "--float8.emulate"], "without float8 so far"),
 ])
 def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_line, world, overrides, said):
     line = error_line(world, ["--model.flavor", "tiny_moe", *overrides])

@@ -82,8 +82,12 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x`: token slots sorted by expert, counts[e] of them for expert e (every expert of these weights)."""
-        mm = grouped if grouped_mm_fits(x, self.w1) else looped
-        return mm(F.silu(mm(x, self.w1, counts)) * mm(x, self.w3, counts), self.w2, counts)
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if torch.is_autocast_enabled(x.device.type):  # autocast knows nn.Linear's matmuls, not grouped_mm
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
+        mm = grouped if grouped_mm_fits(x, w1) else looped
+        return mm(F.silu(mm(x, w1, counts)) * mm(x, w3, counts), w2, counts)
 
     def init_weights(self, init, out_std: float) -> None:
         init(self.w1, 0.02)
@@ -92,9 +96,11 @@ class GroupedExperts(nn.Module):
 
 
 def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm takes these operands: bf16 (on a GPU too), or fp32 on the CPU; strides that are
-    multiples of 16 bytes."""
-    dtype_ok = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.device.type == "cpu")
+    """Whether torch._grouped_mm takes these operands well: bf16, or fp32 on the CPU outside compile (compile's fake
+    kernel takes bf16 alone; CUDA's fp32 kernel reads the offsets on the host, three syncs a call to the loop's one);
+    strides that are multiples of 16 bytes."""
+    dtype_ok = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.device.type == "cpu"
+                                             and not torch.compiler.is_compiling())
     elements = 16 // x.element_size()
     return dtype_ok and x.dtype == w.dtype and all(n % elements == 0 for n in w.shape[1:])
 

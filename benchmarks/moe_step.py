@@ -1,0 +1,237 @@
+"""The mixture-of-experts layer's costs and its two implementations, on whatever device there is.
+
+    python benchmarks/moe_step.py [--out FILE.json]
+
+- exact: torch._grouped_mm against the per-expert loop on the same token slots (outputs and every gradient, bitwise
+  or how far apart), in each dtype grouped_mm takes on the device, and whether it takes fp32 there;
+- time: one MoE layer's forward + backward, grouped GEMM against the loop, beside a dense SwiGLU feed-forward with
+  the routed experts' active parameters (k x hidden), at Mixtral 8x7B's shape and at a fine-grained one (64 experts,
+  top-6, DeepSeek-V2-Lite's), with the host syncs each makes (on a GPU); on a CPU the same at small shapes;
+- compile: the layer under torch.compile (grouped GEMM, fullgraph) over steps whose routing differs: how many graphs
+  it compiled after the second step (0 expected) and its time.
+benchmarks/gpu_paths.py's `moe` check runs this and the debug MoE model's curve on the GPU against the CPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from torchtitan_lite.models import moe
+from torchtitan_lite.models.llama3.model import FeedForward
+
+SHAPES = {"mixtral_8x7b": dict(dim=4096, hidden=14336, num_experts=8, top_k=2),
+          "fine_grained": dict(dim=2048, hidden=1408, num_experts=64, top_k=6)}
+CPU_SHAPES = {"small": dict(dim=256, hidden=512, num_experts=8, top_k=2),
+              "small_fine": dict(dim=256, hidden=128, num_experts=32, top_k=4)}
+
+
+@contextlib.contextmanager
+def implementation(name: str):
+    """Every GroupedExperts call in this block takes `name` ("grouped" or "looped")."""
+    fits = moe.grouped_mm_fits
+    moe.grouped_mm_fits = lambda x, w: name == "grouped"
+    try:
+        yield
+    finally:
+        moe.grouped_mm_fits = fits
+
+
+def layer(shape: dict, dtype: torch.dtype, device: str, seed: int = 0) -> moe.MoE:
+    torch.manual_seed(seed)
+    args = moe.MoEArgs(num_experts=shape["num_experts"], top_k=shape["top_k"])
+    m = moe.MoE(shape["dim"], shape["hidden"], args).to(device)
+    m.init_weights(lambda p, std: torch.nn.init.trunc_normal_(p, std=std), 0.02)
+    return m.to(dtype)
+
+
+def fwd_bwd(m: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    x = x.detach().requires_grad_()
+    y = m(x)
+    y.backward(torch.ones_like(y) / y.numel() ** 0.5)
+    grads = {"x": x.grad, **{n: p.grad for n, p in m.named_parameters()}}
+    m.zero_grad(set_to_none=True)
+    return y.detach(), grads
+
+
+def exact(device: str) -> dict:
+    out = {}
+    dtypes = [torch.float32, torch.bfloat16]
+    for dtype in dtypes:
+        m = layer(dict(dim=256, hidden=512, num_experts=8, top_k=2), dtype, device)
+        x = torch.randn(4096, 256, device=device, dtype=dtype)
+        try:
+            with implementation("grouped"):
+                yg, gg = fwd_bwd(m, x)
+        except Exception as e:  # noqa: BLE001 - a report: whether grouped_mm takes this dtype here
+            out[str(dtype)] = {"grouped_mm": f"refused: {type(e).__name__}: {str(e)[:200]}"}
+            continue
+        with implementation("looped"):
+            yl, gl = fwd_bwd(m, x)
+        diffs = {n: (gg[n].float() - gl[n].float()).abs().max().item() for n in gg}
+        out[str(dtype)] = {"grouped_mm_fits says": moe.grouped_mm_fits(x, m.experts.w1),
+                           "output bitwise": torch.equal(yg, yl),
+                           "max |output diff|": (yg.float() - yl.float()).abs().max().item(),
+                           "gradients bitwise": f"{sum(torch.equal(gg[n], gl[n]) for n in gg)} of {len(gg)}",
+                           "max |grad diff|": max(diffs.values())}
+    return out
+
+
+def _syncs(fn) -> int:
+    if not torch.cuda.is_available():
+        return -1
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _ms(fn, repeats: int) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return round(sorted(times)[len(times) // 2] * 1e3, 3)
+
+
+def timed(shape: dict, dtype: torch.dtype, device: str, tokens: int, repeats: int) -> dict:
+    m = layer(shape, dtype, device)
+    x = torch.randn(tokens, shape["dim"], device=device, dtype=dtype)
+    out = {}
+    for name in ("grouped", "looped"):
+        with implementation(name):
+            try:
+                out[f"{name} ms"] = _ms(lambda: fwd_bwd(m, x), repeats)
+                out[f"{name} syncs"] = _syncs(lambda: fwd_bwd(m, x))
+            except Exception as e:  # noqa: BLE001 - a report
+                out[f"{name} ms"] = f"{type(e).__name__}: {str(e)[:200]}"
+    torch.manual_seed(0)
+    dense = FeedForward(shape["dim"], shape["top_k"] * shape["hidden"]).to(device, dtype)
+    out["dense, same active parameters, ms"] = _ms(lambda: fwd_bwd(dense, x), repeats)
+    flops = 6 * tokens * 3 * shape["dim"] * shape["hidden"] * shape["top_k"]  # the routed experts' matmuls
+    if isinstance(out.get("grouped ms"), float):
+        out["grouped TFLOP/s (experts' matmuls)"] = round(flops / out["grouped ms"] / 1e9, 1)
+    del m, dense, x
+    return out
+
+
+def compiled(shape: dict, dtype: torch.dtype, device: str, tokens: int, steps: int = 6) -> dict:
+    from torch._dynamo.utils import counters  # noqa: PLC0415 - compile's own bookkeeping
+
+    torch._dynamo.reset()
+    counters.clear()
+    m = layer(shape, dtype, device)
+    c = torch.compile(m, fullgraph=True)
+    graphs, times = [], []
+    with implementation("grouped"):
+        for step in range(steps):
+            x = torch.randn(tokens, shape["dim"], device=device, dtype=dtype, generator=torch.Generator(device)
+                            .manual_seed(step))  # a different routing every step
+            t0 = time.perf_counter()
+            fwd_bwd(c, x)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            graphs.append(counters["stats"]["unique_graphs"])
+        eager = _ms(lambda: fwd_bwd(m, x), 5)
+        fast = _ms(lambda: fwd_bwd(c, x), 5)
+    return {"graphs after each step": graphs, "graphs compiled after step 2": graphs[-1] - graphs[1],
+            "first step s": round(times[0], 1), "compiled ms": fast, "eager ms": eager,
+            "graph breaks": sum(counters["graph_break"].values())}
+
+
+def curve_against_cpu(run, steps: int = 20) -> dict:
+    """The debug MoE model trained by train.run here (`run`: gpu_paths.run) against the same run on this machine's
+    CPU (a process that sees no GPU), fp32."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from torchtitan_lite.runtime.run_history import read_metrics  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["--model.flavor", "debugmodel_moe", "--training.steps", str(steps)]
+    here = run(*args[:2], steps=steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, str(root / "train.py"), "--job.config_file", str(root / "tests/assets/tiny.toml"),
+                        "--job.dump_folder", tmp, *args], check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                       stdout=subprocess.DEVNULL)
+        cpu = read_metrics(tmp)
+    return {"max |loss - CPU|": max(abs(a["loss"] - b["loss"]) for a, b in zip(here, cpu)),
+            "step 1 grad_norm rel diff": abs(here[0]["grad_norm"] / cpu[0]["grad_norm"] - 1),
+            f"loss at {steps}": here[-1]["loss"], "CPU loss": cpu[-1]["loss"]}
+
+
+def trainer_precisions(run, steps: int = 20) -> dict:
+    """The debug MoE model through train.run in bf16 (autocast; FSDP2's bf16 parameters on a one-rank mesh) and
+    compiled, against fp32: the loss gap, the grad norm's, and compile's graphs and breaks."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    from torchtitan_lite.parallel.dims import ParallelDims  # noqa: PLC0415
+
+    moe_args, bf16 = ("--model.flavor", "debugmodel_moe"), ("--training.mixed_precision_param", "bfloat16")
+    fsdp, out = ParallelDims.fsdp, {}
+    fp32 = run(*moe_args, steps=steps)
+    variants = {"bf16 autocast": (*moe_args, *bf16), "bf16 compiled": (*moe_args, *bf16, "--compile.enable"),
+                "bf16 FSDP2": (*moe_args, *bf16)}
+    for name, args in variants.items():
+        ParallelDims.fsdp = property(lambda self: True) if "FSDP" in name else fsdp
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            recs = run(*args, steps=steps)
+            out[name] = {"max |loss - fp32|": max(abs(a["loss"] - b["loss"]) for a, b in zip(recs, fp32)),
+                         "step 1 |loss - fp32|": abs(recs[0]["loss"] - fp32[0]["loss"]),
+                         "step 1 grad_norm rel diff": abs(recs[0]["grad_norm"] / fp32[0]["grad_norm"] - 1),
+                         f"loss at {steps}": recs[-1]["loss"], "graphs": counters["stats"]["unique_graphs"],
+                         "graph breaks": sum(counters["graph_break"].values())}
+        except Exception as e:  # noqa: BLE001 - a report
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        finally:
+            ParallelDims.fsdp = fsdp
+    return out
+
+
+def main(out_file: str | None = None) -> dict:
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shapes, tokens, repeats = (SHAPES, 8192, 10) if cuda else (CPU_SHAPES, 1024, 5)
+    results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+               "dtype": str(dtype), "tokens": tokens}
+    for key, fn in [("exact", lambda: exact(device)),
+                    *[(f"time {n}", lambda s=s: timed(s, dtype, device, tokens, repeats)) for n, s in shapes.items()],
+                    ("compile", lambda: compiled(next(iter(shapes.values())), dtype, device, tokens))]:
+        try:
+            results[key] = fn()
+        except Exception as e:  # noqa: BLE001 - one broken measure must not hide the others
+            results[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(json.dumps({key: results[key]}), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    if out_file:
+        Path(out_file).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="also write the results here, as JSON")
+    main(p.parse_args().out)
