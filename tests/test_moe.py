@@ -15,6 +15,7 @@ from torchtitan_lite.models.llama3.model import FLAVORS, FeedForward, Transforme
 from torchtitan_lite.models.llama3.spec import flops_per_token
 from torchtitan_lite.models.moe import MoE, MoEArgs
 from torchtitan_lite.models.spec import ConversionError
+from torchtitan_lite.parallel.expert_parallel import regroup_by_expert
 from torchtitan_lite.tools.memory import estimate_memory
 from launch import TINY, read_metrics, train_in_process
 
@@ -190,10 +191,43 @@ def test_one_process_trains_every_weight_of_the_moe_model(tmp_path):
     (1, ["--compile.enable"], "compiled in bfloat16 alone"),
     (1, ["--compile.enable", "--training.mixed_precision_param", "float16"], "compiled in bfloat16 alone"),
     (1, ["--float8.enable_float8_linear", "--float8.emulate"], "without float8 so far"),
+    (2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable", "--training.mixed_precision_param",
+         "bfloat16"], "with expert parallelism eager so far"),
 ])
 def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_line, world, overrides, said):
     line = error_line(world, ["--model.flavor", "tiny_moe", *overrides])
     assert "the model (model.flavor tiny_moe, [moe]) is a mixture of experts" in line and said in line, line
+
+
+@pytest.mark.parametrize("world, overrides, said", [
+    (4, ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "3"],
+     "parallelism.expert_parallel_degree 3 must divide the FSDP shard degree 4 (the experts' ranks are borrowed from "
+     "dp_shard): choose one of 1, 2, 4"),
+    (4, ["--model.flavor", "tiny_moe", "--moe.num_experts", "6", "--parallelism.expert_parallel_degree", "4"],
+     "parallelism.expert_parallel_degree 4 must divide the 6 routed experts (moe.num_experts): choose one of 1, 2, 3, "
+     "6"),
+    (2, ["--parallelism.expert_parallel_degree", "2"],
+     "parallelism.expert_parallel_degree 2 splits a mixture of experts' experts, and model.flavor tiny has none"),
+    (2, ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode",
+         "selective", "--activation_checkpoint.selective_ac_option", "op"], "op-level selective activation"),
+    (4, ["--model.flavor", "tiny_moe", "--parallelism.data_parallel_replicate_degree", "4",
+         "--parallelism.expert_parallel_degree", "2"], "must divide the FSDP shard degree 1"),
+])
+def test_an_expert_parallel_degree_that_cannot_split_is_one_line(error_line, world, overrides, said):
+    line = error_line(world, overrides)
+    assert said in line, line
+
+
+def test_regrouping_takes_arrived_slots_from_source_rank_order_to_expert_order():
+    """Blocks (rank i, expert e) of sizes[i][e] rows, empty ones among them, taken to (e, i) order."""
+    sizes = torch.tensor([[2, 0, 1], [1, 3, 0], [0, 2, 2]])
+    arrived, blocks, at = torch.arange(int(sizes.sum())), {}, 0
+    for i in range(3):
+        for e in range(3):
+            blocks[i, e] = arrived[at:at + sizes[i, e]].tolist()
+            at += sizes[i, e]
+    expected = [row for e in range(3) for i in range(3) for row in blocks[i, e]]
+    assert regroup_by_expert(sizes, int(sizes.sum())).tolist() == expected
 
 
 def test_the_hugging_face_export_refuses_a_moe_model_rather_than_drop_its_experts():

@@ -161,17 +161,27 @@ MASKED_RUNS = {
     "masked_pp2_cp2": Run(4, (*MASKED, *PP2, *CP2, "--training.local_batch_size", "8", *SHORT),
                           reference="masked_single"),
 }
-# Mixture of experts (test_moe_layouts.py) on the data-parallel layouts, against its own single-process run, 4 steps
-# each, recording every parameter's gradient and every token's experts at step 1: FSDP 4 (the experts' 3-D weights
-# sharded over the experts, saving every 2 steps: resumed on DDP 2 below), HSDP 2 x 2 recomputing every block, and
-# DDP 2 accumulating 2 micro-batches with op-level selective AC; the single process accumulates 4.
+# Mixture of experts (test_moe_layouts.py) on the data-parallel layouts, with and without expert parallelism, against
+# its own single-process run, 4 steps each, recording every parameter's gradient and every token's experts at step 1:
+# FSDP 4 without EP (the experts' 3-D weights sharded over the experts) and EP 4 (2 experts a rank; 2 micro-batches of
+# 1 sequence, reduced after the last, FSDP prefetching a block ahead), both saving every 2 steps (resumed below);
+# HSDP 2 x 2 with EP 2 recomputing every block, offloaded to the host; EP 2 on 2 processes accumulating 2
+# micro-batches, recomputing every other block (op-level SAC is refused with EP). The single process accumulates 4.
+# In bf16 (FSDP2's bf16 parameters against one process's autocast), EP 2 against one process, curves only: bf16's
+# roundings differ between the two and flip routing decisions, as they flip the dense model's rounding.
+EP2, EP4 = ("--parallelism.expert_parallel_degree", "2"), ("--parallelism.expert_parallel_degree", "4")
+EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
+BF16 = ("--training.mixed_precision_param", "bfloat16")
 MOE_RUNS = {
     "moe_single": Run(1, (*MOE, *SHORT), reference=None),
     "moe_fsdp4": Run(4, (*MOE, *CHECKPOINTED, *SHORT), reference="moe_single"),
-    "moe_hsdp2x2": Run(4, (*MOE, *HSDP, "--activation_checkpoint.mode", "full", *SHORT), reference="moe_single"),
-    "moe_ddp2": Run(2, (*MOE, "--parallelism.data_parallel_replicate_degree", "2",
-                        "--parallelism.data_parallel_shard_degree", "1", "--activation_checkpoint.mode", "selective",
-                        "--activation_checkpoint.selective_ac_option", "op", *SHORT), reference="moe_single"),
+    "moe_ep4": Run(4, (*MOE, *EP4, "--training.local_batch_size", "1", "--parallelism.fsdp_defer_grad_reduce",
+                       "--parallelism.fsdp_prefetch", "1", *CHECKPOINTED, *SHORT), reference="moe_single"),
+    "moe_hsdp2x2_ep2": Run(4, (*MOE, *HSDP, *EP2, "--activation_checkpoint.mode", "full", "--parallelism.fsdp_cpu_offload",
+                               "--no-parallelism.fsdp_offload_pin_memory", *SHORT), reference="moe_single"),
+    "moe_ep2": Run(2, (*MOE, *EP2, *EVERY_2, *SHORT), reference="moe_single"),
+    "moe_single_bf16": Run(1, (*MOE, *BF16, *SHORT), reference=None, record=False),
+    "moe_ep2_bf16": Run(2, (*MOE, *EP2, *BF16, *SHORT), reference="moe_single_bf16", record=False),
 }
 # test_compile.py's layouts, each block compiled, in the job of the shared runs of their size: TP 2 by inductor, every
 # block recomputed, 4 steps validating every 2 (step 4 repeats step 2's work, which must build no graph), on 2
@@ -236,8 +246,10 @@ RESUMED_RUNS = {
     "cp2_resumed": Resumed("cp2", 6, 2, SHARED_RUNS["cp2"].overrides),
     # Recording its graph counts.
     "tp2_compiled_resumed": Resumed("tp2_compiled", 2, 2, SHARED_RUNS["tp2_compiled"].overrides, record=True),
-    # The experts' sharded 3-D weights and their AdamW moments, saved on FSDP 4 and loaded on DDP 2.
-    "moe_fsdp4_on_ddp2": Resumed("moe_fsdp4", 2, 2, MOE_RUNS["moe_ddp2"].overrides),
+    # The experts' sharded 3-D weights and their AdamW moments, saved without EP and loaded on EP 2, saved on EP 4
+    # and loaded on FSDP 2 without EP.
+    "moe_fsdp4_on_ep2": Resumed("moe_fsdp4", 2, 2, (*MOE, *EP2, *SHORT)),
+    "moe_ep4_on_fsdp2": Resumed("moe_ep4", 2, 2, (*MOE, *SHORT)),
     # Float8 weights in FSDP's state: a DTensor of torchao's float8-casting subclass, saved and loaded by DCP.
     "float8_fsdp4_ag_resumed": Resumed("float8_fsdp4_ag", 2, 4, FLOAT8_RUNS["float8_fsdp4_ag"].overrides),
 }

@@ -82,17 +82,23 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x`: token slots sorted by expert, counts[e] of them for expert e (every expert of these weights)."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
-        if torch.is_autocast_enabled(x.device.type):  # autocast knows nn.Linear's matmuls, not grouped_mm
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
-        mm = grouped if grouped_mm_fits(x, w1) else looped
-        return mm(F.silu(mm(x, w1, counts)) * mm(x, w3, counts), w2, counts)
+        return swiglu_experts(x, counts, self.w1, self.w2, self.w3)
 
     def init_weights(self, init, out_std: float) -> None:
         init(self.w1, 0.02)
         init(self.w2, out_std)
         init(self.w3, out_std)
+
+
+def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                   w3: torch.Tensor) -> torch.Tensor:
+    """Each expert's SwiGLU of its slots: GroupedExperts' computation, on whichever experts' weights it is given
+    (expert parallelism gives a rank's own)."""
+    if torch.is_autocast_enabled(x.device.type):  # autocast knows nn.Linear's matmuls, not grouped_mm
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
+    mm = grouped if grouped_mm_fits(x, w1) else looped
+    return mm(F.silu(mm(x, w1, counts)) * mm(x, w3, counts), w2, counts)
 
 
 def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -1,8 +1,9 @@
 """Parallelism, applied from outside the model.
 - dims.py: the layout: degrees, their validation, and the device mesh
-- parallelize.py: the plan that applies TP, CP, activation checkpointing, compile and FSDP in one order
+- parallelize.py: the plan that applies TP, CP, EP, activation checkpointing, compile and FSDP in one order
 - pipeline.py: pipeline stages of whole blocks, and the schedules that run them
 - context_parallel.py: each sequence split across the cp ranks, keys and values all-gathered per block
+- expert_parallel.py: a mixture of experts' routed experts split across ranks, tokens sent to them by all-to-all
 
 Imports the layers below (config, runtime, models, data); checkpointing and training build on it.
 """

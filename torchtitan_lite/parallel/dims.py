@@ -21,6 +21,7 @@ class ParallelDims:
     world_size: int
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # a split of dp_shard (not a dim of the mesh): the routed experts' ranks
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
@@ -47,12 +48,18 @@ class ParallelDims:
         if cfg.fsdp_cpu_offload and cfg.fsdp_offload_pin_memory and not torch.cuda.is_available():
             raise ConfigError("parallelism.fsdp_offload_pin_memory needs a GPU (pinned memory speeds host-to-device "
                               "copies): pass --no-parallelism.fsdp_offload_pin_memory to offload on this machine")
-        return cls(replicate, shard, tp, world_size, pp, cp)
+        ep = cfg.expert_parallel_degree
+        if shard % ep:
+            raise ConfigError(f"parallelism.expert_parallel_degree {ep} must divide the FSDP shard degree {shard} "
+                              f"(the experts' ranks are borrowed from dp_shard): choose one of "
+                              f"{', '.join(str(d) for d in range(1, shard + 1) if shard % d == 0)}")
+        return cls(replicate, shard, tp, world_size, pp, cp, ep)
 
     def layout(self) -> str:
         """The mesh in words: its dims of degree > 1, outermost first ("dp_shard 2 x tp 2")."""
         degrees = zip(DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp))
-        return " x ".join(f"{name} {d}" for name, d in degrees if d > 1) or "1 process"
+        layout = " x ".join(f"{name} {d}" for name, d in degrees if d > 1) or "1 process"
+        return layout + (f" (experts over ep {self.ep} of dp_shard)" if self.ep > 1 else "")
 
     @property
     def dp(self) -> int:
@@ -123,6 +130,14 @@ class ParallelDims:
             return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")._unflatten(
             "dp_cp", (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
+
+
+    def experts_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The routed experts' mesh under expert parallelism: dp_shard split into ("efsdp", "ep"), ep innermost (its
+        ranks adjacent: a node's), after dp_replicate. The experts are split over ep and FSDP-sharded over efsdp (and
+        replicated over dp_replicate) where the rest of the model is FSDP-sharded over all of dp_shard."""
+        names = ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)
+        return mesh[names]._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("efsdp", "ep"))
 
 
 def _flat(mesh: DeviceMesh, name: str, dims: tuple[str, ...]) -> DeviceMesh:

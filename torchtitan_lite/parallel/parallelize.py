@@ -1,4 +1,4 @@
-"""Parallelism applied from outside the model, in one order: TP, CP, activation checkpointing, compile, FSDP.
+"""Parallelism applied from outside the model, in one order: TP, CP, EP, activation checkpointing, compile, FSDP.
 
 What is the model's own comes from its spec (models/spec.py): which module TP splits which way (its plan). What is
 done to every model is here: the blocks (`model.layers`) are what checkpointing, compile and FSDP wrap.
@@ -25,6 +25,7 @@ from torchtitan_lite.config import JobConfig, Parallelism, Training
 from torchtitan_lite.models.spec import TPStyles
 from torchtitan_lite.parallel.context_parallel import apply_cp
 from torchtitan_lite.parallel.dims import ParallelDims
+from torchtitan_lite.parallel.expert_parallel import apply_ep
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.precision import DTYPES
 
@@ -37,6 +38,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
         apply_tp(model, mesh["tp"], tp_plan, loss_parallel=not cfg.parallelism.disable_loss_parallel)
     if dims.cp > 1:
         apply_cp(model, mesh["cp"], cfg.training.seq_len, cfg.parallelism.context_parallel_load_balancer)
+    experts = None
+    if dims.ep > 1:
+        experts_mesh = dims.experts_mesh(mesh)
+        fsdp_dims = ("dp_replicate", "efsdp") if dims.dp_replicate > 1 else ("efsdp",)
+        experts = (apply_ep(model, experts_mesh["ep"]), experts_mesh[fsdp_dims])
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option,
                  keep_attention=cfg.compile.enable and dims.tp > 1)
@@ -44,7 +50,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
         for block in model.layers.values():
             block.compile(backend=cfg.compile.backend, fullgraph=True)  # in place: parameter names stay unchanged
     if dims.fsdp:
-        apply_fsdp(model, dims.fsdp_mesh(mesh), cfg)
+        apply_fsdp(model, dims.fsdp_mesh(mesh), cfg, experts)
 
 
 def warn_ignored_options(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -152,8 +158,10 @@ def apply_ac(model: nn.Module, mode: str, option: str, keep_attention: bool = Fa
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig) -> None:
-    """FSDP2 on each block, then the root. A 2-D mesh (replicate, shard) gives HSDP; shard size 1 gives DDP."""
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig,
+               experts: tuple[list[nn.Module], DeviceMesh] | None = None) -> None:
+    """FSDP2 on each block, then the root. A 2-D mesh (replicate, shard) gives HSDP; shard size 1 gives DDP.
+    `experts`: expert parallelism's modules and the mesh FSDP shards them on (their own, within each block's)."""
     t, p = cfg.training, cfg.parallelism
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[t.mixed_precision_param],
                               reduce_dtype=DTYPES[t.mixed_precision_reduce],
@@ -163,6 +171,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig) -> None:
                                    mp.cast_forward_inputs)
     offload = CPUOffloadPolicy(pin_memory=p.fsdp_offload_pin_memory) if p.fsdp_cpu_offload else OffloadPolicy()
     blocks = list(model.layers.values())
+    for module in experts[0] if experts else ():
+        fully_shard(module, mesh=experts[1], mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=p.fsdp_reshard_after_forward != "never")
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, i == len(blocks) - 1,

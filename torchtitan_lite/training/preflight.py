@@ -33,17 +33,21 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
         if not hasattr(spec.model_class, "attend_with"):
             raise ConfigError(f"model {spec.name} has no swappable attention (attend_with), which context parallelism "
                               "swaps: set parallelism.context_parallel_degree = 1")
-    if getattr(model_args, "moe", None) is not None:
-        check_moe(cfg, dims)
+    moe = getattr(model_args, "moe", None)
+    if moe is not None:
+        check_moe(cfg, dims, moe.num_experts)
+    elif dims.ep > 1:
+        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} splits a mixture of experts' experts, and "
+                          f"model.flavor {cfg.model.flavor} has none: set it to 1, or set moe.num_experts")
     if float8.enabled(cfg):
         with torch.device("meta"):
             float8.check(cfg, spec.model_class(model_args), dims)
 
 
-def check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
+def check_moe(cfg: JobConfig, dims: ParallelDims, num_experts: int) -> None:
     """What a mixture-of-experts model trains with so far: data parallelism (FSDP, HSDP, DDP: a token's route and
-    experts are its own, whichever rank holds it), any precision, compile in bf16; the other layouts, expert
-    parallelism first, are still to be built and tested."""
+    experts are its own, whichever rank holds it) and expert parallelism within it, any precision, compile in bf16
+    without EP; the other layouts are still to be built and tested."""
     flavor = f"the model (model.flavor {cfg.model.flavor}, [moe]) is a mixture of experts, which trains"
     if dims.tp > 1 or dims.cp > 1 or dims.pp > 1:
         raise ConfigError(f"{flavor} on data-parallel layouts so far (FSDP, HSDP, DDP): set the tensor, context and "
@@ -52,6 +56,19 @@ def check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"{flavor} compiled in bfloat16 alone (compile's grouped GEMM takes bf16, and the "
                           "per-expert loop reads its counts on the host): set training.mixed_precision_param "
                           "bfloat16 or drop compile.enable")
+    if num_experts % dims.ep:
+        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} must divide the {num_experts} routed experts "
+                          f"(moe.num_experts): choose one of "
+                          f"{', '.join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0)}")
+    ac = cfg.activation_checkpoint
+    if dims.ep > 1 and ac.mode == "selective" and ac.selective_ac_option == "op":
+        raise ConfigError("op-level selective activation checkpointing recomputes a block's ops one for one, and "
+                          "under expert parallelism the experts' own FSDP hooks inside the block run other ops when "
+                          "recomputed (torch 2.13 refuses the mismatch): use activation_checkpoint.mode full, or "
+                          "selective with a block interval")
+    if dims.ep > 1 and cfg.compile.enable:
+        raise ConfigError(f"{flavor} with expert parallelism eager so far (its all-to-all's split sizes are read on "
+                          "the host): drop compile.enable or set parallelism.expert_parallel_degree 1")
     if float8.enabled(cfg):
         raise ConfigError(f"{flavor} without float8 so far (float8 converts nn.Linear, not the routed experts' "
                           "grouped weights): drop float8.enable_float8_linear")

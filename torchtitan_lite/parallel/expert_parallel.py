@@ -1,0 +1,71 @@
+"""Expert parallelism: a mixture of experts' routed experts split across the ep ranks, tokens sent to them and back.
+
+The ep ranks are borrowed from dp_shard (ParallelDims.experts_mesh): each holds different tokens, as under FSDP, and
+E / ep of the experts (experts_mesh's "ep" dim, a Shard(0) of the 3-D weights), FSDP-sharded further over the rest of
+dp_shard ("efsdp"). A layer's router and sort run on each rank's own tokens, unchanged; the experts' forward becomes:
+1. dispatch: the per-expert counts are exchanged (all-to-all), so each rank learns how many slots every rank sends it
+   for each of its experts; one host read of the split sizes (all_to_all_single takes them as integers); the slots
+   travel by an uneven all-to-all, arriving grouped by source rank, and are regrouped by expert;
+2. the experts' computation of models/moe.py (swiglu_experts), on this rank's experts and their slots;
+3. combine: the inverse regrouping and all-to-all bring every slot back to the rank and position it came from.
+Every slot meets the same expert weights in a group of the same expert as on one process, so its arithmetic is the
+same; its gradient returns by the autograd of the same all-to-alls. The loss is normalized by the global token count
+and gradients are summed across data-parallel ranks (parallelize.apply_fsdp), so the experts' gradients, summed over
+the ep ranks' tokens by the all-to-all's backward and then over efsdp by FSDP, need no factor of the EP degree.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from torchtitan_lite.models.moe import GroupedExperts, swiglu_experts
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
+    """Every GroupedExperts of `model` (on the meta device) split over `ep_mesh` (1-D): its weights become DTensors
+    holding this rank's experts, its forward the dispatch, computation and combine. Returns the modules."""
+    n, rank, group = ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group()
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for module in experts:
+        for name, param in list(module.named_parameters(recurse=False)):
+            local = param.detach().chunk(n)[rank]
+            module.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)],
+                                                                            run_check=False)))
+        module.forward = functools.partial(_forward, module, group, n)
+    return experts
+
+
+def _forward(module: GroupedExperts, group: dist.ProcessGroup, n: int, x: torch.Tensor,
+             counts: torch.Tensor) -> torch.Tensor:
+    """GroupedExperts.forward under expert parallelism: `x`, this rank's slots sorted by expert (all E experts),
+    counts[e] of them for expert e; returns their outputs in the same order."""
+    local_experts = counts.numel() // n
+    # received[i, e]: the slots rank i sends for this rank's e-th expert
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    received = received.view(n, local_experts)
+    send, recv = torch.stack([counts.view(n, local_experts).sum(1), received.sum(1)]).tolist()  # the host read
+    arrived = all_to_all_single_autograd(x, recv, send, group)
+    order = regroup_by_expert(received, sum(recv))
+    out = swiglu_experts(arrived[order], received.sum(0),
+                         *(w.to_local() if isinstance(w, DTensor) else w for w in (module.w1, module.w2, module.w3)))
+    back = torch.empty_like(out).index_copy(0, order, out)
+    return all_to_all_single_autograd(back, send, recv, group)
+
+
+def regroup_by_expert(sizes: torch.Tensor, total: int) -> torch.Tensor:
+    """The order that takes slots arriving in blocks (source rank i, expert e), of sizes[i, e] rows each, in that
+    order, to blocks (e, i): row j of the regrouped slots is row order[j] of the arrived ones. Computed on the
+    device, without reading the sizes: `total`, their sum, is known."""
+    arrival_start = (sizes.flatten().cumsum(0) - sizes.flatten()).view_as(sizes).t().flatten()
+    by_expert = sizes.t().flatten()
+    start = by_expert.cumsum(0) - by_expert
+    offset = torch.arange(total, device=sizes.device) - start.repeat_interleave(by_expert, output_size=total)
+    return arrival_start.repeat_interleave(by_expert, output_size=total) + offset
