@@ -171,6 +171,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig,
                                    mp.cast_forward_inputs)
     offload = CPUOffloadPolicy(pin_memory=p.fsdp_offload_pin_memory) if p.fsdp_cpu_offload else OffloadPolicy()
     blocks = list(model.layers.values())
+    # The experts reshard after forward unless "never": an hpZ group size N is the dense weights' (it divides dp_shard,
+    # not necessarily the experts' efsdp).
     for module in experts[0] if experts else ():
         fully_shard(module, mesh=experts[1], mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=p.fsdp_reshard_after_forward != "never")
