@@ -48,6 +48,7 @@ from torchtitan_lite.runtime.run_history import start_history
 from torchtitan_lite.runtime.signals import Preemption, exit_code, restore_signals, stop_with_launcher
 from torchtitan_lite.runtime.stragglers import Stragglers
 from torchtitan_lite.runtime.throughput import Throughput
+from torchtitan_lite.training.expert_load import ExpertLoad
 from torchtitan_lite.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from torchtitan_lite.training.plan import ending, machine_plan
 from torchtitan_lite.training.preflight import preflight
@@ -115,6 +116,7 @@ class Trainer:
     memory: MemoryUse
     train_state: TrainState
     guard: UpdateGuard  # steps whose gradients are not finite
+    expert_load: ExpertLoad  # a mixture of experts' load each step, and its bias balancing
     metrics: MetricLogger
     loss_group: dist.ProcessGroup  # where the logged loss is all-reduced
     checkpoint: CheckpointManager
@@ -204,7 +206,8 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     float8_scales()
     memory = MemoryUse(device)
     update = Update(optimizer, scheduler, guard, partial(clip_grad_norm_, params, training.max_norm, env.world_size))
-    update.after_step += [float8_scales, partial(train_state.advance, global_tokens)]
+    expert_load = ExpertLoad(model, dp_mesh.get_group() if dims.dp > 1 else None)
+    update.after_step += [float8_scales, expert_load, partial(train_state.advance, global_tokens)]
     # The bytes held for state, measured after the first step's backward and update (go in the next record); and
     # start-up is over: a peer silent for train_timeout_seconds from now on is hung.
     update.after_first_step += [partial(memory.measure_held, model, optimizer),
@@ -222,7 +225,7 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
         validation=Validation(cfg.validation, val_sources, loader_args, model_step, global_tokens,
                               loss_mesh.get_group(), training.steps),
         throughput=Throughput(global_tokens, env.world_size, model_flops_per_token, peak, train_state.step),
-        memory=memory, train_state=train_state, guard=guard, metrics=metrics, loss_group=loss_mesh.get_group(),
+        memory=memory, train_state=train_state, guard=guard, expert_load=expert_load, metrics=metrics, loss_group=loss_mesh.get_group(),
         checkpoint=checkpoint)
 
 
@@ -255,6 +258,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
                     **t.memory.fields(), **t.train_state.fields(),
                     "world_size": env.world_size,  # changes when an elastic job shrinks or grows
                     **t.guard.metrics(), **t.stragglers.fields(window.seconds, window.steps), **val_losses,
+                    **t.expert_load.fields(),
                     **t.per_source.fields(losses, step),
                 })
         with t.phase("checkpoint"):

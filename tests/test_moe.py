@@ -10,12 +10,11 @@ from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import ConfigError, load_config
 from torchtitan_lite.models import moe, registry
 from torchtitan_lite.models.init import fill_block_, trunc_normal_
-from torchtitan_lite.models.llama3 import hf
 from torchtitan_lite.models.llama3.model import FLAVORS, FeedForward, Transformer
 from torchtitan_lite.models.llama3.spec import flops_per_token
 from torchtitan_lite.models.moe import MoE, MoEArgs
-from torchtitan_lite.models.spec import ConversionError
 from torchtitan_lite.parallel.expert_parallel import regroup_by_expert
+from torchtitan_lite.training.expert_load import ExpertLoad
 from torchtitan_lite.tools.memory import estimate_memory
 from launch import TINY, read_metrics, train_in_process
 
@@ -131,6 +130,39 @@ def test_the_router_scores_in_fp32_and_orders_each_tokens_experts_by_score():
     assert (scores.gather(-1, experts).diff(dim=-1) <= 0).all()
 
 
+def test_the_expert_bias_chooses_the_experts_and_the_scores_weigh_them():
+    m = layer(MoEArgs(num_experts=6, top_k=2, load_balance_coeff=1e-3))
+    m.router.expert_bias[4] = 10.0
+    x = torch.randn(30, 64, generator=torch.Generator().manual_seed(7))
+    weights, experts = m.router(x)
+    scores = m.router.gate(x).float().softmax(-1)
+    assert (experts[:, 0] == 4).all()
+    chosen = scores.gather(-1, experts)
+    assert torch.equal(weights, chosen / chosen.sum(-1, keepdim=True))
+
+
+def test_the_router_counts_the_training_forward_once_not_validation_or_a_recompute():
+    """Activation checkpointing runs the forward again in backward: counted twice, the load would read double."""
+    m = layer(MoEArgs())
+    x = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(8))
+    torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False).sum().backward()
+    assert m.router.tokens_per_expert.sum() == 20 * 2
+    with torch.no_grad():
+        m(x)
+    assert m.router.tokens_per_expert.sum() == 20 * 2
+
+
+def test_expert_load_moves_each_bias_toward_balance_and_logs_the_load():
+    m = layer(MoEArgs(num_experts=4, top_k=1, load_balance_coeff=0.5))
+    load = ExpertLoad(torch.nn.ModuleDict({"moe": m}), group=None)
+    m.router.tokens_per_expert.copy_(torch.tensor([6.0, 1.0, 1.0, 0.0]))
+    load()
+    # sign(mean 2 - load) = -1, 1, 1, 1, times 0.5, less its mean 0.25
+    assert m.router.expert_bias.tolist() == [-0.75, 0.25, 0.25, 0.25]
+    assert m.router.tokens_per_expert.sum() == 0
+    assert load.fields() == {"routed_slots": 8.0, "expert_load/moe": 3.0}
+
+
 def test_every_parameter_gets_a_gradient():
     m = layer(MoEArgs(shared_experts=1))
     m(torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(5))).square().sum().backward()
@@ -228,14 +260,6 @@ def test_regrouping_takes_arrived_slots_from_source_rank_order_to_expert_order()
             at += sizes[i, e]
     expected = [row for e in range(3) for i in range(3) for row in blocks[i, e]]
     assert regroup_by_expert(sizes, int(sizes.sum())).tolist() == expected
-
-
-def test_the_hugging_face_export_refuses_a_moe_model_rather_than_drop_its_experts():
-    """Refused before a file is written (scripts/convert_to_hf.py: one line, exit 2): by name and by config."""
-    for refused in (lambda: hf.hf_name("layers.0.moe.experts.w1"),
-                    lambda: hf.hf_config(FLAVORS["tiny_moe"].with_(vocab_size=256), 1, 2, torch.float32)):
-        with pytest.raises(ConversionError, match="mixture-of-experts model has no Hugging Face export yet"):
-            refused()
 
 
 def test_the_memory_estimate_refuses_a_moe_model_in_one_line():

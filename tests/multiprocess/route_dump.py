@@ -52,6 +52,7 @@ class RouteRecorder:
         with torch.no_grad():  # nothing saved for backward: activation checkpointing counts what the forward saves
             logits = router.gate(x).float()
             scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
+            scores = scores + getattr(router, "expert_bias", 0)  # what chooses (zero at step 1)
             top = scores.topk(min(a.top_k + 1, a.num_experts), dim=-1).values
         margin = top[:, a.top_k - 1] - (top[:, a.top_k] if a.top_k < a.num_experts else 0)
         calls = self.routes.setdefault(self.names[id(router)], [])

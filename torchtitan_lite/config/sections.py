@@ -62,6 +62,9 @@ class Moe:
     every: Optional[int] = opt(None, "every k-th block is MoE, the others dense; none = the flavor's",
                                rule=at_least(1))
     first_dense: Optional[int] = opt(None, "the first n blocks stay dense; none = the flavor's", rule=at_least(0))
+    load_balance_coeff: Optional[float] = opt(None, "DeepSeek-V3's balancing: each step, a busy expert's bias "
+                                              "goes down by this, an idle one's up (1e-3); 0 = off; none = the "
+                                              "flavor's", rule=finite_at_least(0))
 
 
 @dataclass

@@ -34,6 +34,7 @@ class MoEArgs:
     route_scale: float = 1.0  # the weights' factor after that (DeepSeek-V3: 2.5)
     every: int = 1  # every k-th block is MoE, the others dense (Llama 4 interleaves with 2)
     first_dense: int = 0  # the first n blocks dense (DeepSeek-V3: 3)
+    load_balance_coeff: float = 0.0  # DeepSeek-V3's expert bias's step (1e-3); 0: no bias (training/expert_load.py)
 
     def is_moe(self, layer_id: int) -> bool:
         return layer_id >= self.first_dense and (layer_id + 1) % self.every == 0
@@ -58,6 +59,11 @@ class Router(nn.Module):
         super().__init__()
         self.args = args
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        # The slots routed to each expert since the counts were last read (training/expert_load.py), and, with load
+        # balancing, DeepSeek-V3's bias: added to the scores to choose the experts, not to weigh them.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        if args.load_balance_coeff > 0:
+            self.register_buffer("expert_bias", torch.zeros(args.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts) of the tokens `x` (tokens, dim): (tokens, k) each, a token's experts by falling
@@ -65,7 +71,11 @@ class Router(nn.Module):
         a = self.args
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
-        weights, experts = scores.topk(a.top_k, dim=-1)
+        if a.load_balance_coeff > 0:
+            experts = (scores + self.expert_bias).topk(a.top_k, dim=-1).indices
+            weights = scores.gather(-1, experts)
+        else:
+            weights, experts = scores.topk(a.top_k, dim=-1)
         if a.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights * a.route_scale, experts
@@ -143,6 +153,10 @@ class MoE(nn.Module):
         # Not bincount, whose length depends on the data: a shape fake tensors and compile can know beforehand.
         counts = torch.zeros(self.args.num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
+        # Training's forward only: not validation's, and not activation checkpointing's recompute in backward, which
+        # would count a block's tokens twice. Compiled blocks do not count (the check does not trace).
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1:
+            self.router.tokens_per_expert += counts
         out = self.experts(tokens[order // k], counts)
         routed = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, shape[-1])
         y = (routed.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
@@ -152,6 +166,8 @@ class MoE(nn.Module):
 
     def init_weights(self, init, out_std: float) -> None:
         init(self.router.gate.weight, out_std)
+        for buffer in self.router.buffers():
+            buffer.zero_()
         self.experts.init_weights(init, out_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init, out_std)

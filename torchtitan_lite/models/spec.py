@@ -64,6 +64,9 @@ class HFAdapter:
     config: Callable[[Any, int, int, torch.dtype], dict]  # config.json of (args, bos id, eos id, dtype)
     args_from_config: Callable[[dict], Any]  # our args of a config.json, or ConversionError naming what we lack
     flavor_of: Callable[[Any], str | None]  # the flavor that builds exactly these args, vocabulary and context aside
+    # our tensor name -> whether it is one of theirs per index of its first dim, each named by hf_name(name + ".i")
+    # (a mixture's routed experts as Mixtral holds them)
+    split: Callable[[str], bool] = lambda name: False
 
 
 @dataclass(frozen=True)

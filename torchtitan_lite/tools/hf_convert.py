@@ -14,6 +14,7 @@ that fails leaves no output folder behind.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -53,6 +54,14 @@ def expected_shapes(spec: ModelSpec, args: Args) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes, in the model's order, without allocating anything."""
     with torch.device("meta"):
         return {name: tuple(p.shape) for name, p in spec.model_class(args).state_dict().items()}
+
+
+def pieces(hf: HFAdapter, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, int | None, tuple]]:
+    """Each of our tensors as Hugging Face holds it: one piece, or one per index of its first dim where the adapter
+    splits it (hf.split: "name.i", a routed expert's): piece -> (our name, index or None, the piece's shape)."""
+    return {piece: entry for name, shape in expected.items()
+            for piece, entry in ({f"{name}.{i}": (name, i, shape[1:]) for i in range(shape[0])} if hf.split(name)
+                                 else {name: (name, None, shape)}).items()}
 
 # ---- Files
 
@@ -161,22 +170,29 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: Args, bos_id: int, eos
     if extra := sorted(set(saved) - set(expected)):
         raise ConversionError(f"checkpoint {ckpt} holds model.{extra[0]}, which the config's model lacks")
     dtype = dtype or saved["tok_embeddings.weight"].properties.dtype
-    ours_of = {hf.hf_name(n): n for n in expected}
-    entries = [(hf.hf_name(n), shape, dtype) for n, shape in expected.items()]
+    config = hf.config(args, bos_id, eos_id, dtype)  # first: a model their layout cannot hold is refused unread
+    ours_of = {hf.hf_name(piece): entry for piece, entry in pieces(hf, expected).items()}
+    entries = [(name, shape, dtype) for name, (_, _, shape) in ours_of.items()]
     shards = plan_shards(entries, max_shard_size)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
     progress = _Progress(sum(math.prod(s) * dtype.itemsize for _, s, _ in entries), "export")
 
-    def read(name: str) -> torch.Tensor:
-        key, stored = "model." + ours_of[name], saved[ours_of[name]]
+    @functools.lru_cache(maxsize=1)  # a split tensor's pieces are written one after another
+    def load(ours: str) -> torch.Tensor:
+        stored = saved[ours]
         tensor = torch.empty(stored.size, dtype=stored.properties.dtype)
-        load_local({key: tensor}, ckpt, metadata)  # read once above, not per tensor
+        load_local({"model." + ours: tensor}, ckpt, metadata)  # read once above, not per tensor
+        return tensor
+
+    def read(name: str) -> torch.Tensor:
+        ours, index, _ = ours_of[name]
+        tensor = load(ours) if index is None else load(ours)[index]
         progress.update(tensor.numel() * dtype.itemsize)
-        return hf.to_hf_tensor(ours_of[name], tensor, args, False).to(dtype)
+        return hf.to_hf_tensor(ours, tensor, args, False).to(dtype)
 
     with atomic_folder(out) as tmp:
-        _write_json(tmp / "config.json", hf.config(args, bos_id, eos_id, dtype))
+        _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
         if add_files:
             add_files(tmp)
@@ -241,7 +257,8 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype = tor
         raise ConversionError(f"{hf_dir}/config.json cannot be read: {e}") from None
     args = hf.args_from_config(config)
     weights, expected = _weights(hf_dir), expected_shapes(spec, args)
-    source: dict[str, str] = {}  # our name -> Hugging Face name
+    wanted = pieces(hf, expected)
+    source: dict[str, str] = {}  # our piece -> Hugging Face name
     for name in weights:
         ours = hf.our_name(name)
         if ours is None and not name.endswith("rotary_emb.inv_freq"):  # old folders saved RoPE's buffer: derived
@@ -250,18 +267,25 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype = tor
             source[ours] = name
     if "output.weight" not in source and config.get("tie_word_embeddings"):
         source["output.weight"] = "model.embed_tokens.weight"
-    if missing := [n for n in expected if n not in source]:
+    if missing := [n for n in wanted if n not in source]:
         raise ConversionError(f"{hf_dir} has no {hf.hf_name(missing[0])} ({len(missing)} tensors missing)")
     for ours, name in source.items():
-        if weights[name][1] != expected[ours]:
+        if ours not in wanted:  # an expert beyond num_local_experts
+            raise ConversionError(f"{hf_dir} holds {name}, which config.json's model has no place for")
+        if weights[name][1] != wanted[ours][2]:
             raise ConversionError(f"{hf_dir}: {name} has shape {weights[name][1]} but config.json makes it "
-                                  f"{expected[ours]}")
+                                  f"{wanted[ours][2]}")
     progress = _Progress(sum(math.prod(s) for s in expected.values()) * dtype.itemsize, "import")
 
-    def make(ours: str) -> torch.Tensor:
-        tensor = _read(weights[source[ours]][0], source[ours])
+    def piece(ours: str, name: str) -> torch.Tensor:
+        tensor = _read(weights[source[name]][0], source[name])
         progress.update(tensor.numel() * dtype.itemsize)
-        return hf.to_hf_tensor(ours, tensor, args, True).to(dtype).contiguous()
+        return hf.to_hf_tensor(ours, tensor, args, True).to(dtype)
+
+    def make(ours: str) -> torch.Tensor:
+        if hf.split(ours):  # stacked from its pieces, an expert at a time
+            return torch.stack([piece(ours, f"{ours}.{i}") for i in range(expected[ours][0])])
+        return piece(ours, ours).contiguous()
 
     state = {"model": {n: torch.empty(s, dtype=dtype, device="meta") for n, s in expected.items()}}
     with atomic_folder(out) as tmp:

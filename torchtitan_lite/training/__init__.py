@@ -7,6 +7,7 @@
 - steps.py: the loop's steps, and what happens between two of them (gc, signals, the profiler's step)
 - validation.py: the loss on held-out data, the same batches at every validation
 - source_losses.py: a mixture's loss, tokens and epochs per source at the logging steps
+- expert_load.py: a mixture of experts' load each step, and DeepSeek-V3's bias balancing
 
 May import every layer below it; only tools, train.py and scripts import it.
 """

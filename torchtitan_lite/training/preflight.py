@@ -35,7 +35,7 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
                               "swaps: set parallelism.context_parallel_degree = 1")
     moe = getattr(model_args, "moe", None)
     if moe is not None:
-        check_moe(cfg, dims, moe.num_experts)
+        check_moe(cfg, dims, moe)
     elif dims.ep > 1:
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} splits a mixture of experts' experts, and "
                           f"model.flavor {cfg.model.flavor} has none: set it to 1, or set moe.num_experts")
@@ -44,7 +44,7 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
             float8.check(cfg, spec.model_class(model_args), dims)
 
 
-def check_moe(cfg: JobConfig, dims: ParallelDims, num_experts: int) -> None:
+def check_moe(cfg: JobConfig, dims: ParallelDims, moe) -> None:
     """What a mixture-of-experts model trains with so far: data parallelism (FSDP, HSDP, DDP: a token's route and
     experts are its own, whichever rank holds it) and expert parallelism within it, any precision, compile in bf16
     without EP; the other layouts are still to be built and tested."""
@@ -56,10 +56,13 @@ def check_moe(cfg: JobConfig, dims: ParallelDims, num_experts: int) -> None:
         raise ConfigError(f"{flavor} compiled in bfloat16 alone (compile's grouped GEMM takes bf16, and the "
                           "per-expert loop reads its counts on the host): set training.mixed_precision_param "
                           "bfloat16 or drop compile.enable")
-    if num_experts % dims.ep:
-        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} must divide the {num_experts} routed experts "
-                          f"(moe.num_experts): choose one of "
-                          f"{', '.join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0)}")
+    if moe.num_experts % dims.ep:
+        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} must divide the {moe.num_experts} routed "
+                          f"experts (moe.num_experts): choose one of "
+                          f"{', '.join(str(d) for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0)}")
+    if moe.load_balance_coeff > 0 and cfg.compile.enable:
+        raise ConfigError(f"{flavor} with load balancing eager so far (a compiled block does not count its experts' "
+                          "tokens): drop compile.enable or set moe.load_balance_coeff 0")
     ac = cfg.activation_checkpoint
     if dims.ep > 1 and ac.mode == "selective" and ac.selective_ac_option == "op":
         raise ConfigError("op-level selective activation checkpointing recomputes a block's ops one for one, and "

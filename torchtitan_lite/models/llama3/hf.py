@@ -7,16 +7,23 @@ The files themselves are read and written by tools/hf_convert.py. Two decisions 
   wq and wk within each head, applied on export and undone on import, so both compute the same logits.
 - Anything we cannot represent exactly (biases, another activation or RoPE variant, a head_dim of its own) is refused
   with one line naming it, never approximated. transformers is not imported here: the tests check against it.
+A mixture of experts is Mixtral's layout (MixtralForCausalLM, as its published folders hold it): the router as
+`block_sparse_moe.gate`, each routed expert's w1, w2, w3 a tensor of its own, where ours are one 3-D tensor each
+(`split`: the converter writes and reads them an expert at a time). What Mixtral's routing cannot hold (shared experts,
+sigmoid scores, unnormalized or scaled weights, a selection bias, dense blocks among the MoE ones) is refused: an
+export must never route otherwise than training did.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import torch
 
 from torchtitan_lite.models.llama3.model import FLAVORS, ROPE_SCALING, ModelArgs
+from torchtitan_lite.models.moe import MoEArgs
 from torchtitan_lite.models.spec import ConversionError
 
 LLAMA31_ROPE_SCALING = {"rope_type": "llama3", **ROPE_SCALING}  # model.rope_table's
@@ -28,27 +35,40 @@ _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "mo
 _IN_LAYER = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
              "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
              "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
-             "ffn_norm": "post_attention_layernorm"}
+             "ffn_norm": "post_attention_layernorm", "moe.router.gate": "block_sparse_moe.gate"}
 _OURS_LAYER, _HF_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight"), re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
+# One routed expert's piece of our 3-D weight (its name + "." + the expert), and Mixtral's tensor of it.
+_EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])\.(\d+|\*)")
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 
 
-NO_MOE = "a mixture-of-experts model has no Hugging Face export yet (Mixtral's layout is to come): export a dense one"
+def split(name: str) -> bool:
+    """Whether our tensor `name` is one Hugging Face tensor per index of its first dim (the routed experts')."""
+    return ".moe.experts." in name
 
 
 def hf_name(name: str) -> str:
-    """Our parameter name -> transformers' LlamaForCausalLM name."""
-    if ".moe." in name:
-        raise ConversionError(NO_MOE)
+    """Our parameter name (an expert's piece: the 3-D weight's name + ".e") -> transformers' name; the whole 3-D
+    weight's is its experts' names with "*" for the expert."""
+    if m := _EXPERT.fullmatch(name if not split(name) or name[-1].isdigit() else name + ".*"):
+        i, w, e = m.groups()
+        return f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
     if name in _TOP:
         return _TOP[name]
-    i, part = _OURS_LAYER.fullmatch(name).groups()
-    return f"model.layers.{i}.{_IN_LAYER[part]}.weight"
+    m = _OURS_LAYER.fullmatch(name)
+    if m is None or m.group(2) not in _IN_LAYER:
+        raise ConversionError(f"{name} has no place in a Hugging Face Llama or Mixtral")
+    return f"model.layers.{m.group(1)}.{_IN_LAYER[m.group(2)]}.weight"
 
 
 def our_name(name: str) -> str | None:
-    """transformers' name -> ours, or None for a tensor our model has no place for."""
+    """transformers' name -> ours (an expert's piece for Mixtral's experts), or None for a tensor our model has no
+    place for."""
     if name in _TOP.values():
         return next(ours for ours, hf in _TOP.items() if hf == name)
+    if m := _HF_EXPERT.fullmatch(name):
+        i, e, w = m.groups()
+        return f"layers.{i}.moe.experts.{w}.{e}"
     m = _HF_LAYER.fullmatch(name)
     part = next((ours for ours, hf in _IN_LAYER.items() if m and hf == m.group(2)), None)
     return f"layers.{m.group(1)}.{part}.weight" if part else None
@@ -71,11 +91,29 @@ def to_hf_tensor(name: str, w: torch.Tensor, args: ModelArgs, inverse: bool = Fa
 
 # ---- Configs
 
+# What Mixtral's router computes, in our MoEArgs' terms: softmax over every routed expert, top k, renormalized.
+MIXTRAL_ROUTING = {"shared_experts": 0, "score_func": "softmax", "renormalize": True, "route_scale": 1.0, "every": 1,
+                   "first_dense": 0, "load_balance_coeff": 0.0}
+
+
+def mixtral(args: ModelArgs) -> dict:
+    """config.json's Mixtral keys for an MoE model, or ConversionError naming what Mixtral's layout cannot hold."""
+    moe = args.moe
+    for key, theirs in MIXTRAL_ROUTING.items():
+        if getattr(moe, key) != theirs:
+            raise ConversionError(f"Mixtral's layout cannot hold moe.{key} = {getattr(moe, key)} (Mixtral's: "
+                                  f"{theirs}): a mixture of experts exports only with Mixtral's routing")
+    if args.rope_scaling:
+        raise ConversionError("Mixtral's layout has no Llama 3.1 RoPE scaling: export an MoE model without it")
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": moe.hidden or args.ffn_hidden, "num_local_experts": moe.num_experts,
+            "num_experts_per_tok": moe.top_k, "output_router_logits": False, "router_aux_loss_coef": 0.0,
+            "sliding_window": None}
+
+
 def hf_config(args: ModelArgs, bos_id: int, eos_id: int, dtype: torch.dtype) -> dict:
     """config.json in the form of Meta's published Llama 3.x folders (rope_theta and rope_scaling at the top level),
-    which transformers 4 and 5 and other readers all understand."""
-    if args.moe is not None:  # never an export that loads as a dense model, or routes otherwise than training did
-        raise ConversionError(NO_MOE)
+    which transformers 4 and 5 and other readers all understand; Mixtral's for a mixture of experts."""
     name = str(dtype).removeprefix("torch.")
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
@@ -85,7 +123,7 @@ def hf_config(args: ModelArgs, bos_id: int, eos_id: int, dtype: torch.dtype) -> 
         "rope_scaling": dict(LLAMA31_ROPE_SCALING) if args.rope_scaling else None,
         "max_position_embeddings": args.max_seq_len, "bos_token_id": bos_id, "eos_token_id": eos_id,
         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
-        "torch_dtype": name, "dtype": name,
+        "torch_dtype": name, "dtype": name, **(mixtral(args) if args.moe is not None else {}),
     }
 
 
@@ -105,8 +143,16 @@ def model_args_from_hf(config: dict) -> ModelArgs:
         return ConversionError(f"not a model ours can represent: {what}")
 
     arch, kind = config.get("architectures"), config.get("model_type")
-    if arch != ["LlamaForCausalLM"] or kind != "llama":
-        raise refuse(f"architectures {arch}, model_type {kind!r} (expected ['LlamaForCausalLM'], 'llama')")
+    if (arch, kind) not in ((["LlamaForCausalLM"], "llama"), (["MixtralForCausalLM"], "mixtral")):
+        raise refuse(f"architectures {arch}, model_type {kind!r} (expected ['LlamaForCausalLM'], 'llama' or "
+                     "['MixtralForCausalLM'], 'mixtral')")
+    moe = None
+    if kind == "mixtral":
+        if config.get("sliding_window") not in (None, 0) and config["sliding_window"] < config.get(
+                "max_position_embeddings", 0):
+            raise refuse(f"sliding_window {config['sliding_window']} (ours attends to the whole context)")
+        moe = MoEArgs(num_experts=config.get("num_local_experts", 8), top_k=config.get("num_experts_per_tok", 2),
+                      hidden=config["intermediate_size"])
     for key, ours in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
                       ("partial_rotary_factor", 1.0), ("quantization_config", None)):
         if config.get(key, ours) != ours:
@@ -128,8 +174,8 @@ def model_args_from_hf(config: dict) -> ModelArgs:
                 raise refuse(f"rope_scaling {key} = {rope.get(key)} (ours is Llama 3.1's, {ours})")
     elif rope_type != "default":
         raise refuse(f"rope_type {rope_type!r} (ours: default, or llama3 as in Llama 3.1)")
-    multiple_of, multiplier = ffn_settings(dim, hidden)
-    return ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=None if kv_heads == heads else kv_heads,
+    multiple_of, multiplier = ffn_settings(dim, hidden) if moe is None else (256, None)  # MoE: the experts' own
+    return ModelArgs(moe=moe, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=None if kv_heads == heads else kv_heads,
                      vocab_size=vocab, multiple_of=multiple_of, ffn_dim_multiplier=multiplier,
                      norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
                      rope_scaling=rope_type == "llama3", max_seq_len=config.get("max_position_embeddings", 2048))
@@ -138,5 +184,6 @@ def model_args_from_hf(config: dict) -> ModelArgs:
 def matching_flavor(args: ModelArgs) -> str | None:
     """The flavor that builds exactly this model (vocabulary and sequence length aside), if one does."""
     def shape(a: ModelArgs) -> tuple:
-        return a.dim, a.n_layers, a.n_heads, a.kv_heads, a.ffn_hidden, a.norm_eps, a.rope_theta, a.rope_scaling
+        moe = a.moe and replace(a.moe, hidden=a.moe.hidden or a.ffn_hidden)  # an expert's width, however said
+        return a.dim, a.n_layers, a.n_heads, a.kv_heads, a.ffn_hidden, a.norm_eps, a.rope_theta, a.rope_scaling, moe
     return next((name for name, flavor in FLAVORS.items() if shape(flavor) == shape(args)), None)

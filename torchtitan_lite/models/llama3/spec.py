@@ -32,6 +32,7 @@ SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     configure=lambda args, cfg: args.with_(moe=configured(args.moe, cfg.moe, cfg.model.flavor)),
     hf=HFAdapter(hf_name=hf.hf_name, our_name=hf.our_name, to_hf_tensor=hf.to_hf_tensor, config=hf.hf_config,
-                 args_from_config=hf.model_args_from_hf, flavor_of=hf.matching_flavor),
+                 args_from_config=hf.model_args_from_hf, flavor_of=hf.matching_flavor,
+                 split=hf.split),
     blocks_alike=True,  # dense blocks; only their initialization depends on the index (depth_init)
 )

@@ -1,0 +1,49 @@
+"""A mixture of experts' load, once a step: what each MoE layer's experts received, and DeepSeek-V3's
+auxiliary-loss-free balancing, as torchtitan does it.
+
+Each router counts the slots it sends to each expert in the step's forward passes (models/moe.py: its training
+forward only, not validation's or activation checkpointing's recompute). After every update, applied or skipped
+(Update.after_step), the counts of all layers are summed over the ranks that saw different tokens, in one all-reduce
+of layers x experts, so every rank holds the step's global load. With moe.load_balance_coeff > 0 each layer's bias then
+moves the busy experts' scores down and the idle ones' up by that step, centred: b += c * sign(mean - load), less its
+mean. The counts are integers, exact in fp32 up to 2^24 slots an expert a step, and the bias a function of them alone,
+so it is the same bits on every layout. The load is logged at logging steps (per MoE layer, the busiest expert's slots
+over the mean; and every slot counted, which a double count would show), read with the step's other figures.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan_lite.models.moe import MoE
+
+
+class ExpertLoad:
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None):
+        """`group`: the data-parallel ranks, whose tokens differ; None on one."""
+        self.routers = [(name, m.router) for name, m in model.named_modules() if isinstance(m, MoE)]
+        self.group, self.load = group, None
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        if not self.routers:
+            return
+        load = torch.stack([router.tokens_per_expert for _, router in self.routers])
+        if self.group is not None:
+            dist.all_reduce(load, group=self.group)
+        for (_, router), counts in zip(self.routers, load):
+            if router.args.load_balance_coeff > 0:
+                delta = router.args.load_balance_coeff * torch.sign(counts.mean() - counts)
+                router.expert_bias += delta - delta.mean()
+            router.tokens_per_expert.zero_()
+        self.load = load
+
+    def fields(self) -> dict[str, float]:
+        """The last step's load: per layer, its busiest expert's slots over the mean, and the slots counted."""
+        if self.load is None:
+            return {}
+        busiest = (self.load.max(1).values / self.load.mean(1)).tolist()
+        return {"routed_slots": self.load.sum().item(),
+                **{f"expert_load/{name}": b for (name, _), b in zip(self.routers, busiest)}}
