@@ -16,7 +16,7 @@ from torchtitan_lite.models import registry
 from torchtitan_lite.models.llama3.hf import model_args_from_hf
 from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.models.llama3.model import ModelArgs, Transformer
-from torchtitan_lite.models.moe import MoEArgs
+from torchtitan_lite.models.moe import MoE, MoEArgs
 from torchtitan_lite.models.spec import ConversionError
 from torchtitan_lite.tools.hf_convert import export_to_hf, import_from_hf
 
@@ -102,3 +102,16 @@ def test_the_scripts_take_a_trained_moe_checkpoint_as_a_dense_one(tmp_path, caps
     assert script("generate").main(["--checkpoint", str(tmp_path / "run"), "--prompt", "def", "--temperature", "0",
                                     "--max_new_tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("def")
+
+
+def test_the_auxiliary_loss_is_transformers_mixtrals_for_one_sequence_and_layer():
+    """moe.aux_loss_coeff's loss (models/moe.balance_loss) is transformers' load_balancing_loss_func where the two
+    agree on what they average over: one sequence, one layer (ours is a mean over sequences and layers)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: PLC0415
+
+    layer = randomize(MoE(64, 48, MoEArgs(num_experts=4, top_k=2, aux_loss_coeff=1.0)))
+    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(3))
+    layer(x)
+    theirs = load_balancing_loss_func((layer.router.gate(x.view(40, 64)),), 4, 2)
+    print(f"auxiliary loss: ours {layer.aux.item():.6f}, transformers' {theirs.item():.6f}")
+    assert abs(layer.aux.item() - theirs.item()) <= 1e-6 * theirs.item() and theirs.item() > 1.5  # k = 2 at balance

@@ -12,7 +12,7 @@ from torchtitan_lite.models import moe, registry
 from torchtitan_lite.models.init import fill_block_, trunc_normal_
 from torchtitan_lite.models.llama3.model import FLAVORS, FeedForward, Transformer
 from torchtitan_lite.models.llama3.spec import flops_per_token
-from torchtitan_lite.models.moe import MoE, MoEArgs
+from torchtitan_lite.models.moe import MoE, MoEArgs, aux_losses
 from torchtitan_lite.parallel.expert_parallel import regroup_by_expert
 from torchtitan_lite.training.expert_load import ExpertLoad
 from torchtitan_lite.tools.memory import estimate_memory
@@ -123,7 +123,7 @@ def test_the_router_scores_in_fp32_and_orders_each_tokens_experts_by_score():
     router = layer(MoEArgs(num_experts=6, top_k=3)).router
     x = torch.randn(50, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
     router.gate.weight.data = router.gate.weight.data.bfloat16()
-    weights, experts = router(x)
+    weights, experts, _ = router(x)
     assert weights.dtype == torch.float32 and experts.shape == (50, 3)
     scores = (x @ router.gate.weight.T).float().softmax(-1)
     assert torch.equal(scores.gather(-1, experts) / scores.gather(-1, experts).sum(-1, keepdim=True), weights)
@@ -134,7 +134,7 @@ def test_the_expert_bias_chooses_the_experts_and_the_scores_weigh_them():
     m = layer(MoEArgs(num_experts=6, top_k=2, load_balance_coeff=1e-3))
     m.router.expert_bias[4] = 10.0
     x = torch.randn(30, 64, generator=torch.Generator().manual_seed(7))
-    weights, experts = m.router(x)
+    weights, experts, _ = m.router(x)
     scores = m.router.gate(x).float().softmax(-1)
     assert (experts[:, 0] == 4).all()
     chosen = scores.gather(-1, experts)
@@ -142,14 +142,44 @@ def test_the_expert_bias_chooses_the_experts_and_the_scores_weigh_them():
 
 
 def test_the_router_counts_the_training_forward_once_not_validation_or_a_recompute():
-    """Activation checkpointing runs the forward again in backward: counted twice, the load would read double."""
-    m = layer(MoEArgs())
+    """Activation checkpointing runs the forward again in backward: counted twice, the load would read double. The
+    auxiliary loss is computed in the recompute too (checkpointing checks that it saves what the forward saved) and
+    taken once, its value and gradient those of the run without checkpointing."""
+    m = layer(MoEArgs(aux_loss_coeff=0.5))
     x = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(8))
-    torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False).sum().backward()
+    y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)
+    aux = aux_losses([m])
+    (y.sum() + aux).backward()
+    assert m.router.tokens_per_expert.sum() == 20 * 2 and m.aux is None
+    grad, m.router.tokens_per_expert[:] = m.router.gate.weight.grad.clone(), 0
+    m.zero_grad()
+    (m(x).sum() + aux_losses([m])).backward()
     assert m.router.tokens_per_expert.sum() == 20 * 2
+    torch.testing.assert_close(m.router.gate.weight.grad, grad)
     with torch.no_grad():
         m(x)
     assert m.router.tokens_per_expert.sum() == 20 * 2
+
+
+def test_the_auxiliary_loss_of_a_batch_is_its_sequences_summed_value_and_gradient():
+    """Each sequence's term from its own tokens: however the global batch is cut into ranks and micro-batches, the
+    loss and the router's gradient are the same sums (statistics pooled over a micro-batch would not be)."""
+    m = layer(MoEArgs(aux_loss_coeff=1.0))
+    x = torch.randn(4, 10, 64, generator=torch.Generator().manual_seed(9))
+    m(x)
+    whole = aux_losses([m])
+    whole.backward()
+    grad = m.router.gate.weight.grad.clone()
+    m.zero_grad()
+    parts = []
+    for i in range(4):
+        m(x[i:i + 1])
+        parts.append(aux_losses([m]))
+        parts[-1].backward()
+    assert aux_losses([m]) is None  # taken
+    assert abs(whole.item() - sum(p.item() for p in parts)) <= 1e-6 * whole.item()
+    torch.testing.assert_close(m.router.gate.weight.grad, grad, rtol=1e-5, atol=1e-7)
+    assert grad.abs().sum() > 0
 
 
 def test_expert_load_moves_each_bias_toward_balance_and_logs_the_load():
@@ -224,7 +254,8 @@ def test_one_process_trains_every_weight_of_the_moe_model(tmp_path):
     (1, ["--compile.enable", "--training.mixed_precision_param", "float16"], "compiled in bfloat16 alone"),
     (1, ["--float8.enable_float8_linear", "--float8.emulate"], "without float8 so far"),
     (2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable", "--training.mixed_precision_param",
-         "bfloat16"], "with expert parallelism eager so far"),
+         "bfloat16", "--moe.aux_loss_coeff", "0"], "with expert parallelism eager so far"),
+    (1, ["--compile.enable", "--training.mixed_precision_param", "bfloat16"], "with load balancing eager so far"),
 ])
 def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_line, world, overrides, said):
     line = error_line(world, ["--model.flavor", "tiny_moe", *overrides])
@@ -273,9 +304,10 @@ def run_args(*overrides: str):
 
 
 def test_the_config_overrides_the_flavors_moe_settings_and_can_make_a_dense_flavor_moe():
-    assert run_args("--model.flavor", "tiny_moe").moe == MoEArgs()
+    assert run_args("--model.flavor", "tiny_moe").moe == MoEArgs(aux_loss_coeff=0.02)
     assert run_args("--model.flavor", "tiny_moe", "--moe.top_k", "1", "--moe.score_func", "sigmoid",
-                    "--no-moe.renormalize").moe == MoEArgs(top_k=1, score_func="sigmoid", renormalize=False)
+                    "--no-moe.renormalize", "--moe.aux_loss_coeff", "0").moe == MoEArgs(top_k=1, score_func="sigmoid",
+                                                                                       renormalize=False)
     assert run_args("--model.flavor", "tiny").moe is None
     made = run_args("--model.flavor", "tiny", "--moe.num_experts", "4", "--moe.every", "2").moe
     assert made == MoEArgs(num_experts=4, every=2)

@@ -30,11 +30,11 @@ class RouteRecorder:
         forward, next_batch = moe.Router.forward, DataLoader.next_batch
 
         def recording_forward(router, x):
-            weights, experts = forward(router, x)
+            weights, experts, scores = forward(router, x)
             # The forward's call, not activation checkpointing's recompute of it in backward.
             if first_step() and torch._C._current_autograd_node() is None:
                 self._record(router, x, experts)
-            return weights, experts
+            return weights, experts, scores
 
         def recording_next_batch(loader):
             if first_step():

@@ -65,6 +65,8 @@ class Moe:
     load_balance_coeff: Optional[float] = opt(None, "DeepSeek-V3's balancing: each step, a busy expert's bias "
                                               "goes down by this, an idle one's up (1e-3); 0 = off; none = the "
                                               "flavor's", rule=finite_at_least(0))
+    aux_loss_coeff: Optional[float] = opt(None, "the Switch/Mixtral load-balancing loss's weight (Mixtral: 0.02), "
+                                          "each sequence's own; 0 = off; none = the flavor's", rule=finite_at_least(0))
 
 
 @dataclass

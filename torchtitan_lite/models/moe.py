@@ -35,6 +35,7 @@ class MoEArgs:
     every: int = 1  # every k-th block is MoE, the others dense (Llama 4 interleaves with 2)
     first_dense: int = 0  # the first n blocks dense (DeepSeek-V3: 3)
     load_balance_coeff: float = 0.0  # DeepSeek-V3's expert bias's step (1e-3); 0: no bias (training/expert_load.py)
+    aux_loss_coeff: float = 0.0  # the Switch/Mixtral auxiliary loss's weight (Mixtral's config: 0.02); 0: none
 
     def is_moe(self, layer_id: int) -> bool:
         return layer_id >= self.first_dense and (layer_id + 1) % self.every == 0
@@ -65,9 +66,9 @@ class Router(nn.Module):
         if args.load_balance_coeff > 0:
             self.register_buffer("expert_bias", torch.zeros(args.num_experts))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, experts) of the tokens `x` (tokens, dim): (tokens, k) each, a token's experts by falling
-        score."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights, experts, scores) of the tokens `x` (tokens, dim): (tokens, k) each, a token's experts by falling
+        score; and every expert's score (tokens, experts)."""
         a = self.args
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
@@ -78,7 +79,7 @@ class Router(nn.Module):
             weights, experts = scores.topk(a.top_k, dim=-1)
         if a.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        return weights * a.route_scale, experts
+        return weights * a.route_scale, experts, scores
 
 
 class GroupedExperts(nn.Module):
@@ -142,21 +143,36 @@ class MoE(nn.Module):
         self.router = Router(dim, args)
         self.experts = GroupedExperts(dim, hidden, args.num_experts)
         self.shared_experts = shared
+        # The auxiliary loss: this layer's term of the last training forward, taken by the step (aux_losses), its
+        # factor (1 / (MoE layers x the global batch's sequences), set by training/expert_load.py) and its sum since
+        # the load was last read.
+        self.aux, self.aux_scale = None, 1.0
+        self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, k = x.shape, self.args.top_k
         tokens = x.reshape(-1, shape[-1])
-        weights, experts = self.router(tokens)
+        weights, experts, scores = self.router(tokens)
         # Each token's k slots, sorted by expert; stable, so an expert's slots keep the tokens' order.
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         # Not bincount, whose length depends on the data: a shape fake tensors and compile can know beforehand.
         counts = torch.zeros(self.args.num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
-        # Training's forward only: not validation's, and not activation checkpointing's recompute in backward, which
-        # would count a block's tokens twice. Compiled blocks do not count (the check does not trace).
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1:
+        # The auxiliary loss is computed in activation checkpointing's recompute too, which must save what the forward
+        # saved; it is counted, as the tokens are, in training's forward only: not validation's, and not the recompute
+        # in backward, which would count a block's tokens twice. Compiled blocks neither (the check does not trace;
+        # refused).
+        training = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if training and self.args.aux_loss_coeff > 0:
+            sequences = shape[0] if x.dim() == 3 else 1
+            aux = self.aux_scale * balance_loss(scores.view(sequences, -1, scores.shape[-1]),
+                                                experts.view(sequences, -1))
+        if training and torch._C._current_graph_task_id() == -1:
             self.router.tokens_per_expert += counts
+            if self.args.aux_loss_coeff > 0:
+                self.aux_sum += aux.detach()
+                self.aux = self.args.aux_loss_coeff * aux
         out = self.experts(tokens[order // k], counts)
         routed = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, shape[-1])
         y = (routed.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
@@ -166,11 +182,32 @@ class MoE(nn.Module):
 
     def init_weights(self, init, out_std: float) -> None:
         init(self.router.gate.weight, out_std)
-        for buffer in self.router.buffers():
+        for buffer in self.buffers():
             buffer.zero_()
         self.experts.init_weights(init, out_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init, out_std)
+
+
+def balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The Switch/Mixtral auxiliary loss, summed over sequences, each sequence's from its own tokens: E x sum over e of
+    (its slots routed to e / its tokens) x (its mean normalized score of e), as transformers' Mixtral computes it for
+    one sequence and one layer; k when the experts are equally loaded. Per sequence, so that its value and gradient do
+    not depend on how the batch is cut into ranks and micro-batches. `scores` (sequences, tokens, E), `experts`
+    (sequences, tokens x k)."""
+    sequences, length, e = scores.shape
+    slots = torch.zeros(sequences, e, device=scores.device).scatter_add_(
+        1, experts, torch.ones(experts.shape, device=scores.device))
+    probs = (scores / scores.sum(-1, keepdim=True)).mean(1)  # softmax's already sum to 1; sigmoid's normalized
+    return e * (slots / length * probs).sum()
+
+
+def aux_losses(layers: list[MoE]) -> torch.Tensor | None:
+    """The sum of the layers' auxiliary loss terms of the last training forward, taken; None without any."""
+    terms = [layer.aux for layer in layers if layer.aux is not None]
+    for layer in layers:
+        layer.aux = None
+    return sum(terms[1:], terms[0]) if terms else None
 
 
 def inactive_params(model: nn.Module) -> int:

@@ -8,7 +8,9 @@ of layers x experts, so every rank holds the step's global load. With moe.load_b
 moves the busy experts' scores down and the idle ones' up by that step, centred: b += c * sign(mean - load), less its
 mean. The counts are integers, exact in fp32 up to 2^24 slots an expert a step, and the bias a function of them alone,
 so it is the same bits on every layout. The load is logged at logging steps (per MoE layer, the busiest expert's slots
-over the mean; and every slot counted, which a double count would show), read with the step's other figures.
+over the mean; and every slot counted, which a double count would show), read with the step's other figures, and so is
+the Switch/Mixtral auxiliary loss (moe.aux_loss_coeff > 0; models/moe.balance_loss): a mean over the global batch's
+sequences, each sequence's from its own tokens, and over the MoE layers, whose factor is set here.
 """
 
 from __future__ import annotations
@@ -17,33 +19,44 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_lite.models.init import canonical_name
 from torchtitan_lite.models.moe import MoE
 
 
 class ExpertLoad:
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None):
-        """`group`: the data-parallel ranks, whose tokens differ; None on one."""
-        self.routers = [(name, m.router) for name, m in model.named_modules() if isinstance(m, MoE)]
-        self.group, self.load = group, None
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, sequences: int = 1):
+        """`group`: the data-parallel ranks, whose tokens differ; None on one. `sequences`: the global batch's, over
+        which the auxiliary loss is a mean (and over the MoE layers)."""
+        self.layers = [(canonical_name(name), m) for name, m in model.named_modules() if isinstance(m, MoE)]
+        for _, layer in self.layers:
+            layer.aux_scale = 1 / (sequences * len(self.layers))
+        self.group, self.load, self.aux = group, None, None
 
     @torch.no_grad()
     def __call__(self) -> None:
-        if not self.routers:
+        if not self.layers:
             return
-        load = torch.stack([router.tokens_per_expert for _, router in self.routers])
+        routers = [layer.router for _, layer in self.layers]
+        # Every layer's counts and auxiliary loss in one all-reduce: (layers, experts + 1).
+        load = torch.stack([torch.cat([r.tokens_per_expert, layer.aux_sum.view(1)])
+                            for r, (_, layer) in zip(routers, self.layers)])
         if self.group is not None:
             dist.all_reduce(load, group=self.group)
-        for (_, router), counts in zip(self.routers, load):
+        load, aux = load[:, :-1], load[:, -1]
+        for router, counts in zip(routers, load):
             if router.args.load_balance_coeff > 0:
                 delta = router.args.load_balance_coeff * torch.sign(counts.mean() - counts)
                 router.expert_bias += delta - delta.mean()
             router.tokens_per_expert.zero_()
-        self.load = load
+        for _, layer in self.layers:
+            layer.aux_sum.zero_()
+        self.load, self.aux = load, aux.sum() if self.layers[0][1].args.aux_loss_coeff > 0 else None
 
     def fields(self) -> dict[str, float]:
-        """The last step's load: per layer, its busiest expert's slots over the mean, and the slots counted."""
+        """The last step's load: per layer, its busiest expert's slots over the mean, and the slots counted; the
+        auxiliary loss (before its coefficient) when on."""
         if self.load is None:
             return {}
         busiest = (self.load.max(1).values / self.load.mean(1)).tolist()
-        return {"routed_slots": self.load.sum().item(),
-                **{f"expert_load/{name}": b for (name, _), b in zip(self.routers, busiest)}}
+        return {"routed_slots": self.load.sum().item(), **({} if self.aux is None else {"aux_loss": self.aux.item()}),
+                **{f"expert_load/{name}": b for (name, _), b in zip(self.layers, busiest)}}

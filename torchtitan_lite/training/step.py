@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan_lite.config import JobConfig
 from torchtitan_lite.data.loader import to_device
 from torchtitan_lite.models.documents import document_ids
+from torchtitan_lite.models.moe import MoE, aux_losses
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import Pipeline
 from torchtitan_lite.runtime import flight_recorder
@@ -118,6 +119,9 @@ class Step:
         self.rows: list[torch.Tensor] | None = None
         # Reduce gradients after the last micro-batch only: FSDP accumulates unsharded gradients until then.
         self.defer_reduce = defer_reduce
+        # A mixture of experts' auxiliary loss terms, trained with the loss and logged apart (expert_load.py); none
+        # under a pipeline (PipelineStep has no model of its own), which an MoE model does not train on yet.
+        self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)] if model is not None else []
 
     def train_step(self, batches: list[Batch], tokens: int, rows: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch; `tokens` is the step's global token count. With `rows`, each
@@ -156,7 +160,8 @@ class Step:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         loss = self.loss(inputs, labels, tokens)
         flight_recorder.at("the backward")
-        self.scale(loss).backward()
+        aux = aux_losses(self.moe_layers)
+        self.scale(loss if aux is None else loss + aux).backward()
         return loss_value(loss)
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:

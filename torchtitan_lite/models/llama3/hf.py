@@ -107,7 +107,8 @@ def mixtral(args: ModelArgs) -> dict:
         raise ConversionError("Mixtral's layout has no Llama 3.1 RoPE scaling: export an MoE model without it")
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
             "intermediate_size": moe.hidden or args.ffn_hidden, "num_local_experts": moe.num_experts,
-            "num_experts_per_tok": moe.top_k, "output_router_logits": False, "router_aux_loss_coef": 0.0,
+            "num_experts_per_tok": moe.top_k, "output_router_logits": moe.aux_loss_coeff > 0,
+            "router_aux_loss_coef": moe.aux_loss_coeff,
             "sliding_window": None}
 
 
@@ -152,7 +153,9 @@ def model_args_from_hf(config: dict) -> ModelArgs:
                 "max_position_embeddings", 0):
             raise refuse(f"sliding_window {config['sliding_window']} (ours attends to the whole context)")
         moe = MoEArgs(num_experts=config.get("num_local_experts", 8), top_k=config.get("num_experts_per_tok", 2),
-                      hidden=config["intermediate_size"])
+                      hidden=config["intermediate_size"],  # its auxiliary loss where transformers would train with it
+                      aux_loss_coeff=config.get("router_aux_loss_coef", 0.0) if config.get("output_router_logits")
+                      else 0.0)
     for key, ours in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
                       ("partial_rotary_factor", 1.0), ("quantization_config", None)):
         if config.get(key, ours) != ours:
@@ -184,6 +187,7 @@ def model_args_from_hf(config: dict) -> ModelArgs:
 def matching_flavor(args: ModelArgs) -> str | None:
     """The flavor that builds exactly this model (vocabulary and sequence length aside), if one does."""
     def shape(a: ModelArgs) -> tuple:
-        moe = a.moe and replace(a.moe, hidden=a.moe.hidden or a.ffn_hidden)  # an expert's width, however said
+        # an expert's width, however said; not the training-only settings
+        moe = a.moe and replace(a.moe, hidden=a.moe.hidden or a.ffn_hidden, aux_loss_coeff=0.0, load_balance_coeff=0.0)
         return a.dim, a.n_layers, a.n_heads, a.kv_heads, a.ffn_hidden, a.norm_eps, a.rope_theta, a.rope_scaling, moe
     return next((name for name, flavor in FLAVORS.items() if shape(flavor) == shape(args)), None)

@@ -74,15 +74,16 @@ FLAVORS: dict[str, ModelArgs] = {
                      rope_theta=500000, rope_scaling=True),
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
                       rope_theta=500000, rope_scaling=True),
-    # Mixtral's architecture (8 routed experts, top-2 by softmax, renormalized, no shared expert) at the debug
-    # model's width, and in 2 blocks for the suite; each expert as wide as the dense model's feed-forward.
-    "debugmodel_moe": ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000, moe=MoEArgs()),
-    "tiny_moe": ModelArgs(dim=256, n_layers=2, n_heads=16, rope_theta=500000, moe=MoEArgs()),
-    # Mixtral 8x7B and 8x22B, their published shapes.
+    # Mixtral's architecture (8 routed experts, top-2 by softmax, renormalized, no shared expert, its auxiliary loss
+    # at Mixtral's 0.02) at the debug model's width, and in 2 blocks for the suite; each expert as wide as the dense
+    # model's feed-forward.
+    "debugmodel_moe": ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000, moe=MoEArgs(aux_loss_coeff=0.02)),
+    "tiny_moe": ModelArgs(dim=256, n_layers=2, n_heads=16, rope_theta=500000, moe=MoEArgs(aux_loss_coeff=0.02)),
+    # Mixtral 8x7B and 8x22B, their published shapes; the auxiliary loss at 8x7B's published 0.02.
     "mixtral_8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, rope_theta=1e6, max_seq_len=32768,
-                              moe=MoEArgs(hidden=14336)),
+                              moe=MoEArgs(hidden=14336, aux_loss_coeff=0.02)),
     "mixtral_8x22b": ModelArgs(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, rope_theta=1e6, max_seq_len=65536,
-                               moe=MoEArgs(hidden=16384)),
+                               moe=MoEArgs(hidden=16384, aux_loss_coeff=0.02)),
 }
 
 
