@@ -16,7 +16,8 @@ from torchtitan_lite.models.moe import MoE, MoEArgs, aux_losses
 from torchtitan_lite.parallel.expert_parallel import regroup_by_expert
 from torchtitan_lite.training.expert_load import ExpertLoad
 from torchtitan_lite.tools.memory import estimate_memory
-from launch import TINY, read_metrics, train_in_process
+import train
+from launch import ROOT, TINY, read_metrics, train_in_process
 
 
 def layer(args: MoEArgs, dim: int = 64, hidden: int = 96, seed: int = 0) -> MoE:
@@ -279,6 +280,16 @@ def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_l
 def test_an_expert_parallel_degree_that_cannot_split_is_one_line(error_line, world, overrides, said):
     line = error_line(world, overrides)
     assert said in line, line
+
+
+@pytest.mark.parametrize("name, world", [("mixtral_8x7b", 32), ("mixtral_8x22b", 128)])
+def test_the_mixtral_configs_pass_the_check_on_the_gpus_they_name(monkeypatch, capsys, tmp_path, name, world):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    config = ROOT / "train_configs" / f"{name}.toml"
+    assert f"on {world} GPUs" in config.read_text().splitlines()[0]
+    assert train.run(["--job.config_file", str(config), "--model.tokenizer_path", "", "--training.dataset", "synthetic",
+                      "--job.dump_folder", str(tmp_path)], check=True) == 0, capsys.readouterr().err
+    assert "experts over ep 8 of dp_shard" in capsys.readouterr().out
 
 
 def test_regrouping_takes_arrived_slots_from_source_rank_order_to_expert_order():
