@@ -14,6 +14,10 @@ tools/comm_count.py records every collective of step 2 of a real train.py run, f
   rank holds partially.
 - Context parallelism, per block: one all-gather of the keys and values over cp in forward, one reduce-scatter of
   their gradients in backward; FSDP shards over dp_shard x cp.
+- Expert parallelism (tiny_moe, its experts over EP 2 x FSDP 2 of the 4 ranks' dp_shard), per MoE layer: the
+  counts' all-to-all over ep, the tokens' there and back in forward, the same two in backward; the experts' own FSDP
+  group over efsdp (an all-gather in forward, one in backward, a reduce-scatter); after the update, the load's
+  all-reduce (training/expert_load.py).
 - The step itself: the global gradient norm's all-reduce, and the preemption agreement's.
 Any other collective, or one more of these, fails. Bytes count the full buffer (all-gather output, reduce-scatter
 and all-reduce input): FSDP moves ~3x the parameter bytes per step (ZeRO-3: gather, gather again, reduce).
@@ -28,7 +32,7 @@ import torch
 
 import probes
 from launch import FLOAT8, TINY, tiny_model
-from torchtitan_lite.models.llama3.model import Transformer
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.quantization.float8 import converted_names
 
 pytestmark = pytest.mark.reads("resumed_4p", "probes")
@@ -53,6 +57,8 @@ LAYOUTS = {
     "CP 2 x FSDP 2": (["--parallelism.context_parallel_degree", "2"], {WORLD: "world", (0, 1): "cp"}),
     "FSDP 4, float8 all-gather": ([*FLOAT8, "--float8.enable_fsdp_float8_all_gather",
                                    "--float8.precompute_float8_dynamic_scale_for_fsdp"], {WORLD: "world"}),
+    "MoE, EP 2 x FSDP 2": (["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2"],
+                           {WORLD: "world", (0, 1): "ep", (0, 2): "efsdp"}),
 }
 STEP = Counter({("all_reduce", "world"): 2})  # the grad norm, the preemption agreement
 
@@ -79,6 +85,10 @@ EXPECTED = {
     "CP 2 x FSDP 2": STEP + fsdp("world", L - 1) + Counter({("all_gather", "cp"): L, ("reduce_scatter", "cp"): L}),
     # The float8 weights' scales: one all-reduce of their maxima after the optimizer step (the precompute).
     "FSDP 4, float8 all-gather": STEP + fsdp("world", L - 1) + Counter({("all_reduce", "world"): 1}),
+    # The experts' groups reshard after forward, the last block's too.
+    "MoE, EP 2 x FSDP 2": STEP + fsdp("world", L - 1) + Counter({
+        ("all_gather", "efsdp"): 2 * L, ("reduce_scatter", "efsdp"): L, ("all_to_all", "ep"): 5 * L,
+        ("all_reduce", "world"): 1}),
 }
 
 
@@ -166,3 +176,17 @@ def test_cp_moves_the_whole_sequences_keys_and_values(calls):
     cp = [(k, n) for k, d, n in calls["CP 2 x FSDP 2"] if d == "cp"]
     kv = BATCH * ARGS.max_seq_len * 2 * ARGS.kv_heads * ARGS.head_dim * 4
     assert sorted(cp) == [("all_gather", kv)] * L + [("reduce_scatter", kv)] * L
+
+
+def test_expert_parallelism_sends_each_tokens_k_slots_and_the_counts(calls):
+    """Per MoE layer: the counts (E int64s); this rank's slots (b·s·k rows of dim floats) out in forward and their
+    gradients back in backward; what its experts received, back in forward and out in backward (the data's, at most
+    all of the ep group's slots)."""
+    moe = FLAVORS["tiny_moe"].moe
+    sent = sorted(n for k, d, n in calls["MoE, EP 2 x FSDP 2"] if k == "all_to_all")
+    slots = BATCH * ARGS.max_seq_len * moe.top_k * ARGS.dim * 4
+    assert sent.count(moe.num_experts * 8) == L and sent.count(slots) >= 2 * L
+    received = sent[L:]
+    for n in (slots,) * (2 * L):
+        received.remove(n)
+    assert len(received) == 2 * L and all(0 <= n <= 2 * slots for n in received)

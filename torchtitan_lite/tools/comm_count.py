@@ -7,7 +7,8 @@ Each layout is a run of train.run with TRAIN_ARGS and its overrides, one after a
 its step 2 (step 1 differs: it compiles nothing here, but it alone logs and measures memory) a TorchDispatchMode
 sees every collective as it is dispatched: c10d's (FSDP2's all-gathers and reduce-scatters, HSDP's and the grad
 norm's all-reduces) and the functional ones (DTensor's TP redistributes). Each is recorded as [kind, the group's
-ranks, bytes], the bytes being the full buffer (what an all-gather outputs, what a reduce-scatter or all-reduce takes in).
+ranks, bytes], the bytes being the full buffer (what an all-gather outputs, what a reduce-scatter or all-reduce takes in,
+what an all-to-all sends).
 """
 
 import json
@@ -45,6 +46,9 @@ COLLECTIVES = {
     funcol.all_gather_into_tensor.default: ("all_gather", lambda a: (ranks(a[2]), nbytes(a[0]) * a[1])),
     funcol.reduce_scatter_tensor.default: ("reduce_scatter", lambda a: (ranks(a[3]), nbytes(a[0]))),
     funcol.all_reduce.default: ("all_reduce", lambda a: (ranks(a[2]), nbytes(a[0]))),
+    # Expert parallelism's: the counts' exchange (c10d) and the tokens' (functional); the bytes a rank sends.
+    c10d.alltoall_base_.default: ("all_to_all", lambda a: (ranks(a[2]), nbytes(a[1]))),
+    funcol.all_to_all_single.default: ("all_to_all", lambda a: (ranks(a[3]), nbytes(a[0]))),
 }
 NOT_COLLECTIVES = {funcol.wait_tensor.default, funcol._wrap_tensor_autograd.default}
 
