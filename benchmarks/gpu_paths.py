@@ -371,14 +371,7 @@ def observe() -> dict:
     return out
 
 
-def moe_paths() -> dict:
-    """benchmarks/moe_step.py on the GPU, the debug MoE model's curve against the CPU's, its training steps' syncs."""
-    out = {"curve": moe_step.curve_against_cpu(run), "syncs": syncs("--model.flavor", "debugmodel_moe")}
-    print(json.dumps(out), flush=True)
-    return {**out, "precisions": moe_step.trainer_precisions(run), **moe_step.main()}
-
-
-CHECKS = {"moe": moe_paths, "reference": reference, "init": init, "precisions": precisions, "offload": offload, "syncs": syncs, "step8b": step8b,
+CHECKS = {"moe": lambda: moe_step.gpu_check(run, syncs), "reference": reference, "init": init, "precisions": precisions, "offload": offload, "syncs": syncs, "step8b": step8b,
           "float8": float8_numerics, "float8_8b": float8_8b, "observe": observe, "masked": masked,
           "float8_fsdp": float8_fsdp, "mask_memory": mask_memory}
 RUN_ON_CPU = {"mask_memory"}  # what a machine without a GPU measures too; the others are reported skipped there

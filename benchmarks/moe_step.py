@@ -209,6 +209,14 @@ def trainer_precisions(run, steps: int = 20) -> dict:
     return out
 
 
+def gpu_check(run, syncs) -> dict:
+    """gpu_paths.py's moe check (`run`, `syncs`: its own): the debug MoE model's curve against the CPU's, its training
+    steps' syncs, its precisions, then this script's figures."""
+    out = {"curve": curve_against_cpu(run), "syncs": syncs("--model.flavor", "debugmodel_moe")}
+    print(json.dumps(out), flush=True)
+    return {**out, "precisions": trainer_precisions(run), **main()}
+
+
 def main(out_file: str | None = None) -> dict:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
