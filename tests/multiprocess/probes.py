@@ -3,7 +3,7 @@
 
     probes.py SPEC_JSON     SPEC: {kind: [OUT_DIR, args...]} for any of
       "init": [OUT_DIR, CONFIG, LAYOUTS_JSON]            every layout's initial weights (dump_init.py)
-      "syncs": [OUT_DIR, TRAIN_ARGS...]                  a run's host-device syncs, dumped in OUT_DIR (sync_count.py)
+      "syncs...": [OUT_DIR, TRAIN_ARGS...]               a run's host-device syncs, dumped in OUT_DIR (sync_count.py)
       "collectives": [OUT_DIR, LAYOUTS_JSON, TRAIN_ARGS...]  each layout's step-2 collectives (tools/comm_count.py)
 
 Each test module registers its part at import (`register`); conftest.probes makes every registered part in one job
@@ -39,8 +39,8 @@ if __name__ == "__main__":
     code = 0
     if "init" in spec:
         dump(Path(spec["init"][0]), spec["init"][1], json.loads(spec["init"][2]), device)
-    if "syncs" in spec:
-        code = code or sync_count.main(train.run, [*spec["syncs"], "--job.dump_folder", spec["syncs"][0]])
+    for kind in (k for k in spec if k.startswith("syncs")):
+        code = code or sync_count.main(train.run, [*spec[kind], "--job.dump_folder", spec[kind][0]])
         DataLoader.next_batch = next_batch
     if "collectives" in spec:
         code = code or comm_count.main(train, spec["collectives"])

@@ -12,6 +12,7 @@ import pytest
 
 import probes
 from launch import COMMON, TINY, TP2
+from torchtitan_lite.models.llama3.model import FLAVORS
 from torchtitan_lite.tools.sync_count import HOST_READS
 
 pytestmark = pytest.mark.reads("probes")
@@ -46,3 +47,16 @@ def test_a_logging_step_syncs_five_times(syncs):
             device = sorted(site for site in rank[str(step)] if site not in (HOST, HOST_AT_LOGGING))
             assert device == LOGGING_STEP_SYNCS, f"step {step}"
             assert HOST_AT_LOGGING in rank[str(step)]  # .tolist() is seen: the loss's own read is one
+
+
+# Expert parallelism (tiny_moe, EP 2 x FSDP 2): all_to_all_single takes its split sizes as integers, so each MoE
+# layer's dispatch reads them on the host, once per micro-batch (torchtitan's dispatcher does the same).
+probes.register("syncs_ep", "--job.config_file", str(TINY), *COMMON, "--model.flavor", "tiny_moe",
+                "--parallelism.expert_parallel_degree", "2", "--training.steps", "3", "--metrics.log_freq", "3")
+
+
+def test_expert_parallelism_reads_its_split_sizes_once_a_layer_a_micro_batch(probed):
+    layers = FLAVORS["tiny_moe"].n_layers  # every block MoE; 1 micro-batch a rank (8 sequences, 4 ranks of 2)
+    for rank in range(4):
+        step2 = json.loads((probed / "syncs_ep" / f"syncs-{rank}.json").read_text())["2"]
+        assert sorted(step2) == sorted([HOST] + ["expert_parallel.py:_forward@cpu"] * layers), step2
