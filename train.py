@@ -225,8 +225,8 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
         validation=Validation(cfg.validation, val_sources, loader_args, model_step, global_tokens,
                               loss_mesh.get_group(), training.steps),
         throughput=Throughput(global_tokens, env.world_size, model_flops_per_token, peak, train_state.step),
-        memory=memory, train_state=train_state, guard=guard, expert_load=expert_load, metrics=metrics, loss_group=loss_mesh.get_group(),
-        checkpoint=checkpoint)
+        memory=memory, train_state=train_state, guard=guard, expert_load=expert_load, metrics=metrics,
+        loss_group=loss_mesh.get_group(), checkpoint=checkpoint)
 
 
 def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
