@@ -7,8 +7,8 @@ Each layout is a run of train.run with TRAIN_ARGS and its overrides, one after a
 its step 2 (step 1 differs: it compiles nothing here, but it alone logs and measures memory) a TorchDispatchMode
 sees every collective as it is dispatched: c10d's (FSDP2's all-gathers and reduce-scatters, HSDP's and the grad
 norm's all-reduces) and the functional ones (DTensor's TP redistributes). Each is recorded as [kind, the group's
-ranks, bytes], the bytes being the full buffer (what an all-gather outputs, what a reduce-scatter or all-reduce takes in,
-what an all-to-all sends).
+ranks, bytes], the bytes being the full buffer (what an all-gather outputs, what a reduce-scatter or all-reduce takes
+in, what an all-to-all sends).
 """
 
 import json
