@@ -248,9 +248,8 @@ def test_one_process_trains_every_weight_of_the_moe_model(tmp_path):
 
 
 @pytest.mark.parametrize("world, overrides, said", [
-    (4, ["--parallelism.tensor_parallel_degree", "2"], "on data-parallel layouts so far (FSDP, HSDP, DDP)"),
-    (4, ["--parallelism.context_parallel_degree", "2"], "on data-parallel layouts so far (FSDP, HSDP, DDP)"),
-    (4, ["--parallelism.pipeline_parallel_degree", "2"], "on data-parallel layouts so far (FSDP, HSDP, DDP)"),
+    (4, ["--parallelism.tensor_parallel_degree", "2"], "on data- and context-parallel layouts so far"),
+    (4, ["--parallelism.pipeline_parallel_degree", "2"], "on data- and context-parallel layouts so far"),
     (1, ["--compile.enable"], "compiled in bfloat16 alone"),
     (1, ["--compile.enable", "--training.mixed_precision_param", "float16"], "compiled in bfloat16 alone"),
     (1, ["--float8.enable_float8_linear", "--float8.emulate"], "without float8 so far"),
@@ -265,8 +264,12 @@ def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_l
 
 @pytest.mark.parametrize("world, overrides, said", [
     (4, ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "3"],
-     "parallelism.expert_parallel_degree 3 must divide the FSDP shard degree 4 (the experts' ranks are borrowed from "
-     "dp_shard): choose one of 1, 2, 4"),
+     "parallelism.expert_parallel_degree 3 must divide the FSDP shard degree 4 (dp_shard 4: the experts' ranks are "
+     "borrowed from it): choose one of 1, 2, 4"),
+    (4, ["--model.flavor", "tiny_moe", "--parallelism.context_parallel_degree", "2",
+         "--parallelism.expert_parallel_degree", "8"],
+     "parallelism.expert_parallel_degree 8 must divide the FSDP shard degree 4 (dp_shard 2 x cp 2: the experts' ranks "
+     "are borrowed from it): choose one of 1, 2, 4"),
     (4, ["--model.flavor", "tiny_moe", "--moe.num_experts", "6", "--parallelism.expert_parallel_degree", "4"],
      "parallelism.expert_parallel_degree 4 must divide the 6 routed experts (moe.num_experts): choose one of 1, 2, 3, "
      "6"),

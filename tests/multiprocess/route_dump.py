@@ -4,10 +4,11 @@ by more than rounding), so a layout's numbers are compared with one process's on
 gone to the same experts.
 
 grad_dump.recording starts a RouteRecorder: rank R writes OUT_DIR/routes.R.pt, {MoE layer: [(global sequence index,
-its tokens' experts (seq, k), their margins (seq,))]}; a token's margin is how far its k-th expert's score is above
-the best one it did not choose. A sequence is named by its index in the data's one global order (data/loader.py: dp
-rank r takes a contiguous slice of the step's windows and cuts it into micro-batches), so any data-parallel layout's
-records line up with one process's. `load_routes` joins the ranks' files.
+its tokens' experts (seq, k), their margins (seq,), their positions in the sequence)]}; a token's margin is how far
+its k-th expert's score is above the best one it did not choose. A sequence is named by its index in the data's one
+global order (data/loader.py: dp rank r takes a contiguous slice of the step's windows and cuts it into
+micro-batches), and under context parallelism each of its ranks records the positions of the tokens it holds (the
+loader's cut), so any layout's records line up with one process's. `load_routes` joins the ranks' files.
 """
 
 import os
@@ -22,6 +23,7 @@ from torchtitan_lite.models import moe
 class RouteRecorder:
     def __init__(self, out: Path):
         self.out, self.routes, self.sequences, self.local, self.names, self.patched = out, {}, [], 1, {}, []
+        self.positions = None  # of this rank's tokens in each sequence: context parallelism's cut, None for all
 
     def start(self, models: list, first_step) -> None:
         self.names = {id(m.router): n for model in models for n, m in model.named_modules() if isinstance(m, moe.MoE)}
@@ -41,6 +43,8 @@ class RouteRecorder:
                 first = loader.position + loader.dp_rank * (loader.global_batch // loader.dp_size)
                 self.sequences = [first + i for i in range(loader.global_batch // loader.dp_size)]
                 self.local = loader.local_batch
+                ranges = getattr(loader.shard, "keywords", {}).get("ranges")  # parallel/context_parallel.sharder
+                self.positions = ranges and torch.cat([torch.arange(start, stop) for start, stop in ranges])
             return next_batch(loader)
 
         self.patched = [(moe.Router, "forward", forward), (DataLoader, "next_batch", next_batch)]
@@ -59,7 +63,8 @@ class RouteRecorder:
         rows = experts.shape[0] // self.local  # a sequence's tokens
         for i, seq in enumerate(self.sequences[len(calls):len(calls) + self.local]):
             calls.append((seq, experts[i * rows:(i + 1) * rows].detach().clone(),
-                          margin[i * rows:(i + 1) * rows].detach().clone()))
+                          margin[i * rows:(i + 1) * rows].detach().clone(),
+                          torch.arange(rows) if self.positions is None else self.positions))
 
     def stop(self) -> None:
         for owner, name, original in self.patched:
@@ -69,10 +74,18 @@ class RouteRecorder:
 
 
 def load_routes(out: Path) -> dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """MoE layer -> global sequence index -> (its tokens' experts, their margins), from every rank's file."""
-    routes = {}
+    """MoE layer -> global sequence index -> (its tokens' experts, their margins) in the sequence's order, from every
+    rank's file (the parts of a sequence that context-parallel ranks hold, joined)."""
+    parts = {}
     for f in sorted(out.glob("routes.*.pt")):
         for layer, calls in torch.load(f).items():
-            for seq, experts, margin in calls:
-                routes.setdefault(layer, {})[seq] = (experts, margin)
+            for seq, experts, margin, positions in calls:
+                parts.setdefault(layer, {}).setdefault(seq, []).append((experts, margin, positions))
+    routes = {}
+    for layer, sequences in parts.items():
+        for seq, held in sequences.items():
+            experts, margin, positions = (torch.cat(x) for x in zip(*held))
+            order = positions.argsort()
+            assert torch.equal(positions[order], torch.arange(len(positions))), f"{layer}, sequence {seq}: {positions}"
+            routes.setdefault(layer, {})[seq] = (experts[order], margin[order])
     return routes

@@ -165,7 +165,8 @@ MASKED_RUNS = {
 # its own single-process run, 4 steps each, recording every parameter's gradient and every token's experts at step 1:
 # FSDP 4 without EP (the experts' 3-D weights sharded over the experts) and EP 4 (2 experts a rank; 2 micro-batches of
 # 1 sequence, reduced after the last, FSDP prefetching a block ahead), both saving every 2 steps (resumed below);
-# HSDP 2 x 2 with EP 2 recomputing every block, offloaded to the host; EP 2 on 2 processes accumulating 2
+# HSDP 2 x 2 with EP 2 recomputing every block, offloaded to the host; CP 2 x FSDP 2 with EP 2 over the cp ranks
+# (head-tail chunks: each rank routes a quarter of each sequence's tokens), saving; EP 2 on 2 processes accumulating 2
 # micro-batches, recomputing every other block (op-level SAC is refused with EP). The single process accumulates 4.
 # In bf16 (FSDP2's bf16 parameters against one process's autocast), EP 2 against one process, 2 steps (bf16 is this
 # CPU's slowest), curves only: bf16's roundings differ between the two and flip routing decisions. Every run balances
@@ -179,8 +180,11 @@ MOE_RUNS = {
     "moe_fsdp4": Run(4, (*MOE, *CHECKPOINTED, *SHORT), reference="moe_single"),
     "moe_ep4": Run(4, (*MOE, *EP4, "--training.local_batch_size", "1", "--parallelism.fsdp_defer_grad_reduce",
                        "--parallelism.fsdp_prefetch", "1", *CHECKPOINTED, *SHORT), reference="moe_single"),
-    "moe_hsdp2x2_ep2": Run(4, (*MOE, *HSDP, *EP2, "--activation_checkpoint.mode", "full", "--parallelism.fsdp_cpu_offload",
-                               "--no-parallelism.fsdp_offload_pin_memory", *SHORT), reference="moe_single"),
+    "moe_hsdp2x2_ep2": Run(4, (*MOE, *HSDP, *EP2, "--activation_checkpoint.mode", "full",
+                               "--parallelism.fsdp_cpu_offload", "--no-parallelism.fsdp_offload_pin_memory", *SHORT),
+                           reference="moe_single"),
+    "moe_ep2_cp2": Run(4, (*MOE, *CP2, *EP2, "--training.local_batch_size", "4", *CHECKPOINTED, *SHORT),
+                       reference="moe_single"),
     "moe_ep2": Run(2, (*MOE, *EP2, *EVERY_2, *SHORT), reference="moe_single"),
     "moe_single_bf16": Run(1, (*MOE, *BF16, "--training.steps", "2"), reference=None, record=False),
     "moe_ep2_bf16": Run(2, (*MOE, *EP2, *BF16, "--training.steps", "2"), reference="moe_single_bf16", record=False),

@@ -148,6 +148,9 @@ class MoE(nn.Module):
         # the load was last read.
         self.aux, self.aux_scale = None, 1.0
         self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
+        # Where a sequence's tokens are split across ranks (context parallelism), the sum over those ranks of a
+        # tensor: set from outside (parallel/context_parallel.py); None where each rank holds whole sequences.
+        self.sum_over_sequence = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, k = x.shape, self.args.top_k
@@ -167,7 +170,7 @@ class MoE(nn.Module):
         if training and self.args.aux_loss_coeff > 0:
             sequences = shape[0] if x.dim() == 3 else 1
             aux = self.aux_scale * balance_loss(scores.view(sequences, -1, scores.shape[-1]),
-                                                experts.view(sequences, -1))
+                                                experts.view(sequences, -1), k, self.sum_over_sequence)
         if training and torch._C._current_graph_task_id() == -1:
             self.router.tokens_per_expert += counts
             if self.args.aux_loss_coeff > 0:
@@ -189,16 +192,23 @@ class MoE(nn.Module):
             self.shared_experts.init_weights(init, out_std)
 
 
-def balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+def balance_loss(scores: torch.Tensor, experts: torch.Tensor, k: int, sum_over_sequence=None) -> torch.Tensor:
     """The Switch/Mixtral auxiliary loss, summed over sequences, each sequence's from its own tokens: E x sum over e of
     (its slots routed to e / its tokens) x (its mean normalized score of e), as transformers' Mixtral computes it for
     one sequence and one layer; k when the experts are equally loaded. Per sequence, so that its value and gradient do
     not depend on how the batch is cut into ranks and micro-batches. `scores` (sequences, tokens, E), `experts`
-    (sequences, tokens x k)."""
-    sequences, length, e = scores.shape
+    (sequences, tokens x k).
+
+    Where a sequence's tokens are split across ranks (`sum_over_sequence`, their sum), its slots are summed over them
+    first, and each rank returns its tokens' share of the second factor's mean: the loss is linear in it, so the ranks'
+    values add up to the whole sequence's, as do their gradients (the slots, counts, carry none)."""
+    sequences, _, e = scores.shape
     slots = torch.zeros(sequences, e, device=scores.device).scatter_add_(
         1, experts, torch.ones(experts.shape, device=scores.device))
-    probs = (scores / scores.sum(-1, keepdim=True)).mean(1)  # softmax's already sum to 1; sigmoid's normalized
+    if sum_over_sequence is not None:
+        sum_over_sequence(slots)
+    length = slots.sum(-1, keepdim=True) / k  # the sequence's tokens, on every rank that holds some of them
+    probs = (scores / scores.sum(-1, keepdim=True)).sum(1) / length  # softmax's already sum to 1; sigmoid's normalized
     return e * (slots / length * probs).sum()
 
 

@@ -21,7 +21,7 @@ class ParallelDims:
     world_size: int
     pp: int = 1
     cp: int = 1
-    ep: int = 1  # a split of dp_shard (not a dim of the mesh): the routed experts' ranks
+    ep: int = 1  # a split of FSDP's dp_shard x cp (not a dim of the mesh): the routed experts' ranks
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
@@ -49,17 +49,18 @@ class ParallelDims:
             raise ConfigError("parallelism.fsdp_offload_pin_memory needs a GPU (pinned memory speeds host-to-device "
                               "copies): pass --no-parallelism.fsdp_offload_pin_memory to offload on this machine")
         ep = cfg.expert_parallel_degree
-        if shard % ep:
-            raise ConfigError(f"parallelism.expert_parallel_degree {ep} must divide the FSDP shard degree {shard} "
-                              f"(the experts' ranks are borrowed from dp_shard): choose one of "
-                              f"{', '.join(str(d) for d in range(1, shard + 1) if shard % d == 0)}")
+        if sharded % ep:
+            what = f"dp_shard {shard} x cp {cp}" if cp > 1 else f"dp_shard {shard}"
+            raise ConfigError(f"parallelism.expert_parallel_degree {ep} must divide the FSDP shard degree {sharded} "
+                              f"({what}: the experts' ranks are borrowed from it): choose one of "
+                              f"{', '.join(str(d) for d in range(1, sharded + 1) if sharded % d == 0)}")
         return cls(replicate, shard, tp, world_size, pp, cp, ep)
 
     def layout(self) -> str:
         """The mesh in words: its dims of degree > 1, outermost first ("dp_shard 2 x tp 2")."""
         degrees = zip(DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp))
         layout = " x ".join(f"{name} {d}" for name, d in degrees if d > 1) or "1 process"
-        return layout + (f" (experts over ep {self.ep} of dp_shard)" if self.ep > 1 else "")
+        return layout + (f" (experts over ep {self.ep} of dp_shard{' x cp' * (self.cp > 1)})" if self.ep > 1 else "")
 
     @property
     def dp(self) -> int:
@@ -133,11 +134,12 @@ class ParallelDims:
 
 
     def experts_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The routed experts' mesh under expert parallelism: dp_shard split into ("efsdp", "ep"), ep innermost (its
-        ranks adjacent: a node's), after dp_replicate. The experts are split over ep and FSDP-sharded over efsdp (and
-        replicated over dp_replicate) where the rest of the model is FSDP-sharded over all of dp_shard."""
-        names = ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)
-        return mesh[names]._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("efsdp", "ep"))
+        """The routed experts' mesh under expert parallelism: FSDP's shard dim (dp_shard, or dp_shard x cp, whose
+        ranks hold different tokens too) split into ("efsdp", "ep"), ep innermost (its ranks adjacent: a node's, under
+        CP the cp ranks first), after dp_replicate. The experts are split over ep and FSDP-sharded over efsdp (and
+        replicated over dp_replicate) where the rest of the model is FSDP-sharded over all of the shard dim."""
+        shard = "dp_shard_cp" if self.cp > 1 else "dp_shard"
+        return self.fsdp_mesh(mesh)._unflatten(shard, (self.dp_shard * self.cp // self.ep, self.ep), ("efsdp", "ep"))
 
 
 def _flat(mesh: DeviceMesh, name: str, dims: tuple[str, ...]) -> DeviceMesh:

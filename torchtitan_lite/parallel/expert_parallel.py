@@ -1,8 +1,9 @@
 """Expert parallelism: a mixture of experts' routed experts split across the ep ranks, tokens sent to them and back.
 
-The ep ranks are borrowed from dp_shard (ParallelDims.experts_mesh): each holds different tokens, as under FSDP, and
-E / ep of the experts (experts_mesh's "ep" dim, a Shard(0) of the 3-D weights), FSDP-sharded further over the rest of
-dp_shard ("efsdp"). A layer's router and sort run on each rank's own tokens, unchanged; the experts' forward becomes:
+The ep ranks are borrowed from FSDP's shard dim, dp_shard or dp_shard x cp (ParallelDims.experts_mesh): each holds
+different tokens, as under FSDP, and E / ep of the experts (experts_mesh's "ep" dim, a Shard(0) of the 3-D weights),
+FSDP-sharded further over the rest of that dim ("efsdp"). A layer's router and sort run on each rank's own tokens,
+unchanged; the experts' forward becomes:
 1. dispatch: the per-expert counts are exchanged (all-to-all), so each rank learns how many slots every rank sends it
    for each of its experts; one host read of the split sizes (all_to_all_single takes them as integers); the slots
    travel by an uneven all-to-all, arriving grouped by source rank, and are regrouped by expert;

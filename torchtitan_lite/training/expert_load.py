@@ -25,7 +25,8 @@ from torchtitan_lite.models.moe import MoE
 
 class ExpertLoad:
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, sequences: int = 1):
-        """`group`: the data-parallel ranks, whose tokens differ; None on one. `sequences`: the global batch's, over
+        """`group`: the ranks whose tokens differ (data parallel, and context parallel: each holds part of every
+        sequence); None on one. `sequences`: the global batch's, over
         which the auxiliary loss is a mean (and over the MoE layers)."""
         self.layers = [(canonical_name(name), m) for name, m in model.named_modules() if isinstance(m, MoE)]
         for _, layer in self.layers:

@@ -45,13 +45,13 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
 
 
 def check_moe(cfg: JobConfig, dims: ParallelDims, moe) -> None:
-    """What a mixture-of-experts model trains with so far: data parallelism (FSDP, HSDP, DDP: a token's route and
-    experts are its own, whichever rank holds it) and expert parallelism within it, any precision, compile in bf16
-    without EP; the other layouts are still to be built and tested."""
+    """What a mixture-of-experts model trains with so far: data and context parallelism (FSDP, HSDP, DDP, CP: a
+    token's route and experts are its own, whichever rank holds it) and expert parallelism within them, any precision,
+    compile in bf16 without EP; tensor and pipeline parallelism are still to be built and tested."""
     flavor = f"the model (model.flavor {cfg.model.flavor}, [moe]) is a mixture of experts, which trains"
-    if dims.tp > 1 or dims.cp > 1 or dims.pp > 1:
-        raise ConfigError(f"{flavor} on data-parallel layouts so far (FSDP, HSDP, DDP): set the tensor, context and "
-                          "pipeline parallel degrees to 1")
+    if dims.tp > 1 or dims.pp > 1:
+        raise ConfigError(f"{flavor} on data- and context-parallel layouts so far (FSDP, HSDP, DDP, CP): set the "
+                          "tensor and pipeline parallel degrees to 1")
     if cfg.compile.enable and cfg.training.mixed_precision_param != "bfloat16":
         raise ConfigError(f"{flavor} compiled in bfloat16 alone (compile's grouped GEMM takes bf16, and the "
                           "per-expert loop reads its counts on the host): set training.mixed_precision_param "
