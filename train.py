@@ -206,8 +206,8 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     float8_scales()
     memory = MemoryUse(device)
     update = Update(optimizer, scheduler, guard, partial(clip_grad_norm_, params, training.max_norm, env.world_size))
-    # The ranks whose tokens differ: the loss's (data and context parallel; MoE under PP is refused).
-    expert_load = ExpertLoad(model, loss_mesh.get_group() if dims.dp * dims.cp > 1 else None, global_batch)
+    expert_load = ExpertLoad(model, lambda: dims.token_mesh(mesh).get_group() if dims.dp * dims.cp * dims.tp > 1
+                             else None, global_batch)
     update.after_step += [float8_scales, expert_load, partial(train_state.advance, global_tokens)]
     # The bytes held for state, measured after the first step's backward and update (go in the next record); and
     # start-up is over: a peer silent for train_timeout_seconds from now on is hung.

@@ -185,7 +185,7 @@ def test_the_auxiliary_loss_of_a_batch_is_its_sequences_summed_value_and_gradien
 
 def test_expert_load_moves_each_bias_toward_balance_and_logs_the_load():
     m = layer(MoEArgs(num_experts=4, top_k=1, load_balance_coeff=0.5))
-    load = ExpertLoad(torch.nn.ModuleDict({"moe": m}), group=None)
+    load = ExpertLoad(torch.nn.ModuleDict({"moe": m}), group=lambda: None)
     m.router.tokens_per_expert.copy_(torch.tensor([6.0, 1.0, 1.0, 0.0]))
     load()
     # sign(mean 2 - load) = -1, 1, 1, 1, times 0.5, less its mean 0.25
@@ -207,8 +207,8 @@ def test_the_blocks_it_replaces_are_every_kth_after_the_first_dense_ones(every, 
     args = FLAVORS["debugmodel_moe"].with_(vocab_size=64, moe=MoEArgs(every=every, first_dense=first_dense))
     with torch.device("meta"):
         model = Transformer(args)
-    assert [int(i) for i, block in model.layers.items() if hasattr(block, "moe")] == moe_layers
-    assert all(hasattr(block, "feed_forward") != block.moe_enabled for block in model.layers.values())
+    assert [int(i) for i, block in model.layers.items() if block.moe is not None] == moe_layers
+    assert all((block.feed_forward is None) == block.moe_enabled for block in model.layers.values())
 
 
 def test_an_experts_initial_weights_depend_on_its_global_index_alone():
@@ -248,8 +248,7 @@ def test_one_process_trains_every_weight_of_the_moe_model(tmp_path):
 
 
 @pytest.mark.parametrize("world, overrides, said", [
-    (4, ["--parallelism.tensor_parallel_degree", "2"], "on data- and context-parallel layouts so far"),
-    (4, ["--parallelism.pipeline_parallel_degree", "2"], "on data- and context-parallel layouts so far"),
+    (4, ["--parallelism.pipeline_parallel_degree", "2"], "without pipeline parallelism so far"),
     (1, ["--compile.enable"], "compiled in bfloat16 alone"),
     (1, ["--compile.enable", "--training.mixed_precision_param", "float16"], "compiled in bfloat16 alone"),
     (1, ["--float8.enable_float8_linear", "--float8.emulate"], "without float8 so far"),
@@ -264,12 +263,15 @@ def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_l
 
 @pytest.mark.parametrize("world, overrides, said", [
     (4, ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "3"],
-     "parallelism.expert_parallel_degree 3 must divide the FSDP shard degree 4 (dp_shard 4: the experts' ranks are "
-     "borrowed from it): choose one of 1, 2, 4"),
+     "parallelism.expert_parallel_degree 3 must divide dp_shard 4 = 4 (the ranks that route different tokens, which "
+     "the experts' ranks are borrowed from): choose one of 1, 2, 4"),
     (4, ["--model.flavor", "tiny_moe", "--parallelism.context_parallel_degree", "2",
          "--parallelism.expert_parallel_degree", "8"],
-     "parallelism.expert_parallel_degree 8 must divide the FSDP shard degree 4 (dp_shard 2 x cp 2: the experts' ranks "
-     "are borrowed from it): choose one of 1, 2, 4"),
+     "parallelism.expert_parallel_degree 8 must divide dp_shard 2 x cp 2 = 4"),
+    (8, ["--model.flavor", "tiny_moe", "--parallelism.tensor_parallel_degree", "2",
+         "--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "16"],
+     "parallelism.expert_parallel_degree 16 must divide dp_shard 2 x cp 2 x tp 2 = 8 (the ranks that route different "
+     "tokens, which the experts' ranks are borrowed from): choose one of 1, 2, 4, 8"),
     (4, ["--model.flavor", "tiny_moe", "--moe.num_experts", "6", "--parallelism.expert_parallel_degree", "4"],
      "parallelism.expert_parallel_degree 4 must divide the 6 routed experts (moe.num_experts): choose one of 1, 2, 3, "
      "6"),
@@ -277,8 +279,10 @@ def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_l
      "parallelism.expert_parallel_degree 2 splits a mixture of experts' experts, and model.flavor tiny has none"),
     (2, ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode",
          "selective", "--activation_checkpoint.selective_ac_option", "op"], "op-level selective activation"),
+    (2, ["--model.flavor", "tiny_moe", "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode",
+         "selective", "--activation_checkpoint.selective_ac_option", "op"], "under expert or tensor parallelism"),
     (4, ["--model.flavor", "tiny_moe", "--parallelism.data_parallel_replicate_degree", "4",
-         "--parallelism.expert_parallel_degree", "2"], "must divide the FSDP shard degree 1"),
+         "--parallelism.expert_parallel_degree", "2"], "must divide dp_shard 1 = 1"),
 ])
 def test_an_expert_parallel_degree_that_cannot_split_is_one_line(error_line, world, overrides, said):
     line = error_line(world, overrides)

@@ -7,8 +7,10 @@ grad_dump.recording starts a RouteRecorder: rank R writes OUT_DIR/routes.R.pt, {
 its tokens' experts (seq, k), their margins (seq,), their positions in the sequence)]}; a token's margin is how far
 its k-th expert's score is above the best one it did not choose. A sequence is named by its index in the data's one
 global order (data/loader.py: dp rank r takes a contiguous slice of the step's windows and cuts it into
-micro-batches), and under context parallelism each of its ranks records the positions of the tokens it holds (the
-loader's cut), so any layout's records line up with one process's. `load_routes` joins the ranks' files.
+micro-batches), and where a sequence is split across ranks each records the positions of the tokens it routes
+(context parallelism's cut, the loader's; then sequence parallelism's, TP rank t holding the t-th contiguous part, the
+tp dim being the mesh's innermost), so any layout's records line up with one process's. `load_routes` joins the
+ranks' files.
 """
 
 import os
@@ -23,7 +25,7 @@ from torchtitan_lite.models import moe
 class RouteRecorder:
     def __init__(self, out: Path):
         self.out, self.routes, self.sequences, self.local, self.names, self.patched = out, {}, [], 1, {}, []
-        self.positions = None  # of this rank's tokens in each sequence: context parallelism's cut, None for all
+        self.positions = None  # of the tokens of each sequence this rank's loader holds
 
     def start(self, models: list, first_step) -> None:
         self.names = {id(m.router): n for model in models for n, m in model.named_modules() if isinstance(m, moe.MoE)}
@@ -39,13 +41,16 @@ class RouteRecorder:
             return weights, experts, scores
 
         def recording_next_batch(loader):
-            if first_step():
-                first = loader.position + loader.dp_rank * (loader.global_batch // loader.dp_size)
-                self.sequences = [first + i for i in range(loader.global_batch // loader.dp_size)]
-                self.local = loader.local_batch
-                ranges = getattr(loader.shard, "keywords", {}).get("ranges")  # parallel/context_parallel.sharder
-                self.positions = ranges and torch.cat([torch.arange(start, stop) for start, stop in ranges])
-            return next_batch(loader)
+            if not first_step():
+                return next_batch(loader)
+            first = loader.position + loader.dp_rank * (loader.global_batch // loader.dp_size)
+            self.sequences = [first + i for i in range(loader.global_batch // loader.dp_size)]
+            self.local = loader.local_batch
+            batches = next_batch(loader)
+            ranges = getattr(loader.shard, "keywords", {}).get("ranges")  # parallel/context_parallel.sharder
+            self.positions = (torch.arange(batches[0][0].shape[1]) if ranges is None else
+                              torch.cat([torch.arange(start, stop) for start, stop in ranges]))
+            return batches
 
         self.patched = [(moe.Router, "forward", forward), (DataLoader, "next_batch", next_batch)]
         moe.Router.forward, DataLoader.next_batch = recording_forward, recording_next_batch
@@ -60,11 +65,12 @@ class RouteRecorder:
             top = scores.topk(min(a.top_k + 1, a.num_experts), dim=-1).values
         margin = top[:, a.top_k - 1] - (top[:, a.top_k] if a.top_k < a.num_experts else 0)
         calls = self.routes.setdefault(self.names[id(router)], [])
-        rows = experts.shape[0] // self.local  # a sequence's tokens
+        rows = experts.shape[0] // self.local  # a sequence's tokens here
+        parts = len(self.positions) // rows  # sequence parallelism's, of what this rank's loader holds
+        t = int(os.environ.get("RANK", "0")) % parts
         for i, seq in enumerate(self.sequences[len(calls):len(calls) + self.local]):
             calls.append((seq, experts[i * rows:(i + 1) * rows].detach().clone(),
-                          margin[i * rows:(i + 1) * rows].detach().clone(),
-                          torch.arange(rows) if self.positions is None else self.positions))
+                          margin[i * rows:(i + 1) * rows].detach().clone(), self.positions[t * rows:(t + 1) * rows]))
 
     def stop(self) -> None:
         for owner, name, original in self.patched:

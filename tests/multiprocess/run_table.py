@@ -166,7 +166,9 @@ MASKED_RUNS = {
 # FSDP 4 without EP (the experts' 3-D weights sharded over the experts) and EP 4 (2 experts a rank; 2 micro-batches of
 # 1 sequence, reduced after the last, FSDP prefetching a block ahead), both saving every 2 steps (resumed below);
 # HSDP 2 x 2 with EP 2 recomputing every block, offloaded to the host; CP 2 x FSDP 2 with EP 2 over the cp ranks
-# (head-tail chunks: each rank routes a quarter of each sequence's tokens), saving; EP 2 on 2 processes accumulating 2
+# (head-tail chunks: each rank routes a quarter of each sequence's tokens), saving; TP 2 x FSDP 2 with EP 2 over the tp
+# ranks (sequence parallel: each routes half of each sequence), saving; TP 2 alone on 2 processes recomputing every
+# block, accumulating 2 micro-batches (the mixture sharded over tp alone); EP 2 on 2 processes accumulating 2
 # micro-batches, recomputing every other block (op-level SAC is refused with EP). The single process accumulates 4.
 # In bf16 (FSDP2's bf16 parameters against one process's autocast), EP 2 against one process, 2 steps (bf16 is this
 # CPU's slowest), curves only: bf16's roundings differ between the two and flip routing decisions. Every run balances
@@ -185,6 +187,10 @@ MOE_RUNS = {
                            reference="moe_single"),
     "moe_ep2_cp2": Run(4, (*MOE, *CP2, *EP2, "--training.local_batch_size", "4", *CHECKPOINTED, *SHORT),
                        reference="moe_single"),
+    "moe_ep2_tp2": Run(4, (*MOE, *TP2, *EP2, "--training.local_batch_size", "4", *CHECKPOINTED, *SHORT),
+                       reference="moe_single"),
+    "moe_tp2": Run(2, (*MOE, *TP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full",
+                       *SHORT), reference="moe_single"),
     "moe_ep2": Run(2, (*MOE, *EP2, *EVERY_2, *SHORT), reference="moe_single"),
     "moe_single_bf16": Run(1, (*MOE, *BF16, "--training.steps", "2"), reference=None, record=False),
     "moe_ep2_bf16": Run(2, (*MOE, *EP2, *BF16, "--training.steps", "2"), reference="moe_single_bf16", record=False),

@@ -34,14 +34,12 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_lite.config import ConfigError
-from torchtitan_lite.models.moe import MoE
 
 
 def chunks(seq_len: int, cp: int, rank: int, balancer: str) -> list[tuple[int, int]]:
@@ -140,7 +138,3 @@ def lower_right_masks(ranges: list[tuple[int, int]], device_type: str) -> list:
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, balancer: str) -> None:
     attend = Attend(cp_mesh, seq_len, balancer)
     model.attend_with(attend, attend.rows)
-    # A mixture of experts' auxiliary loss counts each sequence's slots over all of its tokens (models/moe.py).
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.sum_over_sequence = partial(dist.all_reduce, group=cp_mesh.get_group())

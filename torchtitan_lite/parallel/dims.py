@@ -21,7 +21,7 @@ class ParallelDims:
     world_size: int
     pp: int = 1
     cp: int = 1
-    ep: int = 1  # a split of FSDP's dp_shard x cp (not a dim of the mesh): the routed experts' ranks
+    ep: int = 1  # a split of dp_shard x cp x tp (not a dim of the mesh): the routed experts' ranks
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
@@ -48,19 +48,21 @@ class ParallelDims:
         if cfg.fsdp_cpu_offload and cfg.fsdp_offload_pin_memory and not torch.cuda.is_available():
             raise ConfigError("parallelism.fsdp_offload_pin_memory needs a GPU (pinned memory speeds host-to-device "
                               "copies): pass --no-parallelism.fsdp_offload_pin_memory to offload on this machine")
-        ep = cfg.expert_parallel_degree
-        if sharded % ep:
-            what = f"dp_shard {shard} x cp {cp}" if cp > 1 else f"dp_shard {shard}"
-            raise ConfigError(f"parallelism.expert_parallel_degree {ep} must divide the FSDP shard degree {sharded} "
-                              f"({what}: the experts' ranks are borrowed from it): choose one of "
-                              f"{', '.join(str(d) for d in range(1, sharded + 1) if sharded % d == 0)}")
+        ep, tokens = cfg.expert_parallel_degree, sharded * tp  # the ranks of different tokens, but replicas
+        if tokens % ep:
+            what = " x ".join(f"{name} {d}" for name, d in (("dp_shard", shard), ("cp", cp), ("tp", tp))
+                              if d > 1 or name == "dp_shard")
+            raise ConfigError(f"parallelism.expert_parallel_degree {ep} must divide {what} = {tokens} (the ranks "
+                              f"that route different tokens, which the experts' ranks are borrowed from): choose one "
+                              f"of {', '.join(str(d) for d in range(1, tokens + 1) if tokens % d == 0)}")
         return cls(replicate, shard, tp, world_size, pp, cp, ep)
 
     def layout(self) -> str:
         """The mesh in words: its dims of degree > 1, outermost first ("dp_shard 2 x tp 2")."""
         degrees = zip(DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp))
         layout = " x ".join(f"{name} {d}" for name, d in degrees if d > 1) or "1 process"
-        return layout + (f" (experts over ep {self.ep} of dp_shard{' x cp' * (self.cp > 1)})" if self.ep > 1 else "")
+        borrowed = " x ".join(n for n, d in (("dp_shard", 2), ("cp", self.cp), ("tp", self.tp)) if d > 1)
+        return layout + (f" (experts over ep {self.ep} of {borrowed})" if self.ep > 1 else "")
 
     @property
     def dp(self) -> int:
@@ -133,13 +135,34 @@ class ParallelDims:
             "dp_cp", (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
 
 
+    def moe_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP shards a mixture of experts' parameters on: FSDP's, and under TP with tp joined to its shard
+        dim ("dp_shard_cp_tp"), since the tp ranks of a sequence-parallel block route different tokens."""
+        if self.tp == 1:
+            return self.fsdp_mesh(mesh)
+        shard, size = ("dp_shard", "cp", "tp"), self.dp_shard * self.cp * self.tp
+        if self.dp_replicate == 1:
+            return mesh[shard]._flatten("dp_shard_cp_tp")
+        return mesh[("dp_replicate", *shard)]._flatten("dp_cp_tp")._unflatten(
+            "dp_cp_tp", (self.dp_replicate, size), ("dp_replicate", "dp_shard_cp_tp"))
+
     def experts_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The routed experts' mesh under expert parallelism: FSDP's shard dim (dp_shard, or dp_shard x cp, whose
-        ranks hold different tokens too) split into ("efsdp", "ep"), ep innermost (its ranks adjacent: a node's, under
-        CP the cp ranks first), after dp_replicate. The experts are split over ep and FSDP-sharded over efsdp (and
-        replicated over dp_replicate) where the rest of the model is FSDP-sharded over all of the shard dim."""
-        shard = "dp_shard_cp" if self.cp > 1 else "dp_shard"
-        return self.fsdp_mesh(mesh)._unflatten(shard, (self.dp_shard * self.cp // self.ep, self.ep), ("efsdp", "ep"))
+        """The routed experts' mesh under expert parallelism: moe_mesh's shard dim (dp_shard, x cp, x tp: ranks that
+        route different tokens) split into ("efsdp", "ep"), ep innermost (its ranks adjacent: a node's; the tp ranks
+        first, then the cp ones), after dp_replicate. The experts are split over ep and FSDP-sharded over efsdp (and
+        replicated over dp_replicate) where the rest of the mixture is FSDP-sharded over all of the shard dim."""
+        shard = "dp_shard_cp_tp" if self.tp > 1 else "dp_shard_cp" if self.cp > 1 else "dp_shard"
+        size = self.dp_shard * self.cp * self.tp
+        return self.moe_mesh(mesh)._unflatten(shard, (size // self.ep, self.ep), ("efsdp", "ep"))
+
+    def sequence_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The ranks that hold parts of the same sequences: cp x tp (sequence parallel), flattened ("cp_tp")."""
+        return _flat(mesh, "cp_tp", ("cp", "tp"))
+
+    def token_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """Every rank that holds different tokens of a step: data, context and tensor (sequence) parallel, flattened
+        ("tokens"): a mixture of experts' load is summed over them. Under PP the stages' layers differ (refused)."""
+        return _flat(mesh, "tokens", ("dp_replicate", "dp_shard", "cp", "tp"))
 
 
 def _flat(mesh: DeviceMesh, name: str, dims: tuple[str, ...]) -> DeviceMesh:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -22,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan_lite.config import JobConfig, Parallelism, Training
+from torchtitan_lite.models.moe import MoE
 from torchtitan_lite.models.spec import TPStyles
 from torchtitan_lite.parallel.context_parallel import apply_cp
 from torchtitan_lite.parallel.dims import ParallelDims
@@ -38,19 +41,29 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
         apply_tp(model, mesh["tp"], tp_plan, loss_parallel=not cfg.parallelism.disable_loss_parallel)
     if dims.cp > 1:
         apply_cp(model, mesh["cp"], cfg.training.seq_len, cfg.parallelism.context_parallel_load_balancer)
-    experts = None
+    moe = [module for module in model.modules() if isinstance(module, MoE)]
+    if moe and dims.cp * dims.tp > 1:  # each rank routes part of every sequence: its auxiliary loss sums over them
+        total = partial(dist.all_reduce, group=dims.sequence_mesh(mesh).get_group())
+        for module in moe:
+            module.sum_over_sequence = total
+    # What FSDP shards on a mesh of its own, before the blocks: expert parallelism's experts, and under TP a mixture of
+    # experts, whose tp ranks route different tokens (sequence parallel): sharded over them as over data-parallel
+    # ranks, which sums its gradients over them too.
+    own = []
     if dims.ep > 1:
         experts_mesh = dims.experts_mesh(mesh)
         fsdp_dims = ("dp_replicate", "efsdp") if dims.dp_replicate > 1 else ("efsdp",)
-        experts = (apply_ep(model, experts_mesh["ep"]), experts_mesh[fsdp_dims])
+        own.append((apply_ep(model, experts_mesh["ep"]), experts_mesh[fsdp_dims]))
+    if moe and dims.tp > 1:
+        own.append((moe, dims.moe_mesh(mesh)))
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option,
                  keep_attention=cfg.compile.enable and dims.tp > 1)
     if cfg.compile.enable:
         for block in model.layers.values():
             block.compile(backend=cfg.compile.backend, fullgraph=True)  # in place: parameter names stay unchanged
-    if dims.fsdp:
-        apply_fsdp(model, dims.fsdp_mesh(mesh), cfg, experts)
+    if dims.fsdp or own:
+        apply_fsdp(model, dims.fsdp_mesh(mesh) if dims.fsdp else None, cfg, own)
 
 
 def warn_ignored_options(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -139,8 +152,6 @@ def apply_ac(model: nn.Module, mode: str, option: str, keep_attention: bool = Fa
     DeviceMesh that TP's DTensors save, an order AOTAutograd's runtime misreads ("expected all
     tensors_saved_with_vc_check to be Tensors"). Kept, the kernel is never recomputed; the cost is one more
     activation per block, the size of the block's input under sequence parallelism."""
-    from functools import partial
-
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -158,10 +169,11 @@ def apply_ac(model: nn.Module, mode: str, option: str, keep_attention: bool = Fa
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig,
-               experts: tuple[list[nn.Module], DeviceMesh] | None = None) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh | None, cfg: JobConfig,
+               own: list[tuple[list[nn.Module], DeviceMesh]] = ()) -> None:
     """FSDP2 on each block, then the root. A 2-D mesh (replicate, shard) gives HSDP; shard size 1 gives DDP.
-    `experts`: expert parallelism's modules and the mesh FSDP shards them on (their own, within each block's)."""
+    `own`: modules FSDP shards on a mesh of their own (within their blocks), first, each group with its mesh; with
+    `dp_mesh` None (no data parallelism) nothing else."""
     t, p = cfg.training, cfg.parallelism
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[t.mixed_precision_param],
                               reduce_dtype=DTYPES[t.mixed_precision_reduce],
@@ -171,11 +183,25 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig,
                                    mp.cast_forward_inputs)
     offload = CPUOffloadPolicy(pin_memory=p.fsdp_offload_pin_memory) if p.fsdp_cpu_offload else OffloadPolicy()
     blocks = list(model.layers.values())
-    # The experts reshard after forward unless "never": an hpZ group size N is the dense weights' (it divides dp_shard,
+    # These reshard after forward unless "never": an hpZ group size N is the dense weights' (it divides dp_shard,
     # not necessarily the experts' efsdp).
-    for module in experts[0] if experts else ():
-        fully_shard(module, mesh=experts[1], mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=p.fsdp_reshard_after_forward != "never")
+    for modules, mesh in own:
+        for module in modules:
+            fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                        reshard_after_forward=p.fsdp_reshard_after_forward != "never")
+    if dp_mesh is not None:
+        _shard_blocks(model, blocks, dp_mesh, p, mp, root_mp, offload)
+    # The loss is already normalized by the global token count, so gradients must be summed across data-parallel
+    # ranks, not averaged: one exact rule for every layout and accumulation. Plain SUM collectives, since gloo
+    # has no PREMUL_SUM (and NCCL's SUM is its zero-copy path).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, p: Parallelism,
+                  mp: MixedPrecisionPolicy, root_mp: MixedPrecisionPolicy, offload: OffloadPolicy) -> None:
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, i == len(blocks) - 1,
@@ -190,13 +216,6 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig,
                               (blocks[::-1], "set_modules_to_backward_prefetch")):
             for i, block in enumerate(order):
                 getattr(block, setter)(order[i + 1:i + 1 + p.fsdp_prefetch])
-    # The loss is already normalized by the global token count, so gradients must be summed across data-parallel
-    # ranks, not averaged: one exact rule for every layout and accumulation. Plain SUM collectives, since gloo
-    # has no PREMUL_SUM (and NCCL's SUM is its zero-copy path).
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
 
 
 def reshard_after_forward(policy: str, last_block: bool, pipelined: bool = False) -> bool | int:

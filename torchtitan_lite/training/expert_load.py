@@ -15,6 +15,8 @@ sequences, each sequence's from its own tokens, and over the MoE layers, whose f
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,14 +26,14 @@ from torchtitan_lite.models.moe import MoE
 
 
 class ExpertLoad:
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, sequences: int = 1):
-        """`group`: the ranks whose tokens differ (data parallel, and context parallel: each holds part of every
-        sequence); None on one. `sequences`: the global batch's, over
-        which the auxiliary loss is a mean (and over the MoE layers)."""
+    def __init__(self, model: nn.Module, group: Callable[[], dist.ProcessGroup | None], sequences: int = 1):
+        """`group`: gives the ranks whose tokens differ (data, context and sequence parallel: ParallelDims.token_mesh),
+        None on one; called for a model with MoE layers alone (a flattened group costs every rank its creation).
+        `sequences`: the global batch's, over which the auxiliary loss is a mean (and over the MoE layers)."""
         self.layers = [(canonical_name(name), m) for name, m in model.named_modules() if isinstance(m, MoE)]
         for _, layer in self.layers:
             layer.aux_scale = 1 / (sequences * len(self.layers))
-        self.group, self.load, self.aux = group, None, None
+        self.group, self.load, self.aux = group() if self.layers else None, None, None
 
     @torch.no_grad()
     def __call__(self) -> None:

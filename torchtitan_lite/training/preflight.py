@@ -45,13 +45,12 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
 
 
 def check_moe(cfg: JobConfig, dims: ParallelDims, moe) -> None:
-    """What a mixture-of-experts model trains with so far: data and context parallelism (FSDP, HSDP, DDP, CP: a
-    token's route and experts are its own, whichever rank holds it) and expert parallelism within them, any precision,
-    compile in bf16 without EP; tensor and pipeline parallelism are still to be built and tested."""
+    """What a mixture-of-experts model trains with so far: data, context and tensor parallelism (FSDP, HSDP, DDP, CP,
+    TP: a token's route and experts are its own, whichever rank holds it) and expert parallelism within them, any
+    precision, compile in bf16 without EP; pipeline parallelism is still to be built and tested."""
     flavor = f"the model (model.flavor {cfg.model.flavor}, [moe]) is a mixture of experts, which trains"
-    if dims.tp > 1 or dims.pp > 1:
-        raise ConfigError(f"{flavor} on data- and context-parallel layouts so far (FSDP, HSDP, DDP, CP): set the "
-                          "tensor and pipeline parallel degrees to 1")
+    if dims.pp > 1:
+        raise ConfigError(f"{flavor} without pipeline parallelism so far: set parallelism.pipeline_parallel_degree 1")
     if cfg.compile.enable and cfg.training.mixed_precision_param != "bfloat16":
         raise ConfigError(f"{flavor} compiled in bfloat16 alone (compile's grouped GEMM takes bf16, and the "
                           "per-expert loop reads its counts on the host): set training.mixed_precision_param "
@@ -64,11 +63,11 @@ def check_moe(cfg: JobConfig, dims: ParallelDims, moe) -> None:
         raise ConfigError(f"{flavor} with load balancing eager so far (a compiled block does not count its experts' "
                           "tokens): drop compile.enable or set moe.load_balance_coeff and moe.aux_loss_coeff 0")
     ac = cfg.activation_checkpoint
-    if dims.ep > 1 and ac.mode == "selective" and ac.selective_ac_option == "op":
+    if dims.ep * dims.tp > 1 and ac.mode == "selective" and ac.selective_ac_option == "op":
         raise ConfigError("op-level selective activation checkpointing recomputes a block's ops one for one, and "
-                          "under expert parallelism the experts' own FSDP hooks inside the block run other ops when "
-                          "recomputed (torch 2.13 refuses the mismatch): use activation_checkpoint.mode full, or "
-                          "selective with a block interval")
+                          "under expert or tensor parallelism the experts' own FSDP hooks inside the block run other "
+                          "ops when recomputed (torch 2.13 refuses the mismatch): use activation_checkpoint.mode "
+                          "full, or selective with a block interval")
     if dims.ep > 1 and cfg.compile.enable:
         raise ConfigError(f"{flavor} with expert parallelism eager so far (its all-to-all's split sizes are read on "
                           "the host): drop compile.enable or set parallelism.expert_parallel_degree 1")

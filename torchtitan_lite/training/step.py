@@ -161,7 +161,12 @@ class Step:
         loss = self.loss(inputs, labels, tokens)
         flight_recorder.at("the backward")
         aux = aux_losses(self.moe_layers)
-        self.scale(loss if aux is None else loss + aux).backward()
+        if aux is None:
+            self.scale(loss).backward()
+        elif isinstance(loss, DTensor):  # loss parallel: a replicated loss, and this rank's share of the auxiliary one
+            torch.autograd.backward([self.scale(loss), self.scale(aux)])
+        else:
+            self.scale(loss + aux).backward()
         return loss_value(loss)
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -200,8 +200,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        # A mixture-of-experts block holds `moe` where a dense one holds `feed_forward`: distinct parameter names.
+        # A mixture-of-experts block holds `moe` where a dense one holds `feed_forward` (distinct parameter names),
+        # and None for the other, as a pipeline stage does for what it does not hold (the TP plan names both).
         self.moe_enabled = args.moe is not None and args.moe.is_moe(layer_id)
+        self.moe = self.feed_forward = None
         if self.moe_enabled:
             hidden = args.moe.hidden or args.ffn_hidden
             shared = FeedForward(args.dim, args.moe.shared_experts * hidden) if args.moe.shared_experts else None

@@ -37,6 +37,12 @@ def tp_plan(s: TPStyles, loss_parallel: bool) -> dict[str, Any]:
         "layers.*.feed_forward.w1": s.colwise(),
         "layers.*.feed_forward.w2": s.rowwise(output_layouts=Shard(1)),
         "layers.*.feed_forward.w3": s.colwise(),
+        # A mixture of experts routes and computes each token on the rank that holds it (a token's route and experts
+        # are its own): its sequence shard, as a plain tensor, no TP inside, and its output that shard, as the
+        # residual stream holds it; its parameters are sharded over the tp ranks as over data-parallel ones, which
+        # sums their gradients there (parallel/parallelize.py).
+        "layers.*.moe": s.prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                        use_local_output=True),
     }
 
 
