@@ -311,9 +311,25 @@ def test_regrouping_takes_arrived_slots_from_source_rank_order_to_expert_order()
     assert regroup_by_expert(sizes, int(sizes.sum())).tolist() == expected
 
 
-def test_the_memory_estimate_refuses_a_moe_model_in_one_line():
-    with pytest.raises(ConfigError, match=r"mixture of experts, which the estimate does not know yet"):
-        estimate_memory(load_config(["--job.config_file", str(TINY), "--model.flavor", "tiny_moe"]), 1)
+def test_the_memory_estimate_holds_every_expert_once_on_every_layout():
+    """One process holds every parameter (fp32, 4 bytes); 4 ranks without EP, with EP 2 (x FSDP 2 for the experts)
+    and EP 2 over TP 2 each a quarter of them, the experts' 3-D weights split evenly (tests/multiprocess/
+    test_estimate_memory.py compares such figures with the trainer's own, byte for byte); 32 ranks, EP 8, a 32nd:
+    each rank's one expert sharded on its dim 1 over the 4 efsdp ranks (on dim 0, padded, each would hold its whole
+    expert: 4x). The routing a fake tensor lacks is taken as even (tools/memory.py)."""
+    base = ["--job.config_file", str(TINY), "--model.flavor", "tiny_moe"]
+    whole = estimate_memory(load_config(base), 1)
+    with torch.device("meta"):
+        args = registry.get("llama3").run_args(load_config(base), whole.vocab_size)
+        n_params = sum(p.numel() for p in Transformer(args).parameters())
+    assert whole.param_bytes == 4 * n_params and whole.activation_bytes > 0
+    for layout in ([], ["--parallelism.expert_parallel_degree", "2"],
+                   ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]):
+        quarter = estimate_memory(load_config([*base, *layout]), 4)
+        assert whole.param_bytes <= 4 * quarter.param_bytes <= 1.01 * whole.param_bytes, layout
+    ep8 = estimate_memory(load_config([*base, "--training.global_batch_size", "64",
+                                       "--parallelism.expert_parallel_degree", "8"]), 32)
+    assert whole.param_bytes <= 32 * ep8.param_bytes <= 1.01 * whole.param_bytes
 
 
 def run_args(*overrides: str):

@@ -1,6 +1,7 @@
 """The estimate's state bytes equal what the real trainer holds, byte for byte, on the shared 4-process runs (under
-PP, rank 0's: the first stage, or stages 0 and 2 of LoopedBFS's 4; under CP, FSDP's shards over dp_shard x cp);
-and the estimate says what it is doing as it goes."""
+PP, rank 0's: the first stage, or stages 0 and 2 of LoopedBFS's 4; under CP, FSDP's shards over dp_shard x cp; of a
+mixture of experts, its experts split over EP 4, over EP 2 borrowed from TP 2 x FSDP 2, and a rank's one expert
+sharded on its dim 1 over FSDP 2); and the estimate says what it is doing as it goes."""
 
 import importlib.util
 import logging
@@ -8,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from run_table import SHARED_RUNS
+from run_table import ALL_RUNS
 from launch import COMMON, STEPS, TINY, read_metrics
 
 from torchtitan_lite.config import load_config
@@ -16,12 +17,13 @@ from torchtitan_lite.tools.memory import estimate_memory
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "estimate_memory.py"
 MESH = {"fsdp4": "dp_shard 4", "tp2_fsdp2": "dp_shard 2 x tp 2", "pp2_fsdp2": "pp 2 x dp_shard 2",
-        "pp2_tp2_looped_bfs": "pp 2 x tp 2", "cp2_fsdp2": "dp_shard 2 x cp 2"}
+        "pp2_tp2_looped_bfs": "pp 2 x tp 2", "cp2_fsdp2": "dp_shard 2 x cp 2", "moe_ep4": "dp_shard 4",
+        "moe_ep2_tp2": "dp_shard 2 x tp 2", "moe_e2_ep2": "dp_shard 4"}
 
 
 @pytest.mark.parametrize("name", list(MESH))
 def test_estimate_equals_the_trainers_held_bytes(runs, name, caplog):
-    run = SHARED_RUNS[name]
+    run = ALL_RUNS[name]
     first = read_metrics(runs[name])[0]
     assert first["step"] == 1
     cfg = load_config(["--job.config_file", str(TINY), *COMMON, "--training.steps", str(STEPS), *run.argv])

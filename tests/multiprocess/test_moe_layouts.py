@@ -87,17 +87,19 @@ def test_every_routed_slot_is_counted_once_on_every_layout(runs, layout):
     cfg = load_config(["--job.config_file", str(TINY), *COMMON, *MOE_RUNS[layout].overrides])
     args = FLAVORS[cfg.model.flavor]
     moe_layers = sum(args.moe.is_moe(i) for i in range(args.n_layers))
-    slots = cfg.training.global_batch_size * cfg.training.seq_len * args.moe.top_k * moe_layers
+    top_k = cfg.moe.top_k or args.moe.top_k  # the config's [moe] over the flavor's
+    slots = cfg.training.global_batch_size * cfg.training.seq_len * top_k * moe_layers
     assert metric(runs[layout], "routed_slots") == {step: slots for step in (1, 2, 3, 4)}
     # The load of each layer, named as the model names it whatever wraps its blocks (checkpointing here)
-    assert metric(runs[layout], "expert_load/layers.0.moe") == metric(runs["moe_single"], "expert_load/layers.0.moe")
+    reference = runs[MOE_RUNS[layout].reference or layout]
+    assert metric(runs[layout], "expert_load/layers.0.moe") == metric(reference, "expert_load/layers.0.moe")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_auxiliary_loss_is_the_single_processs_on_every_layout(runs, layout):
     """tiny_moe's Switch/Mixtral loss (at 0.02), each sequence's from its own tokens: the same mean over the global
     batch however the ranks and micro-batches cut it (its gradient is among those compared above)."""
-    got, ref = metric(runs[layout], "aux_loss"), metric(runs["moe_single"], "aux_loss")
+    got, ref = metric(runs[layout], "aux_loss"), metric(runs[MOE_RUNS[layout].reference], "aux_loss")
     assert got.keys() == ref.keys() == {1, 2, 3, 4}
     worst = max(abs(got[s] - ref[s]) / ref[s] for s in ref)
     print(f"{layout}: auxiliary loss {got[1]:.6f} at step 1, within {worst:.1e} of one process's")

@@ -177,11 +177,13 @@ class MoE(nn.Module):
                 self.aux_sum += aux.detach()
                 self.aux = self.args.aux_loss_coeff * aux
         out = self.experts(tokens[order // k], counts)
-        routed = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, shape[-1])
-        y = (routed.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        # Summed in x's shape, not viewed into it after: a module's output that is a view lets an in-place op on it
+        # skip FSDP's pre-backward hook (FSDP2 warns of it where it wraps this module, as under TP).
+        routed = torch.empty_like(out).index_copy_(0, order, out).view(*shape[:-1], k, shape[-1])
+        y = (routed.float() * weights.view(*shape[:-1], k, 1)).sum(-2).to(x.dtype)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(tokens)
-        return y.view(shape)
+            y = y + self.shared_experts(x)
+        return y
 
     def init_weights(self, init, out_std: float) -> None:
         init(self.router.gate.weight, out_std)

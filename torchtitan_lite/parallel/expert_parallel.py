@@ -52,13 +52,22 @@ def _forward(module: GroupedExperts, group: dist.ProcessGroup, n: int, x: torch.
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
     received = received.view(n, local_experts)
-    send, recv = torch.stack([counts.view(n, local_experts).sum(1), received.sum(1)]).tolist()  # the host read
+    send, recv = split_sizes(counts, received, x.shape[0])
     arrived = all_to_all_single_autograd(x, recv, send, group)
     order = regroup_by_expert(received, sum(recv))
     out = swiglu_experts(arrived[order], received.sum(0),
                          *(w.to_local() if isinstance(w, DTensor) else w for w in (module.w1, module.w2, module.w3)))
     back = torch.empty_like(out).index_copy(0, order, out)
     return all_to_all_single_autograd(back, send, recv, group)
+
+
+def split_sizes(counts: torch.Tensor, received: torch.Tensor, slots: int) -> tuple[list[int], list[int]]:
+    """The slots this rank sends to each ep rank, and receives from each: from its counts per expert (all E), of
+    `slots` in all, and `received` (ep ranks, local experts). Read on the host, since all_to_all_single takes integers:
+    the dispatch's one device sync (the memory estimate, whose fake tensors hold no counts, splits `slots` evenly)."""
+    n, local_experts = received.shape
+    send, recv = torch.stack([counts.view(n, local_experts).sum(1), received.sum(1)]).tolist()
+    return send, recv
 
 
 def regroup_by_expert(sizes: torch.Tensor, total: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -188,6 +189,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh | None, cfg: JobConfig,
     for modules, mesh in own:
         for module in modules:
             fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                        shard_placement_fn=experts_dim(mesh),
                         reshard_after_forward=p.fsdp_reshard_after_forward != "never")
     if dp_mesh is not None:
         _shard_blocks(model, blocks, dp_mesh, p, mp, root_mp, offload)
@@ -204,6 +206,7 @@ def _shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh
                   mp: MixedPrecisionPolicy, root_mp: MixedPrecisionPolicy, offload: OffloadPolicy) -> None:
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
+                    shard_placement_fn=experts_dim(dp_mesh),
                     reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, i == len(blocks) - 1,
                                                                 p.pipeline_parallel_degree > 1))
     # The root (embedding, final norm, output) is needed first in backward: kept gathered unless "always".
@@ -216,6 +219,20 @@ def _shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh
                               (blocks[::-1], "set_modules_to_backward_prefetch")):
             for i, block in enumerate(order):
                 getattr(block, setter)(order[i + 1:i + 1 + p.fsdp_prefetch])
+
+
+def experts_dim(mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP's placement of a parameter on `mesh` (its last dim shards): the routed experts' 3-D weights on dim 0, the
+    experts, where this rank's experts split evenly over the shard ranks, else on dim 1 (torchtitan does the same).
+    FSDP pads dim 0 up to a multiple of the ranks: Mixtral's 8 experts, one per rank of EP 8, over 4 more ranks would
+    leave each holding its whole expert, 4x the memory of a quarter. Any other parameter: FSDP's default, dim 0."""
+    size = mesh.size(-1)
+
+    def place(param: nn.Parameter) -> Shard | None:
+        local = param.to_local() if isinstance(param, DTensor) else param  # under EP: this rank's experts
+        return Shard(1) if param.dim() == 3 and local.shape[0] % size else None
+
+    return place
 
 
 def reshard_after_forward(policy: str, last_block: bool, pipelined: bool = False) -> bool | int:

@@ -57,10 +57,17 @@ nn.Linear saves: torchao keeps the high-precision input for backward. Transient 
 casts (1 byte an element: input, weight, output gradient), and with `enable_fsdp_float8_all_gather` FSDP gathers and
 holds the converted weights unsharded at 1 byte an element (plus their scale), the other parameters at their own
 size (tests/test_memory.py counts the gathered bytes).
+
+A mixture of experts (models/moe.py) is traced as its routing is balanced, which fake tensors cannot decide: each
+expert gets an equal share of the slots, so under expert parallelism each rank sends and receives its own slot count
+through the all-to-alls, the largest buffers the dispatch holds (an imbalanced step holds more on the busy experts'
+ranks); the grouped GEMM runs as one matmul of the same output and saved operands. The state (the experts' weights,
+split over ep and FSDP-sharded over the rest, and their optimizer state) does not depend on the routing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from dataclasses import dataclass, replace
@@ -73,9 +80,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
-from torchtitan_lite.models import documents, registry
+from torchtitan_lite.models import documents, moe, registry
 from torchtitan_lite.models.spec import Args
-from torchtitan_lite.parallel import context_parallel
+from torchtitan_lite.parallel import context_parallel, expert_parallel
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize
 from torchtitan_lite.parallel.pipeline import merge_stages, microbatches, schedule_name, split_stages
@@ -132,9 +139,6 @@ def estimate_memory(cfg: JobConfig, world_size: int, extrapolate: bool | None = 
     if cfg.parallelism.fsdp_cpu_offload:
         cfg.parallelism.fsdp_offload_pin_memory = False  # pinned or not, the same bytes; pinning needs a GPU here
     args, vocab_note = model_args(cfg)
-    if getattr(args, "moe", None) is not None:  # its routed experts' groups are sized by data a fake tensor lacks
-        raise ConfigError(f"the model (model.flavor {cfg.model.flavor}, [moe]) is a mixture of experts, which the "
-                          "estimate does not know yet")
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     cfg.float8.emulate = False  # float8: the GPU's matmuls, whose fake kernel allocates only the output (docstring)
     with mock.patch.object(float8, "has_float8_matmul", lambda: True):
@@ -194,7 +198,7 @@ def _trace(cfg: JobConfig, dims: ParallelDims, args: Args, vocab_note: str,
         mask, added = _document_mask(cfg, dims, numerics.compute_dtype)
         for part in parts:
             part.document_mask = documents.explicit_mask if dims.cp > 1 else lambda ids, dtype: None
-        with fake, tracker_class(model, optimizer, host, segments=of is not None) as tracker:
+        with fake, _routed_evenly(), tracker_class(model, optimizer, host, segments=of is not None) as tracker:
             activations, held = _two_steps(parts, optimizer, cfg, dims, args, numerics, guard, tracker)
     finally:
         dist.destroy_process_group()
@@ -205,6 +209,23 @@ def _trace(cfg: JobConfig, dims: ParallelDims, args: Args, vocab_note: str,
                     **held, activation_bytes=activations + added, transient_bytes=transient,
                     peak_bytes=tracker.device_peak + added, host_bytes=state if offload else 0, mask_bytes=mask,
                     traced=(args.n_layers,)), segments
+
+
+@contextlib.contextmanager
+def _routed_evenly():
+    """A mixture of experts as fake tensors can run it, holding no routing: every expert gets an equal share of the
+    slots (the balance that load balancing aims at), so each expert-parallel rank sends and receives its own slot count,
+    evenly split; the grouped GEMM as one matmul of the same output, saving the same operands (a fake grouped_mm takes
+    bf16 alone, and the per-expert loop reads the counts). No other op's memory depends on the routing."""
+    def even(counts: torch.Tensor, received: torch.Tensor, slots: int) -> tuple[list[int], list[int]]:
+        n = received.shape[0]
+        sizes = [slots // n + (i < slots % n) for i in range(n)]
+        return sizes, sizes
+
+    with mock.patch.object(moe, "grouped_mm_fits", lambda x, w: True), \
+            mock.patch.object(moe, "grouped", lambda x, w, counts: x @ w[0].transpose(-2, -1)), \
+            mock.patch.object(expert_parallel, "split_sizes", even):
+        yield
 
 
 def _document_mask(cfg: JobConfig, dims: ParallelDims, dtype: torch.dtype) -> tuple[int, int]:
