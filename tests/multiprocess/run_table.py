@@ -177,7 +177,7 @@ MOE = (*MOE, "--moe.load_balance_coeff", "1e-3")
 EP2, EP4 = ("--parallelism.expert_parallel_degree", "2"), ("--parallelism.expert_parallel_degree", "4")
 EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
 BF16 = ("--training.mixed_precision_param", "bfloat16")
-E2 = ("--moe.num_experts", "2", "--moe.top_k", "1")
+E6 = ("--moe.num_experts", "6", "--moe.shared_experts", "1", "--moe.score_func", "sigmoid")
 MOE_RUNS = {
     "moe_single": Run(1, (*MOE, *CHECKPOINTED, *SHORT), reference=None),
     "moe_fsdp4": Run(4, (*MOE, *CHECKPOINTED, *SHORT), reference="moe_single"),
@@ -193,10 +193,12 @@ MOE_RUNS = {
     "moe_tp2": Run(2, (*MOE, *TP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full",
                        *SHORT), reference="moe_single"),
     "moe_ep2": Run(2, (*MOE, *EP2, *EVERY_2, *SHORT), reference="moe_single"),
-    # 2 experts, top 1 (E2), EP 2 on 4 ranks: each rank's one expert does not split over its 2 efsdp ranks, so FSDP
-    # shards the experts' weights on dim 1 (parallelize.experts_dim), against one process of the same mixture.
-    "moe_e2_single": Run(1, (*MOE, *E2, *SHORT), reference=None),
-    "moe_e2_ep2": Run(4, (*MOE, *E2, *EP2, *SHORT), reference="moe_e2_single"),
+    # DeepSeek-V3's kind of mixture (E6): 6 experts, top 2, a shared expert, sigmoid scores; on TP 2 x FSDP 2 x EP 2
+    # each rank's 3 experts do not split over its 2 efsdp ranks, so FSDP shards their weights on dim 1
+    # (parallelize.experts_dim); against one process of the same mixture.
+    "moe_e6_single": Run(1, (*MOE, *E6, *SHORT), reference=None),
+    "moe_e6_ep2_tp2": Run(4, (*MOE, *E6, *TP2, *EP2, "--training.local_batch_size", "4", *SHORT),
+                          reference="moe_e6_single"),
     "moe_single_bf16": Run(1, (*MOE, *BF16, "--training.steps", "2"), reference=None, record=False),
     "moe_ep2_bf16": Run(2, (*MOE, *EP2, *BF16, "--training.steps", "2"), reference="moe_single_bf16", record=False),
 }

@@ -1,7 +1,7 @@
 """The estimate's state bytes equal what the real trainer holds, byte for byte, on the shared 4-process runs (under
 PP, rank 0's: the first stage, or stages 0 and 2 of LoopedBFS's 4; under CP, FSDP's shards over dp_shard x cp; of a
-mixture of experts, its experts split over EP 4, over EP 2 borrowed from TP 2 x FSDP 2, and a rank's one expert
-sharded on its dim 1 over FSDP 2); and the estimate says what it is doing as it goes."""
+mixture of experts, its experts split over EP 4, and over EP 2 borrowed from TP 2 x FSDP 2 with a rank's 3 experts
+sharded on their dim 1 over FSDP 2); and the estimate says what it is doing as it goes."""
 
 import importlib.util
 import logging
@@ -18,7 +18,7 @@ from torchtitan_lite.tools.memory import estimate_memory
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "estimate_memory.py"
 MESH = {"fsdp4": "dp_shard 4", "tp2_fsdp2": "dp_shard 2 x tp 2", "pp2_fsdp2": "pp 2 x dp_shard 2",
         "pp2_tp2_looped_bfs": "pp 2 x tp 2", "cp2_fsdp2": "dp_shard 2 x cp 2", "moe_ep4": "dp_shard 4",
-        "moe_ep2_tp2": "dp_shard 2 x tp 2", "moe_e2_ep2": "dp_shard 4"}
+        "moe_e6_ep2_tp2": "dp_shard 2 x tp 2"}
 
 
 @pytest.mark.parametrize("name", list(MESH))
