@@ -206,8 +206,9 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     float8_scales()
     memory = MemoryUse(device)
     update = Update(optimizer, scheduler, guard, partial(clip_grad_norm_, params, training.max_norm, env.world_size))
+    stages = mesh["pp"].get_group() if dims.pp > 1 and getattr(model_args, "moe", None) is not None else None
     expert_load = ExpertLoad(model, lambda: dims.token_mesh(mesh).get_group() if dims.dp * dims.cp * dims.tp > 1
-                             else None, global_batch)
+                             else None, global_batch, stages, device)
     update.after_step += [float8_scales, expert_load, partial(train_state.advance, global_tokens)]
     # The bytes held for state, measured after the first step's backward and update (go in the next record); and
     # start-up is over: a peer silent for train_timeout_seconds from now on is hung.

@@ -12,7 +12,7 @@ from torchtitan_lite.models import moe, registry
 from torchtitan_lite.models.init import fill_block_, trunc_normal_
 from torchtitan_lite.models.llama3.model import FLAVORS, FeedForward, Transformer
 from torchtitan_lite.models.llama3.spec import flops_per_token
-from torchtitan_lite.models.moe import MoE, MoEArgs, aux_losses
+from torchtitan_lite.models.moe import MoE, MoEArgs
 from torchtitan_lite.parallel.expert_parallel import regroup_by_expert
 from torchtitan_lite.training.expert_load import ExpertLoad
 from torchtitan_lite.tools.memory import estimate_memory
@@ -145,40 +145,50 @@ def test_the_expert_bias_chooses_the_experts_and_the_scores_weigh_them():
 def test_the_router_counts_the_training_forward_once_not_validation_or_a_recompute():
     """Activation checkpointing runs the forward again in backward: counted twice, the load would read double. The
     auxiliary loss is computed in the recompute too (checkpointing checks that it saves what the forward saved) and
-    taken once, its value and gradient those of the run without checkpointing."""
+    trained once, its value and gradient those of the run without checkpointing."""
     m = layer(MoEArgs(aux_loss_coeff=0.5))
     x = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(8))
-    y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)
-    aux = aux_losses([m])
-    (y.sum() + aux).backward()
-    assert m.router.tokens_per_expert.sum() == 20 * 2 and m.aux is None
-    grad, m.router.tokens_per_expert[:] = m.router.gate.weight.grad.clone(), 0
-    m.zero_grad()
-    (m(x).sum() + aux_losses([m])).backward()
+    torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False).sum().backward()
     assert m.router.tokens_per_expert.sum() == 20 * 2
+    grad, aux, m.router.tokens_per_expert[:] = m.router.gate.weight.grad.clone(), m.aux_sum.clone(), 0
+    m.zero_grad()
+    m.aux_sum.zero_()
+    m(x).sum().backward()
+    assert m.router.tokens_per_expert.sum() == 20 * 2 and torch.equal(m.aux_sum, aux)
     torch.testing.assert_close(m.router.gate.weight.grad, grad)
     with torch.no_grad():
         m(x)
     assert m.router.tokens_per_expert.sum() == 20 * 2
 
 
-def test_the_auxiliary_loss_of_a_batch_is_its_sequences_summed_value_and_gradient():
-    """Each sequence's term from its own tokens: however the global batch is cut into ranks and micro-batches, the
-    loss and the router's gradient are the same sums (statistics pooled over a micro-batch would not be)."""
-    m = layer(MoEArgs(aux_loss_coeff=1.0))
-    x = torch.randn(4, 10, 64, generator=torch.Generator().manual_seed(9))
-    m(x)
-    whole = aux_losses([m])
-    whole.backward()
-    grad = m.router.gate.weight.grad.clone()
+def aux_gradient(m: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The router's gradient from the auxiliary loss alone: backward from the output with a zero gradient, which
+    reaches the loss's term through the router's weights (models/moe.WithLoss)."""
     m.zero_grad()
-    parts = []
+    (m(x) * 0).sum().backward()
+    return m.router.gate.weight.grad.clone()
+
+
+def test_the_auxiliary_loss_trains_as_if_added_to_the_loss_and_sums_over_sequences():
+    """Backward gives the loss its coefficient times the step's seed (the loss scale) as gradient: the router's
+    gradient is that of coeff x balance_loss computed apart, and doubles with the seed. Each sequence's term is from
+    its own tokens: however the global batch is cut into ranks and micro-batches, the loss and the router's gradient
+    are the same sums (statistics pooled over a micro-batch would not be)."""
+    m = layer(MoEArgs(aux_loss_coeff=0.3))
+    x = torch.randn(4, 10, 64, generator=torch.Generator().manual_seed(9))
+    grad = aux_gradient(m, x)
+    whole = m.aux_sum.clone()
+    m.zero_grad()
+    _, experts, scores = m.router(x.view(40, 64))
+    (0.3 * moe.balance_loss(scores.view(4, 10, -1), experts.view(4, -1), 2)).backward()
+    torch.testing.assert_close(m.router.gate.weight.grad, grad)
+    m.aux_seed = 2.0
+    torch.testing.assert_close(aux_gradient(m, x), 2 * grad)
+    m.aux_seed, m.aux_sum[...] = 1.0, 0
+    m.zero_grad()
     for i in range(4):
-        m(x[i:i + 1])
-        parts.append(aux_losses([m]))
-        parts[-1].backward()
-    assert aux_losses([m]) is None  # taken
-    assert abs(whole.item() - sum(p.item() for p in parts)) <= 1e-6 * whole.item()
+        (m(x[i:i + 1]) * 0).sum().backward()
+    assert abs(whole.item() - m.aux_sum.item()) <= 1e-6 * whole.item()
     torch.testing.assert_close(m.router.gate.weight.grad, grad, rtol=1e-5, atol=1e-7)
     assert grad.abs().sum() > 0
 
@@ -248,7 +258,6 @@ def test_one_process_trains_every_weight_of_the_moe_model(tmp_path):
 
 
 @pytest.mark.parametrize("world, overrides, said", [
-    (4, ["--parallelism.pipeline_parallel_degree", "2"], "without pipeline parallelism so far"),
     (1, ["--compile.enable"], "compiled in bfloat16 alone"),
     (1, ["--compile.enable", "--training.mixed_precision_param", "float16"], "compiled in bfloat16 alone"),
     (1, ["--float8.enable_float8_linear", "--float8.emulate"], "without float8 so far"),

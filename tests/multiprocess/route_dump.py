@@ -31,32 +31,40 @@ class RouteRecorder:
         self.names = {id(m.router): n for model in models for n, m in model.named_modules() if isinstance(m, moe.MoE)}
         if self.patched or not self.names:
             return
-        forward, next_batch = moe.Router.forward, DataLoader.next_batch
+        forward, moe_forward, next_batch = moe.Router.forward, moe.MoE.forward, DataLoader.next_batch
 
         def recording_forward(router, x):
             weights, experts, scores = forward(router, x)
-            # The forward's call, not activation checkpointing's recompute of it in backward.
-            if first_step() and torch._C._current_autograd_node() is None:
+            # A training forward's call (not validation's, or a pipeline's metadata inference), not activation
+            # checkpointing's recompute of it in backward.
+            if first_step() and moe.MoE.counting and torch.is_grad_enabled() and \
+                    torch._C._current_autograd_node() is None:
                 self._record(router, x, experts)
             return weights, experts, scores
+
+        def recording_moe_forward(layer, x):
+            self.local = x.shape[0] if x.dim() == 3 else 1  # the call's sequences: a pipeline cuts micro-batches
+            return moe_forward(layer, x)
 
         def recording_next_batch(loader):
             if not first_step():
                 return next_batch(loader)
             first = loader.position + loader.dp_rank * (loader.global_batch // loader.dp_size)
             self.sequences = [first + i for i in range(loader.global_batch // loader.dp_size)]
-            self.local = loader.local_batch
             batches = next_batch(loader)
             ranges = getattr(loader.shard, "keywords", {}).get("ranges")  # parallel/context_parallel.sharder
             self.positions = (torch.arange(batches[0][0].shape[1]) if ranges is None else
                               torch.cat([torch.arange(start, stop) for start, stop in ranges]))
             return batches
 
-        self.patched = [(moe.Router, "forward", forward), (DataLoader, "next_batch", next_batch)]
-        moe.Router.forward, DataLoader.next_batch = recording_forward, recording_next_batch
+        self.patched = [(moe.Router, "forward", forward), (moe.MoE, "forward", moe_forward),
+                        (DataLoader, "next_batch", next_batch)]
+        moe.Router.forward, moe.MoE.forward, DataLoader.next_batch = (recording_forward, recording_moe_forward,
+                                                                      recording_next_batch)
 
     def _record(self, router, x: torch.Tensor, experts: torch.Tensor) -> None:
-        """One micro-batch's call of one layer's router: its sequences are the next `local` of this rank's."""
+        """One micro-batch's call of one layer's router: its sequences are the next `local` of this rank's (under a
+        pipeline, each stage's calls go through the micro-batches in order)."""
         a = router.args
         with torch.no_grad():  # nothing saved for backward: activation checkpointing counts what the forward saves
             logits = router.gate(x).float()

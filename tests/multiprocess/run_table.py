@@ -168,7 +168,9 @@ MASKED_RUNS = {
 # HSDP 2 x 2 with EP 2 recomputing every block, offloaded to the host; CP 2 x FSDP 2 with EP 2 over the cp ranks
 # (head-tail chunks: each rank routes a quarter of each sequence's tokens), saving; TP 2 x FSDP 2 with EP 2 over the tp
 # ranks (sequence parallel: each routes half of each sequence), saving; TP 2 alone on 2 processes recomputing every
-# block, accumulating 2 micro-batches (the mixture sharded over tp alone); EP 2 on 2 processes accumulating 2
+# block, accumulating 2 micro-batches (the mixture sharded over tp alone); PP 2 (1F1B, 2 micro-batches of 2, a block
+# a stage: the first stage's auxiliary loss trained without the loss) x FSDP 2 with EP 2, saving; EP 2 on 2
+# processes accumulating 2
 # micro-batches, recomputing every other block (op-level SAC is refused with EP). The single process accumulates 4.
 # In bf16 (FSDP2's bf16 parameters against one process's autocast), EP 2 against one process, 2 steps (bf16 is this
 # CPU's slowest), curves only: bf16's roundings differ between the two and flip routing decisions. Every run balances
@@ -192,6 +194,8 @@ MOE_RUNS = {
                        reference="moe_single"),
     "moe_tp2": Run(2, (*MOE, *TP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full",
                        *SHORT), reference="moe_single"),
+    "moe_ep2_pp2": Run(4, (*MOE, *PP2, *EP2, "--training.local_batch_size", "4", *CHECKPOINTED, *SHORT),
+                       reference="moe_single"),
     "moe_ep2": Run(2, (*MOE, *EP2, *EVERY_2, *SHORT), reference="moe_single"),
     # DeepSeek-V3's kind of mixture (E6): 6 experts, top 2, a shared expert, sigmoid scores; on TP 2 x FSDP 2 x EP 2
     # each rank's 3 experts do not split over its 2 efsdp ranks, so FSDP shards their weights on dim 1

@@ -1,7 +1,7 @@
 """A mixture of experts (models/moe.py, the tests' model with every block a mixture of 8 experts, top 2) on every
-data-, context- and tensor-parallel layout, with expert parallelism and without, gives its single-process run: first
-every token's routing decision at step 1, then the curve within 1e-5, the grad norm within 1e-5 relative, and every
-parameter's gradient (router, experts) at step 1.
+kind of layout (data, context, tensor and pipeline parallel), with expert parallelism and without, gives its
+single-process run: first every token's routing decision at step 1, then the curve within 1e-5, the grad norm within
+1e-5 relative, and every parameter's gradient (router, experts) at step 1.
 
 Routing is discontinuous: where a layout's router scores differ from one process's by a rounding, a token whose k-th
 and (k+1)-th scores are closer than that goes to another expert, and the numbers after it differ by more than any
@@ -69,13 +69,14 @@ def test_moe_layout_gives_every_gradient_of_one_process(runs, layout):
 
 def test_every_layout_balances_the_experts_by_the_same_bias_bit_for_bit(runs):
     """DeepSeek-V3's bias after 4 updates, from each step's load summed over the ranks that hold different tokens:
-    the same bits on one process, FSDP 4, EP 4, EP 2 x CP 2 and EP 2 x TP 2 (an update from one rank's counts alone,
-    without the other cp or tp rank's part of each sequence, or from counts of a recompute, would differ)."""
+    the same bits on one process, FSDP 4, EP 4, EP 2 x CP 2, EP 2 x TP 2 and EP 2 x PP 2 (an update from one rank's
+    counts alone, without the other cp or tp rank's part of each sequence, or from counts of a recompute or of a
+    pipeline's metadata inference, would differ)."""
     def biases(name: str) -> dict[str, torch.Tensor]:
         return {k: v for k, v in read_tensors(str(ckpt(runs[name], 4))).items() if k.endswith("router.expert_bias")}
     ref = biases("moe_single")
     assert len(ref) == 2 and all(b.abs().sum() > 0 for b in ref.values()), ref
-    for name in ("moe_fsdp4", "moe_ep4", "moe_ep2_cp2", "moe_ep2_tp2"):
+    for name in ("moe_fsdp4", "moe_ep4", "moe_ep2_cp2", "moe_ep2_tp2", "moe_ep2_pp2"):
         got = biases(name)
         assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), (name, got, ref)
 

@@ -59,4 +59,4 @@ def test_expert_parallelism_reads_its_split_sizes_once_a_layer_a_micro_batch(pro
     layers = FLAVORS["tiny_moe"].n_layers  # every block MoE; 1 micro-batch a rank (8 sequences, 4 ranks of 2)
     for rank in range(4):
         step2 = json.loads((probed / "syncs_ep" / f"syncs-{rank}.json").read_text())["2"]
-        assert sorted(step2) == sorted([HOST] + ["expert_parallel.py:_forward@cpu"] * layers), step2
+        assert sorted(step2) == sorted([HOST] + ["expert_parallel.py:split_sizes@cpu"] * layers), step2

@@ -137,16 +137,20 @@ class MoE(nn.Module):
     """The mixture: router, routed experts and, optionally, shared experts (`shared`, a feed-forward module of the
     model's own taking (tokens..., dim))."""
 
+    # Whether a training forward counts its slots and auxiliary loss: off around a forward that trains nothing but
+    # runs with gradients (a pipeline schedule's metadata inference, parallel/pipeline.py).
+    counting = True
+
     def __init__(self, dim: int, hidden: int, args: MoEArgs, shared: nn.Module | None = None):
         super().__init__()
         self.args = args
         self.router = Router(dim, args)
         self.experts = GroupedExperts(dim, hidden, args.num_experts)
         self.shared_experts = shared
-        # The auxiliary loss: this layer's term of the last training forward, taken by the step (aux_losses), its
-        # factor (1 / (MoE layers x the global batch's sequences), set by training/expert_load.py) and its sum since
-        # the load was last read.
-        self.aux, self.aux_scale = None, 1.0
+        # The auxiliary loss: its factor (1 / (MoE layers x the global batch's sequences), set by
+        # training/expert_load.py), the gradient backward gives it (the loss scale: 1, or fp16's, set by the step),
+        # and its sum since the load was last read.
+        self.aux_scale, self.aux_seed = 1.0, 1.0
         self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
         # Where a sequence's tokens are split across ranks (context parallelism), the sum over those ranks of a
         # tensor: set from outside (parallel/context_parallel.py); None where each rank holds whole sequences.
@@ -165,17 +169,18 @@ class MoE(nn.Module):
         # The auxiliary loss is computed in activation checkpointing's recompute too, which must save what the forward
         # saved; it is counted, as the tokens are, in training's forward only: not validation's, and not the recompute
         # in backward, which would count a block's tokens twice. Compiled blocks neither (the check does not trace;
-        # refused).
+        # refused). It is trained through the router's weights, whose backward gives it its gradient wherever this
+        # layer's output goes: as if added to the model's loss, on a pipeline stage before the last too.
         training = torch.is_grad_enabled() and not torch.compiler.is_compiling()
         if training and self.args.aux_loss_coeff > 0:
             sequences = shape[0] if x.dim() == 3 else 1
             aux = self.aux_scale * balance_loss(scores.view(sequences, -1, scores.shape[-1]),
                                                 experts.view(sequences, -1), k, self.sum_over_sequence)
-        if training and torch._C._current_graph_task_id() == -1:
+            weights = WithLoss.apply(weights, self.args.aux_loss_coeff * aux, self.aux_seed)
+        if training and self.counting and torch._C._current_graph_task_id() == -1:
             self.router.tokens_per_expert += counts
             if self.args.aux_loss_coeff > 0:
                 self.aux_sum += aux.detach()
-                self.aux = self.args.aux_loss_coeff * aux
         out = self.experts(tokens[order // k], counts)
         # Summed in x's shape, not viewed into it after: a module's output that is a view lets an in-place op on it
         # skip FSDP's pre-backward hook (FSDP2 warns of it where it wraps this module, as under TP).
@@ -214,12 +219,21 @@ def balance_loss(scores: torch.Tensor, experts: torch.Tensor, k: int, sum_over_s
     return e * (slots / length * probs).sum()
 
 
-def aux_losses(layers: list[MoE]) -> torch.Tensor | None:
-    """The sum of the layers' auxiliary loss terms of the last training forward, taken; None without any."""
-    terms = [layer.aux for layer in layers if layer.aux is not None]
-    for layer in layers:
-        layer.aux = None
-    return sum(terms[1:], terms[0]) if terms else None
+class WithLoss(torch.autograd.Function):
+    """`x` unchanged, and in backward a loss term `aux` (a scalar) given the gradient `seed` beside x's: the term is
+    trained wherever x's gradient flows, without being added to the model's loss, which under pipeline parallelism
+    the stages before the last never see (DeepSeek's AddAuxiliaryLoss does the same). Under non-reentrant activation
+    checkpointing the forward's graph is the one backward runs, so the term gets its gradient once."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, seed) -> torch.Tensor:
+        ctx.seed, ctx.aux = seed, (aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dtype, device = ctx.aux
+        return grad, torch.as_tensor(ctx.seed, dtype=dtype, device=device), None
 
 
 def inactive_params(model: nn.Module) -> int:

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_lite.config import ConfigError, JobConfig, Parallelism
 from torchtitan_lite.data.loader import to_device
+from torchtitan_lite.models.moe import MoE
 from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.process import wait
 
@@ -153,6 +154,18 @@ def merge_stages(parts: list[nn.Module]) -> nn.Module:
     return merged
 
 
+def _uncounted(infer: Callable) -> Callable:
+    """A stage's metadata inference, with a mixture of experts' counts off (models/moe.MoE.counting): it trains
+    nothing, and torch clears the gradients it leaves, not the load a router counts."""
+    def run(*args, **kwargs):
+        MoE.counting = False
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            MoE.counting = True
+    return run
+
+
 def _wait(works: list) -> None:
     flight_recorder.at(flight_recorder.P2P)  # gloo's flight recorder does not record point-to-point ops
     wait(works)
@@ -172,6 +185,8 @@ class Pipeline:
         n_stages = p.pipeline_parallel_degree * len(parts)
         group = pp_mesh.get_group()
         self.stages = [PipelineStage(part, part.stage, n_stages, device, group=group) for part in parts]
+        for stage in self.stages:  # torch 2.13 infers shapes by a real forward and backward before the first step
+            stage._prepare_forward_infra = _uncounted(stage._prepare_forward_infra)
         self.is_last = any(s.is_last for s in self.stages)
         self.loss_fn, self.loss_value, self.scale = loss_fn, loss_value, scale
         self.device, self.tokens, self.losses = device, 1, []

@@ -26,40 +26,57 @@ from torchtitan_lite.models.moe import MoE
 
 
 class ExpertLoad:
-    def __init__(self, model: nn.Module, group: Callable[[], dist.ProcessGroup | None], sequences: int = 1):
+    def __init__(self, model: nn.Module, group: Callable[[], dist.ProcessGroup | None], sequences: int = 1,
+                 stages: dist.ProcessGroup | None = None, device: torch.device = torch.device("cpu")):
         """`group`: gives the ranks whose tokens differ (data, context and sequence parallel: ParallelDims.token_mesh),
         None on one; called for a model with MoE layers alone (a flattened group costs every rank its creation).
-        `sequences`: the global batch's, over which the auxiliary loss is a mean (and over the MoE layers)."""
+        `sequences`: the global batch's, over which the auxiliary loss is a mean (and over the MoE layers).
+        `stages`: under pipeline parallelism, the pp ranks, whose stages hold different layers: the number of MoE
+        layers, the slots and the auxiliary loss logged are summed over them (the load per layer is rank 0's)."""
         self.layers = [(canonical_name(name), m) for name, m in model.named_modules() if isinstance(m, MoE)]
+        self.stages, self.device, total = stages, device, torch.tensor(float(len(self.layers)), device=device)
+        if stages is not None:  # once, at start
+            dist.all_reduce(total, group=stages)
+        self.total = int(total.item())
         for _, layer in self.layers:
-            layer.aux_scale = 1 / (sequences * len(self.layers))
-        self.group, self.load, self.aux = group() if self.layers else None, None, None
+            layer.aux_scale = 1 / (sequences * self.total)
+        self.group, self.load, self.totals = group() if self.total else None, None, None
+        self.aux_on = any(layer.args.aux_loss_coeff > 0 for _, layer in self.layers)
 
     @torch.no_grad()
     def __call__(self) -> None:
-        if not self.layers:
+        if not self.total:
             return
         routers = [layer.router for _, layer in self.layers]
         # Every layer's counts and auxiliary loss in one all-reduce: (layers, experts + 1).
         load = torch.stack([torch.cat([r.tokens_per_expert, layer.aux_sum.view(1)])
-                            for r, (_, layer) in zip(routers, self.layers)])
-        if self.group is not None:
+                            for r, (_, layer) in zip(routers, self.layers)]) if self.layers else None
+        if self.group is not None and load is not None:
             dist.all_reduce(load, group=self.group)
-        load, aux = load[:, :-1], load[:, -1]
-        for router, counts in zip(routers, load):
-            if router.args.load_balance_coeff > 0:
-                delta = router.args.load_balance_coeff * torch.sign(counts.mean() - counts)
-                router.expert_bias += delta - delta.mean()
-            router.tokens_per_expert.zero_()
-        for _, layer in self.layers:
-            layer.aux_sum.zero_()
-        self.load, self.aux = load, aux.sum() if self.layers[0][1].args.aux_loss_coeff > 0 else None
+        if load is not None:
+            for router, counts in zip(routers, load[:, :-1]):
+                if router.args.load_balance_coeff > 0:
+                    delta = router.args.load_balance_coeff * torch.sign(counts.mean() - counts)
+                    router.expert_bias += delta - delta.mean()
+                router.tokens_per_expert.zero_()
+            for _, layer in self.layers:
+                layer.aux_sum.zero_()
+        # The slots and the auxiliary loss of all layers: under PP summed over the stages (a stage may hold none).
+        totals = torch.zeros(2, device=self.device) if load is None else torch.stack(
+            [load[:, :-1].sum(), load[:, -1].sum()]).to(self.device)
+        if self.stages is not None:
+            dist.all_reduce(totals, group=self.stages)
+        self.load, self.totals = (None if load is None else load[:, :-1]), totals
 
     def fields(self) -> dict[str, float]:
-        """The last step's load: per layer, its busiest expert's slots over the mean, and the slots counted; the
-        auxiliary loss (before its coefficient) when on."""
-        if self.load is None:
+        """The last step's load: per layer (this rank's stage's under PP), its busiest expert's slots over the mean;
+        the slots counted in all layers; and the auxiliary loss (before its coefficient) when on."""
+        if self.totals is None:
             return {}
-        busiest = (self.load.max(1).values / self.load.mean(1)).tolist()
-        return {"routed_slots": self.load.sum().item(), **({} if self.aux is None else {"aux_loss": self.aux.item()}),
-                **{f"expert_load/{name}": b for (name, _), b in zip(self.layers, busiest)}}
+        slots, aux = self.totals.tolist()
+        aux_on = self.aux_on if self.layers else aux > 0  # a stage of dense blocks alone: the others' say
+        out = {"routed_slots": slots, **({"aux_loss": aux} if aux_on else {})}
+        if self.load is not None:
+            busiest = (self.load.max(1).values / self.load.mean(1)).tolist()
+            out |= {f"expert_load/{name}": b for (name, _), b in zip(self.layers, busiest)}
+        return out

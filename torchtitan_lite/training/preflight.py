@@ -45,12 +45,9 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
 
 
 def check_moe(cfg: JobConfig, dims: ParallelDims, moe) -> None:
-    """What a mixture-of-experts model trains with so far: data, context and tensor parallelism (FSDP, HSDP, DDP, CP,
-    TP: a token's route and experts are its own, whichever rank holds it) and expert parallelism within them, any
-    precision, compile in bf16 without EP; pipeline parallelism is still to be built and tested."""
+    """What a mixture-of-experts model trains with so far: every layout (a token's route and experts are its own,
+    whichever rank holds it) and expert parallelism within it, any precision, compile in bf16 without EP."""
     flavor = f"the model (model.flavor {cfg.model.flavor}, [moe]) is a mixture of experts, which trains"
-    if dims.pp > 1:
-        raise ConfigError(f"{flavor} without pipeline parallelism so far: set parallelism.pipeline_parallel_degree 1")
     if cfg.compile.enable and cfg.training.mixed_precision_param != "bfloat16":
         raise ConfigError(f"{flavor} compiled in bfloat16 alone (compile's grouped GEMM takes bf16, and the "
                           "per-expert loop reads its counts on the host): set training.mixed_precision_param "

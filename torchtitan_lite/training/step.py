@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan_lite.config import JobConfig
 from torchtitan_lite.data.loader import to_device
 from torchtitan_lite.models.documents import document_ids
-from torchtitan_lite.models.moe import MoE, aux_losses
+from torchtitan_lite.models.moe import MoE
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import Pipeline
 from torchtitan_lite.runtime import flight_recorder
@@ -119,14 +119,17 @@ class Step:
         self.rows: list[torch.Tensor] | None = None
         # Reduce gradients after the last micro-batch only: FSDP accumulates unsharded gradients until then.
         self.defer_reduce = defer_reduce
-        # A mixture of experts' auxiliary loss terms, trained with the loss and logged apart (expert_load.py); none
-        # under a pipeline (PipelineStep has no model of its own), which an MoE model does not train on yet.
+        # A mixture of experts' layers, whose auxiliary loss backward trains through their outputs (models/moe.py).
         self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)] if model is not None else []
 
     def train_step(self, batches: list[Batch], tokens: int, rows: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch; `tokens` is the step's global token count. With `rows`, each
         micro-batch's sequence losses are appended to it (row_losses: a mixture's per source, source_losses.py)."""
         loss_sum, self.rows = torch.zeros((), device=self.device), rows
+        if self.moe_layers:  # their auxiliary loss's gradient: what the model's loss gets, scaled like it (fp16)
+            seed = self.scale(torch.ones((), device=self.device))
+            for layer in self.moe_layers:
+                layer.aux_seed = seed
         try:
             for i, (inputs, labels) in enumerate(batches):
                 if self.defer_reduce:
@@ -160,13 +163,7 @@ class Step:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         loss = self.loss(inputs, labels, tokens)
         flight_recorder.at("the backward")
-        aux = aux_losses(self.moe_layers)
-        if aux is None:
-            self.scale(loss).backward()
-        elif isinstance(loss, DTensor):  # loss parallel: a replicated loss, and this rank's share of the auxiliary one
-            torch.autograd.backward([self.scale(loss), self.scale(aux)])
-        else:
-            self.scale(loss + aux).backward()
+        self.scale(loss).backward()
         return loss_value(loss)
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -180,6 +177,7 @@ class PipelineStep(Step):
     def __init__(self, parts: list[nn.Module], pp_mesh: DeviceMesh, device: torch.device, numerics: Numerics,
                  scale: Callable[[torch.Tensor], torch.Tensor], cfg: JobConfig, inputs: Inputs = Inputs()):
         super().__init__(None, device, numerics, scale, inputs=inputs)  # a schedule reduces per local batch itself
+        self.moe_layers = [m for part in parts for m in part.modules() if isinstance(m, MoE)]
         self.pipeline = Pipeline(parts, pp_mesh, device, cfg, self.token_loss, loss_value, scale)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
