@@ -273,6 +273,9 @@ RESUMED_RUNS = {
     # and loaded on FSDP 2 without EP.
     "moe_fsdp4_on_ep2": Resumed("moe_fsdp4", 2, 2, (*MOE, *EP2, *SHORT)),
     "moe_ep4_on_fsdp2": Resumed("moe_ep4", 2, 2, (*MOE, *SHORT)),
+    # Saved on TP 2 x FSDP 2 x EP 2, loaded on EP 4 without TP (1 sequence a micro-batch): with the two above, EP 2
+    # -> EP 4 -> no EP.
+    "moe_ep2_tp2_on_ep4": Resumed("moe_ep2_tp2", 2, 4, (*MOE, *EP4, "--training.local_batch_size", "1", *SHORT)),
     # Float8 weights in FSDP's state: a DTensor of torchao's float8-casting subclass, saved and loaded by DCP.
     "float8_fsdp4_ag_resumed": Resumed("float8_fsdp4_ag", 2, 4, FLOAT8_RUNS["float8_fsdp4_ag"].overrides),
 }

@@ -20,8 +20,8 @@ from torchtitan_lite.checkpoint.reader import read_metadata, read_tensors
 from torchtitan_lite.config import load_config
 from torchtitan_lite.models.llama3.model import FLAVORS
 
-# moe_ep2 and the resumed runs; the 4-process runs are in the job that starts with the session
-pytestmark = pytest.mark.reads("shared_2p", "resumed_2p")
+# moe_ep2, moe_tp2 and the resumed runs; the 4-process runs are in the job that starts with the session
+pytestmark = pytest.mark.reads("shared_2p", "resumed_2p", "resumed_4p")
 TOLERANCE = 1e-5
 LAYOUTS = [name for name, run in MOE_RUNS.items() if run.reference is not None and run.record]
 BF16_TOLERANCE = 4e-3  # test_pairs.py's for bf16
@@ -114,10 +114,12 @@ def test_expert_parallelism_in_bf16_follows_one_process_in_bf16(runs):
     assert_same_curve(runs["moe_ep2_bf16"], runs["moe_single_bf16"], BF16_TOLERANCE)
 
 
-@pytest.mark.parametrize("saved, resumed", [("moe_fsdp4", "moe_fsdp4_on_ep2"), ("moe_ep4", "moe_ep4_on_fsdp2")])
+@pytest.mark.parametrize("saved, resumed", [("moe_fsdp4", "moe_fsdp4_on_ep2"), ("moe_ep2_tp2", "moe_ep2_tp2_on_ep4"),
+                                            ("moe_ep4", "moe_ep4_on_fsdp2")])
 def test_a_moe_checkpoint_resumes_across_expert_parallel_degrees_on_the_same_curve(runs, saved, resumed):
-    """Step 2 saved without EP goes on with EP 2, and saved on EP 4 (2 experts a rank) goes on without EP, to step
-    4: the experts' weights and their AdamW moments are in the checkpoint whole, and the curve is the saving run's."""
+    """Step 2 saved without EP goes on with EP 2, saved on EP 2 (over TP 2 x FSDP 2) goes on with EP 4, and saved on
+    EP 4 (2 experts a rank) goes on without EP, to step 4: the experts' weights and their AdamW moments are in the
+    checkpoint whole, and the curve is the saving run's."""
     metadata = read_metadata(str(ckpt(runs[saved], 2))).state_dict_metadata
     for layer in ("0", "1"):
         for name in ("moe.router.gate.weight", "moe.experts.w1", "moe.experts.w2", "moe.experts.w3"):
