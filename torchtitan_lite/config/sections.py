@@ -144,7 +144,8 @@ class Parallelism:
     context_parallel_degree: int = opt(1, "each sequence split across this many ranks (long context; "
                                        "docs/parallelism.md#long-sequences-context-parallelism)", rule=at_least(1))
     expert_parallel_degree: int = opt(1, "a mixture of experts' routed experts split across this many of the "
-                                      "dp_shard ranks, tokens sent to them by all-to-all (docs/moe.md); 1 = off",
+                                      "ranks that route different tokens (dp_shard x cp x tp), tokens sent to them "
+                                      "by all-to-all (docs/moe.md); 1 = off",
                                       rule=at_least(1))
     context_parallel_load_balancer: str = opt("headtail", "a rank's share of the sequence: headtail = chunks i and "
                                               "2cp-1-i (equal causal work), none = one contiguous chunk",

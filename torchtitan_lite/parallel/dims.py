@@ -61,7 +61,7 @@ class ParallelDims:
         """The mesh in words: its dims of degree > 1, outermost first ("dp_shard 2 x tp 2")."""
         degrees = zip(DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp))
         layout = " x ".join(f"{name} {d}" for name, d in degrees if d > 1) or "1 process"
-        borrowed = " x ".join(n for n, d in (("dp_shard", 2), ("cp", self.cp), ("tp", self.tp)) if d > 1)
+        borrowed = " x ".join(n for n, d in (("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp)) if d > 1)
         return layout + (f" (experts over ep {self.ep} of {borrowed})" if self.ep > 1 else "")
 
     @property
@@ -134,7 +134,6 @@ class ParallelDims:
         return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")._unflatten(
             "dp_cp", (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
 
-
     def moe_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh FSDP shards a mixture of experts' parameters on: FSDP's, and under TP with tp joined to its shard
         dim ("dp_shard_cp_tp"), since the tp ranks of a sequence-parallel block route different tokens."""
@@ -161,7 +160,7 @@ class ParallelDims:
 
     def token_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """Every rank that holds different tokens of a step: data, context and tensor (sequence) parallel, flattened
-        ("tokens"): a mixture of experts' load is summed over them. Under PP the stages' layers differ (refused)."""
+        ("tokens"): a mixture of experts' load is summed over them (not over pp: its stages hold other layers)."""
         return _flat(mesh, "tokens", ("dp_replicate", "dp_shard", "cp", "tp"))
 
 

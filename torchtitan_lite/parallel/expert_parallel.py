@@ -1,8 +1,8 @@
 """Expert parallelism: a mixture of experts' routed experts split across the ep ranks, tokens sent to them and back.
 
-The ep ranks are borrowed from FSDP's shard dim, dp_shard or dp_shard x cp (ParallelDims.experts_mesh): each holds
-different tokens, as under FSDP, and E / ep of the experts (experts_mesh's "ep" dim, a Shard(0) of the 3-D weights),
-FSDP-sharded further over the rest of that dim ("efsdp"). A layer's router and sort run on each rank's own tokens,
+The ep ranks are borrowed from the ranks that route different tokens, dp_shard x cp x tp (ParallelDims.experts_mesh):
+each holds different tokens, as under FSDP, and E / ep of the experts (experts_mesh's "ep" dim, a Shard(0) of the 3-D
+weights), FSDP-sharded further over the rest of them ("efsdp"). A layer's router and sort run on each rank's own tokens,
 unchanged; the experts' forward becomes:
 1. dispatch: the per-expert counts are exchanged (all-to-all), so each rank learns how many slots every rank sends it
    for each of its experts; one host read of the split sizes (all_to_all_single takes them as integers); the slots
