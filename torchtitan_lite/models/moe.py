@@ -152,8 +152,8 @@ class MoE(nn.Module):
         # and its sum since the load was last read.
         self.aux_scale, self.aux_seed = 1.0, 1.0
         self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
-        # Where a sequence's tokens are split across ranks (context parallelism), the sum over those ranks of a
-        # tensor: set from outside (parallel/context_parallel.py); None where each rank holds whole sequences.
+        # Where a sequence's tokens are split across ranks (context, or TP's sequence parallelism), the sum over those
+        # ranks of a tensor: set from outside (parallel/parallelize.py); None where each rank holds whole sequences.
         self.sum_over_sequence = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

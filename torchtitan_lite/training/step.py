@@ -119,7 +119,8 @@ class Step:
         self.rows: list[torch.Tensor] | None = None
         # Reduce gradients after the last micro-batch only: FSDP accumulates unsharded gradients until then.
         self.defer_reduce = defer_reduce
-        # A mixture of experts' layers, whose auxiliary loss backward trains through their outputs (models/moe.py).
+        # A mixture of experts' layers, whose auxiliary loss backward trains through their router weights, given the
+        # loss's scale as its gradient (models/moe.WithLoss).
         self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)] if model is not None else []
 
     def train_step(self, batches: list[Batch], tokens: int, rows: list[torch.Tensor] | None = None) -> torch.Tensor:
