@@ -1,8 +1,9 @@
 """train.py that records what a compiled run must prove: every parameter's full gradient at step 1, and how many
 graphs torch.compile has built by each step.
 
-    grad_dump.py OUT_DIR TRAIN_ARGS...  ->  OUT_DIR/grads.R.pt (rank R: canonical name -> full gradient before
-                                            clipping, of R's pipeline stages' parameters: `load_grads` joins them)
+    grad_dump.py OUT_DIR TRAIN_ARGS...  ->  OUT_DIR/grads.R.pt (rank R, the first rank of its pipeline stages:
+                                            canonical name -> full gradient before clipping, of those stages'
+                                            parameters: `load_grads` joins them)
                                             OUT_DIR/graphs.json (rank 0: graphs built by each step's clipping)
                                             OUT_DIR/scales.R.pt (float8 runs: rank R's casts to float8 in step 1,
                                             each [role, its scale whole]: `load_scales`)
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
@@ -47,7 +49,8 @@ def recording(out: Path):
             full = {canonical_name(n): None if p.grad is None else
                     (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
                     for model in models for n, p in model.named_parameters()}
-            torch.save(full, out / f"grads.{os.environ.get('RANK', '0')}.pt")
+            if (written := first_of_its_stages(full)) is not None:
+                torch.save(written, out / f"grads.{os.environ.get('RANK', '0')}.pt")
         graphs.append(counters["stats"]["unique_graphs"])
         return clip(params, *args, **kwargs)
 
@@ -117,8 +120,21 @@ def load_scales(out: Path) -> dict[str, list[torch.Tensor]]:
     return found
 
 
+def first_of_its_stages(full: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None] | None:
+    """What this rank writes of its stages' full gradients: None where a lower rank holds the same parameters (the
+    ranks of one pipeline stage gather the same full gradients, a few MB each), else `full` with a parameter that has
+    no gradient on any rank holding it as None, as load_grads reads it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return full
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {name: g is not None for name, g in full.items()})
+    if any(theirs.keys() == full.keys() for theirs in every[:dist.get_rank()]):
+        return None
+    return {name: g if all(theirs.get(name, True) for theirs in every) else None for name, g in full.items()}
+
+
 def load_grads(out: Path) -> dict[str, torch.Tensor | None]:
-    """Every parameter's gradient, from the ranks' files (ranks of the same pipeline stage wrote the same ones)."""
+    """Every parameter's gradient, from the files of the first rank of each pipeline stage (first_of_its_stages)."""
     grads = {}
     for f in sorted(out.glob("grads.*.pt")):
         for name, g in torch.load(f).items():
