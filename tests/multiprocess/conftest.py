@@ -17,15 +17,17 @@ import pytest
 
 # pytest.ini puts tests/multiprocess on the path: the tests here import the shared launcher as a plain module.
 from grad_dump import load_grads, recording
+import made_later
 import probes
-from launch import (COMMON, STEPS, ckpt, finish_job, in_background, kill_tree, snapshot, start_job, start_several,
-                    stopped_after, torchrun_cmd, train_job)
+from launch import (COMMON, STARTED_IN_BACKGROUND, STEPS, ckpt, finish_job, in_background, kill_tree, snapshot,
+                    start_job, start_several, stopped_after, torchrun_cmd, train_job)
 from run_table import ALL_RUNS, HALF_WRITTEN, RESHARD_BACK, RESHARD_LEGS, RESUMED_RUNS, SHARED_RUNS, Resumed, Run
 
 
 class SharedRuns:
     def __init__(self, root: Path):
         self.root, self.done, self.logs, self.resharded = root, {}, {}, {}
+        self.results = {}  # made_later's jobs by name: (what make returned, or None, and what it raised, or None)
         self.started = {}  # processes -> the job start() left running: (its process, its runs, its log)
         # One job at a time, for a test or the background thread; `failure`: what a background job raised.
         self.lock, self.jobs, self.probed, self.stopping, self.failure = threading.RLock(), [], None, False, None
@@ -102,6 +104,21 @@ class SharedRuns:
                 self.probed = out
             return self.probed
 
+    def made(self, name: str):
+        """What the job `name` registered in made_later returned, made on first use; what it raised, raised."""
+        if name not in self.results:
+            with self.lock:
+                if name not in self.results:
+                    (folder := self.root / name).mkdir()
+                    try:
+                        self.results[name] = (made_later.REGISTERED[name](folder), None)
+                    except Exception as e:  # noqa: BLE001 - the failure of the tests that read it, not the thread's
+                        self.results[name] = (None, e)
+        result, error = self.results[name]
+        if error is not None:
+            raise error
+        return result
+
     def make_in_background(self, jobs: list) -> None:
         """Makes `jobs` (BACKGROUND_JOBS' makers) one after another in a thread of their own, at the lowest CPU
         priority. When one fails, the thread stops, and every test that needs a job not yet made fails with its log."""
@@ -122,7 +139,7 @@ class SharedRuns:
     def stop(self) -> None:
         """Kills every job still running (a session interrupted, or ended before reading a background job)."""
         self.stopping = True
-        for proc in self.jobs:
+        for proc in [*self.jobs, *STARTED_IN_BACKGROUND]:
             if proc.poll() is None:
                 kill_tree(proc)
 
@@ -195,7 +212,8 @@ def _job_of(table: dict, nproc: int):
 # (launch.in_background), from the moment it ends: on the core the unit tests still running in one process leave
 # idle, then on what the multi-process tests in front leave (launchers starting, faults and timeouts waited out); the
 # tests that read them run last. A test module says which it reads (`reads(job, ...)`, pytest.ini
-# registers the markers); only the jobs some selected test reads are made, in this order.
+# registers the markers); only the jobs some selected test reads are made, in this order, and then the tests' own
+# jobs registered in made_later, in the order their modules were collected.
 BACKGROUND_JOBS = {
     "resumed_4p": SharedRuns.reshard_legs,  # the 4-process resumed runs, and the resharding legs in the same job
     "probes": SharedRuns.probes,
@@ -209,13 +227,18 @@ _LATER_LOCK = threading.Lock()
 HERE = Path(__file__).parent
 
 
+def _background_jobs() -> dict:
+    """Every job the background can make, by name, in order: BACKGROUND_JOBS', then the tests' own (made_later)."""
+    return {**BACKGROUND_JOBS, **{name: lambda shared, name=name: shared.made(name) for name in made_later.REGISTERED}}
+
+
 def _reads(item) -> set[str]:
     """The background jobs `item` reads: its `reads` markers' jobs, where it asks for shared runs at all."""
-    if not {"runs", "resharded", "probed"} & set(item.fixturenames):
+    if not {"runs", "resharded", "probed", "made"} & set(item.fixturenames):
         return set()
     jobs = {job for mark in item.iter_markers("reads") for job in mark.args}
-    if unknown := jobs - BACKGROUND_JOBS.keys():
-        raise pytest.UsageError(f"{item.nodeid} reads {sorted(unknown)}: no such job in {list(BACKGROUND_JOBS)}")
+    if unknown := jobs - _background_jobs().keys():
+        raise pytest.UsageError(f"{item.nodeid} reads {sorted(unknown)}: no such job in {list(_background_jobs())}")
     return jobs
 
 
@@ -233,7 +256,7 @@ def pytest_collection_modifyitems(config, items):
         for nproc in sorted({m.args[0] for i in items for m in i.iter_markers("starts_with_session")}):
             shared.start(nproc)
     read = set().union(*(_reads(i) for i in items if place(i) == 2))
-    _LATER.extend(make for job, make in BACKGROUND_JOBS.items() if job in read)
+    _LATER.extend(make for job, make in _background_jobs().items() if job in read)
     if shared.started and _LATER:
         threading.Thread(target=_start_later, args=(shared, True), daemon=True).start()
 
@@ -276,6 +299,12 @@ def resharded(runs) -> dict:
 @pytest.fixture(scope="session")
 def probed(runs) -> Path:
     return runs.probes()
+
+
+@pytest.fixture(scope="session")
+def made(runs):
+    """made(name): what the test's own job `name` (made_later.py) returned, made in the background or now."""
+    return runs.made
 
 
 @pytest.fixture(scope="session")

@@ -98,6 +98,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
 # Set in the thread that makes shared jobs in the background (conftest.py): the jobs it starts (start_job) run at the
 # lowest CPU priority, each launcher in a session of its own (tests/quick_exit/sitecustomize.py).
 _background = threading.local()
+# What run_job started from that thread, which the pytest session kills at its end if it still runs (a session
+# interrupted while the thread waits for it: the thread dies with the session, not the job).
+STARTED_IN_BACKGROUND: list[subprocess.Popen] = []
 
 
 @contextlib.contextmanager
@@ -115,17 +118,24 @@ def torchrun_cmd(nproc: int, script: Path, *args: str,
     """The command and environment of a CPU torchrun job, no GPU: by default a rendezvous port of its own
     (--standalone); `launcher` replaces that with other torchrun options."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc_per_node={nproc}", str(script), *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{QUICK_EXIT}"}
+    return cmd, command_env(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=f"{ROOT}{os.pathsep}{QUICK_EXIT}")
+
+
+def command_env(**extra: str) -> dict[str, str]:
+    """The environment of a command a test starts, with `extra`: in the background thread, every Python process it
+    starts takes the lowest CPU priority (tests/quick_exit/sitecustomize.py reads SUITE_BACKGROUND)."""
+    env = {**os.environ, **extra}
     if getattr(_background, "on", False):
         env["SUITE_BACKGROUND"] = "1"
-    return cmd, env
+    return env
 
 
-def run_job(cmd: list[str], env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
-    """Run a launcher command to its end; raise with the output's tail if it fails and `check`. A job still
-    running after TIMEOUT_S is killed, workers included, and fails."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def run_job(cmd: list[str], env: dict[str, str], check: bool = True, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run a launcher command (or a script, a shell) to its end; raise with the output's tail if it fails and
+    `check`. A job still running after TIMEOUT_S is killed, workers included, and fails."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if getattr(_background, "on", False):
+        STARTED_IN_BACKGROUND.append(proc)
     return _finish(proc, check)
 
 

@@ -4,17 +4,29 @@ script a GPU user runs first is never untested: every section is there, and the 
 import re
 import subprocess
 import sys
+from pathlib import Path
 
-from launch import ROOT, TIMEOUT_S, TINY, tiny_model
+import pytest
+
+import made_later
+from launch import ROOT, TINY, command_env, run_job, tiny_model
 
 from torchtitan_lite.config import load_config
 from torchtitan_lite.parallel.dims import ParallelDims
 
 
-def test_gpu_report_on_the_cpu():
+def report_on_the_cpu(_: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), "--config", str(TINY), "--nproc", "2",
            "--steps", "4", "--warmup", "1", "--backend", "aot_eager"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return run_job(cmd, command_env(), check=False)
+
+
+made_later.register("gpu_report", report_on_the_cpu)
+
+
+@pytest.mark.reads("gpu_report")
+def test_gpu_report_on_the_cpu(made):
+    proc = made("gpu_report")
     out = proc.stdout
     assert proc.returncode == 0, (out + proc.stderr)[-3000:]
     for key in ("eager tokens/s", "compiled tokens/s", "eager MFU %", "compiled peak GiB", "estimated peak GiB"):

@@ -8,8 +8,12 @@ import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
-from launch import ROOT, TIMEOUT_S, read_history, read_metrics, resumes
+import pytest
+
+import made_later
+from launch import ROOT, command_env, read_history, read_metrics, resumes, run_job
 from torchtitan_lite.checkpoint.folder import read_run_files
 from torchtitan_lite.runtime.run_history import history_run
 
@@ -23,26 +27,38 @@ def tour_commands(section: str = "Quick tour") -> str:
     return block.group(1)
 
 
-def test_the_readme_tours_run_as_written_and_keep_every_runs_history(tmp_path):
+def five_minute_run() -> str:
+    """The five-minute tour's first command: a run of its own overrides in the quick tour's folder."""
+    return next(line for line in tour_commands("A five-minute tour").splitlines() if "run_train.sh" in line)
+
+
+def run_the_tours(folder: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """The quick tour's block, then the five-minute tour's first run, in `folder` as in a fresh clone."""
+    for name in LINKED:  # the code, not the repository's own outputs/
+        (folder / name).symlink_to(ROOT / name)
+    # `python` is the interpreter running the suite, as in the README's venv.
+    env = command_env(PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+                      CUDA_VISIBLE_DEVICES="", NGPU="2")
+    return folder, run_job(["bash", "-e", "-x", "-c", f"{tour_commands()}\n{five_minute_run()}\n"], env,
+                           check=False, cwd=folder)
+
+
+made_later.register("readme_tours", run_the_tours)
+
+
+@pytest.mark.reads("readme_tours")
+def test_the_readme_tours_run_as_written_and_keep_every_runs_history(made):
     """The quick tour, then the five-minute tour's first run in the same clone: a fresh run beside the tour's
     checkpoints, told so, its history apart and the tour's whole. (That a later resume of the tour's checkpoint
     continues the tour's history, not the latest run's, test_run_history.py shows in one process.) On 2 processes,
     as on a machine of 2 GPUs (TP 2, no FSDP): half the CPU of the 4 a CPU machine gets, and TP 2 x FSDP 2, the
     default layout, trains in the shared runs (run_table.py)."""
-    for name in LINKED:  # the code, not the repository's own outputs/
-        (tmp_path / name).symlink_to(ROOT / name)
-    overrides = next(line for line in tour_commands("A five-minute tour").splitlines() if "run_train.sh" in line)
-    commands = f"{tour_commands()}\n{overrides}\n"
-    # `python` is the interpreter running the suite, as in the README's venv.
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
-           "CUDA_VISIBLE_DEVICES": "", "NGPU": "2"}
-    proc = subprocess.run(["bash", "-e", "-x", "-c", commands], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    out = proc.stdout + proc.stderr
+    folder, proc = made("readme_tours")
+    overrides, out = five_minute_run(), proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
 
     # The five-minute tour's run, fresh beside the tour's checkpoints: told so, its history whole, the tour's apart.
-    outputs = tmp_path / "outputs"
+    outputs = folder / "outputs"
     steps = int(re.search(r"--training\.steps[ =](\d+)", overrides).group(1))
     assert [r["step"] for r in read_metrics(outputs)] == list(range(1, steps + 1)) and resumes(outputs) == []
     apart = next(outputs.glob("metrics.*.jsonl"))
@@ -59,5 +75,5 @@ def test_the_readme_tours_run_as_written_and_keep_every_runs_history(tmp_path):
         assert saved_by == tour and tomllib.loads(config)["training"]["steps"] == (10 if step <= 10 else 15), step
     # generate.py prints the prompt and its continuation; the export and the plot are files.
     assert re.search(r"^def main\(.+", proc.stdout, re.M), proc.stdout[-2000:]
-    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
-    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert (folder / "hf" / "config.json").is_file() and (folder / "hf" / "model.safetensors").is_file()
+    assert (folder / "curves.png").stat().st_size > 0

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import made_later
 from launch import CP2, DEBUGMODEL, PP2, ROOT, losses, torchrun_several, train_in_process
 
 REFERENCE = ROOT / "tests/assets/losses/debugmodel_cpu.txt"
@@ -51,18 +52,20 @@ LAYOUTS = {"pipeline": (*PP2, "--parallelism.pipeline_parallel_schedule", "Inter
            "context_parallel": CP2}
 
 
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("reference_layouts")
+def train_the_layouts(root: Path) -> Path:
     torchrun_several(2, [(root / name, False, ("--training.steps", str(LAYOUT_STEPS),
                                                    "--lr_scheduler.decay_ratio", "0", *DEBUGMODEL, *overrides))
                          for name, overrides in LAYOUTS.items()])
     return root
 
 
+made_later.register("reference_layouts", train_the_layouts)
+
+
+@pytest.mark.reads("reference_layouts")
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_reproduces_the_reference_curve(layouts, layout):
-    assert_reproduces(losses(layouts / layout), LAYOUT_STEPS)
+def test_layout_reproduces_the_reference_curve(made, layout):
+    assert_reproduces(losses(made("reference_layouts") / layout), LAYOUT_STEPS)
 
 
 if __name__ == "__main__" and "--update" in sys.argv:
