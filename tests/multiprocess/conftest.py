@@ -106,6 +106,14 @@ class SharedRuns:
 
     def made(self, name: str):
         """What the job `name` registered in made_later returned, made on first use; what it raised, raised."""
+        result, error = self.make_own(name)
+        if error is not None:
+            raise error
+        return result
+
+    def make_own(self, name: str) -> tuple:
+        """(what the job `name` returned, what it raised), made once: the background thread makes it without
+        raising, so that a test's own job never stops the thread or fails another test."""
         if name not in self.results:
             with self.lock:
                 if name not in self.results:
@@ -114,10 +122,7 @@ class SharedRuns:
                         self.results[name] = (made_later.REGISTERED[name](folder), None)
                     except Exception as e:  # noqa: BLE001 - the failure of the tests that read it, not the thread's
                         self.results[name] = (None, e)
-        result, error = self.results[name]
-        if error is not None:
-            raise error
-        return result
+        return self.results[name]
 
     def make_in_background(self, jobs: list) -> None:
         """Makes `jobs` (BACKGROUND_JOBS' makers) one after another in a thread of their own, at the lowest CPU
@@ -229,7 +234,8 @@ HERE = Path(__file__).parent
 
 def _background_jobs() -> dict:
     """Every job the background can make, by name, in order: BACKGROUND_JOBS', then the tests' own (made_later)."""
-    return {**BACKGROUND_JOBS, **{name: lambda shared, name=name: shared.made(name) for name in made_later.REGISTERED}}
+    return {**BACKGROUND_JOBS, **{name: lambda shared, name=name: shared.make_own(name)
+                                  for name in made_later.REGISTERED}}
 
 
 def _reads(item) -> set[str]:

@@ -1,11 +1,15 @@
 """The shared jobs made in the background (conftest.py) run at the lowest CPU priority, so that they take only the
 cores the tests in front leave idle: a process of theirs, in a session of its own as torchrun's workers are, has nice
-19, and so has its session's autogroup where the kernel groups processes by session."""
+19, and so has its session's autogroup where the kernel groups processes by session. A test's own job made there
+(made_later.py) that fails fails its own tests only."""
 
 import os
 import subprocess
 import sys
 
+import pytest
+
+import made_later
 from launch import TRAIN, in_background, torchrun_cmd
 
 PRIORITY = ("import os; print(os.nice(0)); "
@@ -25,3 +29,18 @@ def test_a_job_started_in_the_background_takes_the_lowest_priority():
     assert priority(env) == ["19", "19"]
     _, env = torchrun_cmd(2, TRAIN)  # outside: the tests' own priority
     assert priority(env)[0] == str(os.nice(0))
+
+
+def test_a_tests_own_job_that_fails_fails_its_readers_alone(runs, monkeypatch):
+    """The background thread makes it without raising (a raise would stop the thread, and every shared job after it
+    would then fail its tests); the test that reads it gets the error, and another job is made as before."""
+    def broken(folder):
+        raise RuntimeError(f"no job in {folder.name}")
+
+    monkeypatch.setitem(made_later.REGISTERED, "test_background_broken", broken)
+    monkeypatch.setitem(made_later.REGISTERED, "test_background_fine", lambda folder: folder.name)
+    result, error = runs.make_own("test_background_broken")  # as the thread does
+    assert result is None and str(error) == "no job in test_background_broken"
+    with pytest.raises(RuntimeError, match="no job in test_background_broken"):
+        runs.made("test_background_broken")
+    assert runs.made("test_background_fine") == "test_background_fine"
