@@ -28,6 +28,7 @@ class SharedRuns:
     def __init__(self, root: Path):
         self.root, self.done, self.logs, self.resharded = root, {}, {}, {}
         self.results = {}  # made_later's jobs by name: (what make returned, or None, and what it raised, or None)
+        self.own_locks = {}  # made_later's jobs by name: the lock held while one is made
         self.started = {}  # processes -> the job start() left running: (its process, its runs, its log)
         # One job at a time, for a test or the background thread; `failure`: what a background job raised.
         self.lock, self.jobs, self.probed, self.stopping, self.failure = threading.RLock(), [], None, False, None
@@ -113,9 +114,10 @@ class SharedRuns:
 
     def make_own(self, name: str) -> tuple:
         """(what the job `name` returned, what it raised), made once: the background thread makes it without
-        raising, so that a test's own job never stops the thread or fails another test."""
+        raising, so that a test's own job never stops the thread or fails another test. Under a lock of its own: a
+        test waits for its job, never for a shared job the thread is making."""
         if name not in self.results:
-            with self.lock:
+            with self.own_locks.setdefault(name, threading.Lock()):  # setdefault: one lock per name, atomically
                 if name not in self.results:
                     (folder := self.root / name).mkdir()
                     try:

@@ -6,6 +6,7 @@ cores the tests in front leave idle: a process of theirs, in a session of its ow
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -31,16 +32,23 @@ def test_a_job_started_in_the_background_takes_the_lowest_priority():
     assert priority(env)[0] == str(os.nice(0))
 
 
-def test_a_tests_own_job_that_fails_fails_its_readers_alone(runs, monkeypatch):
+def test_a_tests_own_job_fails_its_readers_alone_and_waits_for_no_shared_job(runs, tmp_path, monkeypatch):
     """The background thread makes it without raising (a raise would stop the thread, and every shared job after it
-    would then fail its tests); the test that reads it gets the error, and another job is made as before."""
+    would then fail its tests); the test that reads it gets the error, and another job is made as before, while the
+    thread holds the shared jobs' lock (a test reading its own job must not wait for a shared one)."""
     def broken(folder):
         raise RuntimeError(f"no job in {folder.name}")
 
-    monkeypatch.setitem(made_later.REGISTERED, "test_background_broken", broken)
-    monkeypatch.setitem(made_later.REGISTERED, "test_background_fine", lambda folder: folder.name)
-    result, error = runs.make_own("test_background_broken")  # as the thread does
-    assert result is None and str(error) == "no job in test_background_broken"
-    with pytest.raises(RuntimeError, match="no job in test_background_broken"):
-        runs.made("test_background_broken")
-    assert runs.made("test_background_fine") == "test_background_fine"
+    monkeypatch.setitem(made_later.REGISTERED, "broken", broken)
+    monkeypatch.setitem(made_later.REGISTERED, "fine", lambda folder: folder.name)
+    shared = type(runs)(tmp_path)  # a session's SharedRuns of its own: this test holds its lock
+    result, error = shared.make_own("broken")  # as the thread does
+    assert result is None and str(error) == "no job in broken"
+    with pytest.raises(RuntimeError, match="no job in broken"):
+        shared.made("broken")
+    made = []
+    with shared.lock:  # as the thread holds it while it makes a shared job
+        reader = threading.Thread(target=lambda: made.append(shared.made("fine")))
+        reader.start()
+        reader.join(timeout=10)
+    assert made == ["fine"]
