@@ -127,8 +127,9 @@ class SharedRuns:
         return self.results[name]
 
     def make_in_background(self, jobs: list) -> None:
-        """Makes `jobs` (BACKGROUND_JOBS' makers) one after another in a thread of their own, at the lowest CPU
-        priority. When one fails, the thread stops, and every test that needs a job not yet made fails with its log."""
+        """Makes `jobs` (_background_jobs' makers) one after another in a thread of their own, at the lowest CPU
+        priority. When a shared job fails, the thread stops, and every test that needs a job not yet made fails with
+        its log; a test's own job (made_later) keeps its failure for its readers (make_own)."""
         def make() -> None:
             with in_background():
                 try:
@@ -229,7 +230,7 @@ BACKGROUND_JOBS = {
     "shared_8p": _job_of(ALL_RUNS, 8),
 }
 _SHARED: list[SharedRuns] = []
-_LATER: list = []  # the session's background jobs (BACKGROUND_JOBS' makers), until they start
+_LATER: list = []  # the session's background jobs (_background_jobs' makers), until they start
 _LATER_LOCK = threading.Lock()
 HERE = Path(__file__).parent
 

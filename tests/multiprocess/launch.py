@@ -95,8 +95,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-# Set in the thread that makes shared jobs in the background (conftest.py): the jobs it starts (start_job) run at the
-# lowest CPU priority, each launcher in a session of its own (tests/quick_exit/sitecustomize.py).
+# Set in the thread that makes shared jobs in the background (conftest.py): the jobs it starts (start_job, run_job,
+# any command given command_env) run at the lowest CPU priority, start_job's launcher in a session of its own
+# (tests/quick_exit/sitecustomize.py).
 _background = threading.local()
 # What run_job started from that thread, which the pytest session kills at its end if it still runs (a session
 # interrupted while the thread waits for it: the thread dies with the session, not the job).
