@@ -32,6 +32,8 @@ class SharedRuns:
         self.started = {}  # processes -> the job start() left running: (its process, its runs, its log)
         # One job at a time, for a test or the background thread; `failure`: what a background job raised.
         self.lock, self.jobs, self.probed, self.stopping, self.failure = threading.RLock(), [], None, False, None
+        # Set where the session reads both the 4-process resumed runs and the probes: then one job makes both.
+        self.probes_beside_resumes = False
 
     def start(self, nproc: int) -> None:
         """Starts the job of every shared run of `nproc` processes and returns: it runs while other tests do."""
@@ -95,15 +97,19 @@ class SharedRuns:
         with self.lock:
             if self.probed is None:
                 self._no_failure()
-                out = self.root / "probes"
-                spec = {kind: [str(out / kind), *args] for kind, args in probes.REGISTERED.items()}
-                for kind in spec:
-                    (out / kind).mkdir(parents=True, exist_ok=True)
-                (out / "spec.json").write_text(json.dumps(spec))
-                cmd = torchrun_cmd(4, Path(probes.__file__), str(out / "spec.json"))
-                self._finish((self._track(start_job(*cmd, out / "log")), [], out / "log"))
-                self.probed = out
+                cmd = torchrun_cmd(4, Path(probes.__file__), str(self._probes_spec()))
+                self._finish((self._track(start_job(*cmd, log := self.root / "probes" / "log")), [], log))
+                self.probed = self.root / "probes"
             return self.probed
+
+    def _probes_spec(self) -> Path:
+        """probes.py's SPEC_JSON for every part the test modules registered, each writing into probes/KIND."""
+        out = self.root / "probes"
+        spec = {kind: [str(out / kind), *args] for kind, args in probes.REGISTERED.items()}
+        for kind in spec:
+            (out / kind).mkdir(parents=True, exist_ok=True)
+        (out / "spec.json").write_text(json.dumps(spec))
+        return out / "spec.json"
 
     def made(self, name: str):
         """What the job `name` registered in made_later returned, made on first use; what it raised, raised."""
@@ -182,8 +188,12 @@ class SharedRuns:
                 legs.append((root / name, (*leg.argv, *initial)))
             legs += [(root / name, SHARED_RUNS[run].argv) for name, run in RESHARD_BACK.items()]
             resharded |= {name: root / name for name in RESHARD_LEGS}
-        self._make(nproc, runs, legs)
+        # The probes after them, in the same job: a job of 4 ranks costs seconds of start-up before any of it.
+        spec = self._probes_spec() if nproc == 4 and self.probes_beside_resumes and self.probed is None else None
+        self._finish(self._start(nproc, runs, legs, spec))
         self.resharded = self.resharded or resharded
+        if spec is not None:
+            self.probed = spec.parent
 
     def _make(self, nproc: int, runs: list[tuple[str, Run | Resumed]],
               others: list[tuple[Path, tuple[str, ...]]] = ()) -> None:
@@ -192,11 +202,12 @@ class SharedRuns:
         self._finish(self._start(nproc, runs, others))
 
     def _start(self, nproc: int, runs: list[tuple[str, Run | Resumed]],
-               others: list[tuple[Path, tuple[str, ...]]] = ()) -> tuple:
+               others: list[tuple[Path, tuple[str, ...]]] = (), probes_spec: Path | None = None) -> tuple:
         log = self.root / f"job{len(list(self.root.glob('job*.log')))}.log"
         args = (*COMMON, "--training.steps", str(STEPS))
         made = [(self.root / n, run.record, (*args, *run.argv)) for n, run in runs]
-        proc = start_several(nproc, made + [(f, False, (*args, *overrides)) for f, overrides in others], log)
+        proc = start_several(nproc, made + [(f, False, (*args, *overrides)) for f, overrides in others], log,
+                             probes_spec)
         return self._track(proc), runs, log
 
     def _finish(self, started: tuple) -> None:
@@ -224,7 +235,7 @@ def _job_of(table: dict, nproc: int):
 # jobs registered in made_later, in the order their modules were collected.
 BACKGROUND_JOBS = {
     "resumed_4p": SharedRuns.reshard_legs,  # the 4-process resumed runs, and the resharding legs in the same job
-    "probes": SharedRuns.probes,
+    "probes": SharedRuns.probes,  # made at the end of resumed_4p's job where the session reads both
     "shared_2p": _job_of(ALL_RUNS, 2),
     "resumed_2p": _job_of(RESUMED_RUNS, 2),
     "shared_8p": _job_of(ALL_RUNS, 8),
@@ -265,6 +276,7 @@ def pytest_collection_modifyitems(config, items):
         for nproc in sorted({m.args[0] for i in items for m in i.iter_markers("starts_with_session")}):
             shared.start(nproc)
     read = set().union(*(_reads(i) for i in items if place(i) == 2))
+    shared.probes_beside_resumes = {"resumed_4p", "probes"} <= read
     _LATER.extend(make for job, make in _background_jobs().items() if job in read)
     if shared.started and _LATER:
         threading.Thread(target=_start_later, args=(shared, True), daemon=True).start()

@@ -196,9 +196,12 @@ def _runs_json(runs: list[tuple[Path, bool, tuple[str, ...]]]) -> Path:
     return path
 
 
-def start_several(nproc: int, runs: list[tuple[Path, bool, tuple[str, ...]]], log: Path) -> subprocess.Popen:
-    """torchrun_several's job, started and left running, its output going to `log`: end it with finish_job."""
-    return start_job(*torchrun_cmd(nproc, SEVERAL_RUNS, str(_runs_json(runs))), log)
+def start_several(nproc: int, runs: list[tuple[Path, bool, tuple[str, ...]]], log: Path,
+                  probes_spec: Optional[Path] = None) -> subprocess.Popen:
+    """torchrun_several's job, started and left running, its output going to `log`: end it with finish_job. With
+    `probes_spec`, probes.py's parts run after the runs, in the same job."""
+    spec = () if probes_spec is None else (str(probes_spec),)
+    return start_job(*torchrun_cmd(nproc, SEVERAL_RUNS, str(_runs_json(runs)), *spec), log)
 
 
 def start_job(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:

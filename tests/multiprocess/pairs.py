@@ -122,6 +122,8 @@ def allowed(row: dict[str, str], max_world: int = 8) -> bool:
         return False
     if world > MAX_WORLD and any(row.get(f, levels[0]) != levels[0] for f, levels in FACTORS.items() if f not in LAYOUT):
         return False  # 8 ranks start slowly on a few cores: such a row runs its layout and nothing else
+    if world > 2 and row.get("compile") == "on" and row.get("float8", "off") != "off":
+        return False  # compiling emulated float8 costs a rank most: such a row runs on 2 (docs/testing.md)
     if row.get("float8", "off") != "off" and all(f in row for f in ("pp", "dp", "accumulation")) and \
             local_batch(row) != FLOAT8_MICRO_BATCH * pp:
         return False  # a float8 row's micro-batches are its reference's: a tensorwise scale spans a micro-batch

@@ -7,8 +7,9 @@
       "collectives": [OUT_DIR, LAYOUTS_JSON, TRAIN_ARGS...]  each layout's step-2 collectives (tools/comm_count.py)
 
 Each test module registers its part at import (`register`); conftest.probes makes every registered part in one job
-on first use. The default process group is made once and kept: the runs build their own meshes and subgroups, as in
-several_runs.py; the syncs and collectives each patch the loader's next_batch, restored after each.
+on first use, or at the end of the job of the 4-process resumed runs where a session makes both (several_runs.py
+then calls `run`). The default process group is made once and kept: the runs build their own meshes and subgroups,
+as in several_runs.py; the syncs and collectives each patch the loader's next_batch, restored after each.
 """
 
 import json
@@ -22,21 +23,15 @@ def register(kind: str, *args: str) -> None:
     REGISTERED[kind] = list(args)
 
 
-if __name__ == "__main__":
-    import torch
-    import torch.distributed as dist
-
+def run(spec: dict, device) -> int:
+    """Every part of `spec` (SPEC_JSON's), in this process of a job whose default process group exists and whose
+    train.init_distributed returns `device`: 0, or the first failing part's exit code."""
     import train
     from dump_init import dump
     from torchtitan_lite.data.loader import DataLoader
-    from torchtitan_lite.runtime.process import Env, init_distributed
     from torchtitan_lite.tools import comm_count, sync_count
 
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    device, destroy, next_batch = init_distributed(Env.from_environ()), dist.destroy_process_group, DataLoader.next_batch
-    train.init_distributed = lambda *a, **k: device
-    dist.destroy_process_group = lambda *a, **k: None
-    code = 0
+    next_batch, code = DataLoader.next_batch, 0
     if "init" in spec:
         dump(Path(spec["init"][0]), spec["init"][1], json.loads(spec["init"][2]), device)
     for kind in (k for k in spec if k.startswith("syncs")):
@@ -45,6 +40,19 @@ if __name__ == "__main__":
     if "collectives" in spec:
         code = code or comm_count.main(train, spec["collectives"])
         DataLoader.next_batch = next_batch
+    return code
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    import train
+    from torchtitan_lite.runtime.process import Env, init_distributed
+
+    device, destroy = init_distributed(Env.from_environ()), dist.destroy_process_group
+    train.init_distributed = lambda *a, **k: device
+    dist.destroy_process_group = lambda *a, **k: None
+    code = run(json.loads(Path(sys.argv[1]).read_text()), device)
     dist.barrier()  # gloo can abort a process that exits while a peer still sends
     destroy()
     sys.exit(code)
