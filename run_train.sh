@@ -33,9 +33,11 @@ MAX_RESTARTS=${MAX_RESTARTS:-0}
 export PYTHONUNBUFFERED=1
 # What torchrun sets when unset, with a five-line banner saying so; the trainer sets its own thread count anyway.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# torchrun's agent shares one store with every round of workers (torch >= 2.5): a new node then deadlocks the
-# rendezvous, and restarted workers read the dead ones' addresses. Unshared, rank 0 serves a fresh store each round.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# One node: the workers keep torchrun's shared store (torch >= 2.5), which its agent serves before they start. Unshared
+# (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which the Slurm script sets for nodes that join later), rank 0 would serve one
+# on the port the agent found free seconds before, which another job on this machine can take meanwhile (EADDRINUSE).
+# Restarted workers do not read the dead ones' addresses: each round's process group gets a fresh store
+# (torchtitan_lite/runtime/process.py).
 # A config every rank would reject alike (a typo, degrees that do not fit NGPU, a missing file, a folder a live run
 # holds) is reported in one line by one process before torchrun starts, rather than by rank 0 and then torchrun's
 # failure summary. A good one prints the run's plan, and what this script needs of it goes in $plan.

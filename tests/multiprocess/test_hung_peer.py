@@ -6,8 +6,8 @@ job that hangs forever; each surviving rank writes its flight record to comm_tra
 The rank stops itself at a named point (stop_at.py): in a 4-rank FSDP job in the forward of a block, before FSDP
 all-gathers its weights; in a 2-stage pipeline inside a send or receive, which gloo's flight recorder does not record.
 When the stopped rank is rank 0, the one that speaks for the job, the survivor says it after giving rank 0 a training
-timeout to speak. That leg runs as run_train.sh does (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), where the store errors.py
-talked through lived in rank 0 and a stopped rank 0 held the survivor there forever."""
+timeout to speak. That leg runs as the Slurm script does (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), where the store
+errors.py talked through lived in rank 0 and a stopped rank 0 held the survivor there forever."""
 
 import os
 import pickle
