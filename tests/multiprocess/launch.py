@@ -181,11 +181,11 @@ SEVERAL_RUNS = ROOT / "tests" / "multiprocess" / "several_runs.py"
 
 
 def torchrun_several(nproc: int, runs: list[tuple[Path, bool, tuple[str, ...]]], script: Path = SEVERAL_RUNS,
-                     script_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+                     script_args: tuple[str, ...] = (), check: bool = True) -> subprocess.CompletedProcess:
     """Several runs of train.py, each (dump folder, record its gradients (grad_dump.py), overrides), one after another
     in one torchrun job (several_runs.py, or `script script_args... RUNS_JSON`, a shim that runs it), which pays the
-    start-up of a job once."""
-    return run_job(*torchrun_cmd(nproc, script, *script_args, str(_runs_json(runs))))
+    start-up of a job once; the first run that fails ends the job (as run_job, with `check`)."""
+    return run_job(*torchrun_cmd(nproc, script, *script_args, str(_runs_json(runs))), check)
 
 
 def _runs_json(runs: list[tuple[Path, bool, tuple[str, ...]]]) -> Path:
