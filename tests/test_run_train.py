@@ -131,6 +131,20 @@ def test_the_check_prints_the_plan_and_a_finished_run_starts_no_worker(tmp_path)
         "to do (raise training.steps to extend the run)")
 
 
+def test_the_workers_keep_torchruns_shared_store(tmp_path):
+    """Unshared (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), rank 0 would serve a store on the port torchrun's agent found
+    free seconds before, which another job on the machine can take meanwhile: the suite's quick tour once failed so
+    (EADDRINUSE). A value the caller sets still reaches torchrun."""
+    torchrun = 'echo "torchrun started, store unshared: ${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-no}"'
+    env = launcher_stub(tmp_path, torchrun, plan=starts(tmp_path / "out"))
+    for given, said in ((None, "no"), ("1", "1")):
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        proc = subprocess.run([SCRIPT, "--job.dump_folder", str(tmp_path / "out")], capture_output=True, text=True,
+                              env={**env, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": given} if given else {})},
+                              timeout=120)
+        assert f"torchrun started, store unshared: {said}" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_the_jobs_error_line_comes_last_after_torchruns_summary(tmp_path):
     """torchrun's summary names the first rank to exit ("Root Cause ... rank 1"), which may not be the one whose line
     explains the failure: the line a rank said (errors.py writes it to TORCHTITAN_LITE_ERROR_LOG too) comes last."""
