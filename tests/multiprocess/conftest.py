@@ -97,9 +97,10 @@ class SharedRuns:
         with self.lock:
             if self.probed is None:
                 self._no_failure()
-                cmd = torchrun_cmd(4, Path(probes.__file__), str(self._probes_spec()))
-                self._finish((self._track(start_job(*cmd, log := self.root / "probes" / "log")), [], log))
-                self.probed = self.root / "probes"
+                spec = self._probes_spec()
+                cmd = torchrun_cmd(4, Path(probes.__file__), str(spec))
+                self._finish((self._track(start_job(*cmd, spec.parent / "log")), [], spec.parent / "log"))
+                self.probed = spec.parent
             return self.probed
 
     def _probes_spec(self) -> Path:
@@ -190,16 +191,16 @@ class SharedRuns:
             resharded |= {name: root / name for name in RESHARD_LEGS}
         # The probes after them, in the same job: a job of 4 ranks costs seconds of start-up before any of it.
         spec = self._probes_spec() if nproc == 4 and self.probes_beside_resumes and self.probed is None else None
-        self._finish(self._start(nproc, runs, legs, spec))
+        self._make(nproc, runs, legs, spec)
         self.resharded = self.resharded or resharded
         if spec is not None:
             self.probed = spec.parent
 
     def _make(self, nproc: int, runs: list[tuple[str, Run | Resumed]],
-              others: list[tuple[Path, tuple[str, ...]]] = ()) -> None:
+              others: list[tuple[Path, tuple[str, ...]]] = (), probes_spec: Path | None = None) -> None:
         """`runs` (name, Run or Resumed) in one job of `nproc` processes, then `others` (folder, overrides), with COMMON
-        and STEPS before the overrides; the job's output kept beside them."""
-        self._finish(self._start(nproc, runs, others))
+        and STEPS before the overrides, then probes.py's parts of `probes_spec`; the job's output kept beside them."""
+        self._finish(self._start(nproc, runs, others, probes_spec))
 
     def _start(self, nproc: int, runs: list[tuple[str, Run | Resumed]],
                others: list[tuple[Path, tuple[str, ...]]] = (), probes_spec: Path | None = None) -> tuple:
