@@ -52,7 +52,7 @@ grep -qx 'nothing_to_do=1' "$plan" && exit 0  # the check said why
 # its check at the same moment is refused here, before it starts a worker (torchtitan_lite/runtime/run_lock.py).
 dump=$(sed -n 's/^dump_folder=//p' "$plan")
 mkdir -p "$dump" && exec 9<>"$dump/run.lock"
-"$PYTHON" -m torchtitan_lite.runtime.run_lock 9 "$dump" || exit $?
+"$PYTHON" -m torchtitan_lite.runtime.run_lock 9 "$dump" "$(sed -n 's/^shared_lock=//p' "$plan")" || exit $?
 export TORCHTITAN_LITE_LAUNCHER_HOLDS=$dump
 echo "starting $NGPU process$([ "$NGPU" = 1 ] || echo es) (torchrun)"
 export TORCHTITAN_LITE_PLAN_SHOWN=1  # rank 0 does not print the plan again

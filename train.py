@@ -52,6 +52,7 @@ from torchtitan_lite.training.expert_load import ExpertLoad
 from torchtitan_lite.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from torchtitan_lite.training.plan import ending, machine_plan
 from torchtitan_lite.training.preflight import preflight
+from torchtitan_lite.training.replicas import NoReplicas, Replicas, build_replicas
 from torchtitan_lite.training.source_losses import SourceLosses
 from torchtitan_lite.training.step import Inputs, Numerics, build_step
 from torchtitan_lite.training.steps import Steps
@@ -102,6 +103,15 @@ def build_model(cfg: JobConfig, model_args: Args, mesh, dims: ParallelDims, devi
     return merge_stages(parts), parts, token_flops
 
 
+def begin_history(cfg: JobConfig, env: Env, checkpoint: CheckpointManager, resumed: int) -> None:
+    """Makes the folder's history this run's (run_history.py); rank 0, before the run's first record."""
+    its_run, its_config = checkpoint.resumed_run
+    run_id = start_history(cfg.job.dump_folder, resumed, its_run, to_toml(cfg), cfg.metrics.save_tb_folder,
+                           env.world_size, its_config)
+    checkpoint.run = (run_id, to_toml(cfg))  # every checkpoint says whose it is and the config that wrote it
+    logger.info("run %s%s", run_id, f", resumed after step {resumed}" if resumed else "")
+
+
 @dataclass
 class Trainer:
     """What the loop works with, set up by setup(): each part owns its concern and the fields it logs."""
@@ -111,6 +121,7 @@ class Trainer:
     stragglers: Stragglers  # times the data wait; the slowest rank at each logging step
     per_source: SourceLosses  # the step's forward and backward, with a mixture's per-source losses
     update: Update  # the optimizer step and everything around it
+    replicas: NoReplicas | Replicas  # replica groups: who is alive, their gradients summed, each step committed
     validation: Validation
     throughput: Throughput  # tokens/s and MFU, validation left out
     memory: MemoryUse
@@ -129,7 +140,8 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     dims, model_args, bos_id, global_batch, source, val_sources = preflighted
     training = cfg.training
     if env.rank == 0:
-        exits.enter_context(run_lock.hold(cfg.job.dump_folder))  # one live run per folder, before anything is written
+        # One live run per folder, before anything is written (replica groups share it: runtime/run_lock.py).
+        exits.enter_context(run_lock.hold(cfg.job.dump_folder, shared=cfg.fault_tolerance.enable))
         if not os.environ.get(PLAN_SHOWN):
             machine_plan(cfg, preflighted, env.local_world_size).say()
     warn_if_validating_on_training_data(training, cfg.validation)
@@ -181,12 +193,12 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
         return None
     # The folder's history (metrics.jsonl, config.toml, tb/) becomes this run's, decided once the checkpoint it
     # starts from is known and before anything is written: a resume continues its run's, a fresh start begins one.
-    if env.rank == 0:
-        its_run, its_config = checkpoint.resumed_run
-        run_id = start_history(cfg.job.dump_folder, resumed, its_run, to_toml(cfg), cfg.metrics.save_tb_folder,
-                               env.world_size, its_config)
-        checkpoint.run = (run_id, to_toml(cfg))  # every checkpoint says whose it is and the config that wrote it
-        logger.info("run %s%s", run_id, f", resumed after step {resumed}" if resumed else "")
+    # A plain run decides now; replica groups at their first committed step, in the group that logs it (replicas.py).
+    history = partial(begin_history, cfg, env, checkpoint, resumed) if env.rank == 0 else lambda: None
+    # Replica groups: the first quorum, where a group that restarts loads a live group's state and step.
+    replicas = build_replicas(cfg, env.rank, env.world_size, dp_mesh.get_local_rank(), dims.dp, data,
+                              checkpoint.states, train_state, params, exits)
+    replicas.join(history)
     if cfg.checkpoint.create_seed_checkpoint:
         checkpoint.save(0, model_only=True)
         checkpoint.close()  # an async save is written only now
@@ -196,7 +208,7 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     # ---- Around the step: what it logs, what traces it, what acts around its update and between steps.
     metrics = MetricLogger(cfg.job.dump_folder, env.rank, cfg.metrics.log_freq, cfg.metrics.enable_tensorboard,
                            cfg.metrics.save_tb_folder, start_step=train_state.step, total_steps=training.steps,
-                           config=to_toml(cfg), enable_wandb=cfg.metrics.enable_wandb)
+                           config=to_toml(cfg), enable_wandb=cfg.metrics.enable_wandb, writes=replicas.writing)
     # Traces of chosen steps and, on a GPU, memory snapshots (one written when a step runs out of memory).
     profiler = exits.enter_context(StepProfiler(cfg.profiling, cfg.job.dump_folder, env.rank, device, train_state.step))
     snapshots = exits.enter_context(MemorySnapshots(cfg.profiling, cfg.job.dump_folder, env.rank, device,
@@ -205,7 +217,8 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     float8_scales = float8.ScalePrecompute(cfg, dims.fsdp, parts)
     float8_scales()
     memory = MemoryUse(device)
-    update = Update(optimizer, scheduler, guard, partial(clip_grad_norm_, params, training.max_norm, env.world_size))
+    update = Update(optimizer, scheduler, guard, partial(clip_grad_norm_, params, training.max_norm, env.world_size),
+                    commit=replicas.commit)
     stages = mesh["pp"].get_group() if dims.pp > 1 and getattr(model_args, "moe", None) is not None else None
     expert_load = ExpertLoad(model, lambda: dims.token_mesh(mesh).get_group() if dims.dp * dims.cp * dims.tp > 1
                              else None, global_batch, stages, device)
@@ -223,7 +236,7 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
         steps=Steps(train_state.step, training.steps, training.gc_freq, preemption, profiler, snapshots, phase,
                     checkpoint),
         phase=phase, data=data, stragglers=Stragglers(host_group, cfg.metrics.straggler_factor),
-        per_source=SourceLosses(data, model_step, training.seq_len, global_tokens), update=update,
+        per_source=SourceLosses(data, model_step, training.seq_len, global_tokens), update=update, replicas=replicas,
         validation=Validation(cfg.validation, val_sources, loader_args, model_step, global_tokens,
                               loss_mesh.get_group(), training.steps),
         throughput=Throughput(global_tokens, env.world_size, model_flops_per_token, peak, train_state.step),
@@ -239,13 +252,18 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     for step in t.steps:  # and between two steps: gc, the agreement on signals, the profiler's step (steps.py)
         last = step == t.steps.last
         logging_step = t.metrics.should_log(step, last=last)
-        with t.phase("data"):
-            batches = t.stragglers.timed_data(t.data.next_batch)
-        with t.phase("forward_backward"):
-            # The step's loss, then a mixture's per-source sums at logging steps: one all-reduce for all of them.
-            losses = t.per_source.train_step(batches, logging_step)
-        with t.phase("optimizer"):
-            grad_norm = t.update(step)  # skipped when a voter says so (a gradient inf/NaN), decided on the device
+        grad_norm = None
+        for _ in t.replicas.attempts(step):  # once; with replica groups, until every live group commits the step
+            with t.phase("data"):
+                batches = t.stragglers.timed_data(t.data.next_batch)
+            with t.phase("forward_backward"):
+                # The step's loss, then a mixture's per-source sums at logging steps: one all-reduce for all of them.
+                losses = t.per_source.train_step(batches, logging_step)
+                t.replicas.reduce(losses)  # summed across replica groups, with the gradients
+            with t.phase("optimizer"):
+                grad_norm = t.update(step)  # skipped when a voter says so (a gradient inf/NaN), decided on the device
+        if grad_norm is None:
+            continue  # healed from a replica group that committed this step
         val_losses = {}
         if t.validation.due(step):
             with t.phase("validation"), t.throughput.paused():  # tokens/s and MFU measure training alone
@@ -266,6 +284,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
         with t.phase("checkpoint"):
             t.checkpoint.maybe_save(step, last=last)
     t.guard.check()  # a preempted run may stop between logging steps
+    t.replicas.finish()
     t.checkpoint.close()  # waits for an async save still being written
     t.metrics.close()
     if env.rank == 0:
@@ -276,8 +295,10 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
 def checked(cfg: JobConfig, world_size: int) -> None:
     """`--check`: the trainer's checks for `world_size` local processes, then the plan printed. For run_train.sh,
     also written to the file TORCHTITAN_LITE_PLAN_FILE names, as the lines `dump_folder=PATH`,
-    `checkpoint_folder=PATH` (empty with checkpointing off) and `nothing_to_do=0|1`, which it reads."""
-    run_lock.check_free(cfg.job.dump_folder)  # first: a folder in use is the answer, whatever else the config says
+    `checkpoint_folder=PATH` (empty with checkpointing off), `nothing_to_do=0|1` and `shared_lock=0|1` (replica
+    groups share the folder's lock), which it reads."""
+    # First: a folder in use is the answer, whatever else the config says.
+    run_lock.check_free(cfg.job.dump_folder, cfg.fault_tolerance.enable)
     preflighted = preflight(cfg, world_size)
     plan = machine_plan(cfg, preflighted, world_size)  # run_train.sh starts every process on this machine
     print("\n".join(plan.lines + [f"warning: {w}" for w in plan.warnings] + [plan.nothing_to_do] * bool(
@@ -285,7 +306,7 @@ def checked(cfg: JobConfig, world_size: int) -> None:
     if path := os.environ.get("TORCHTITAN_LITE_PLAN_FILE"):
         with open(path, "w") as f:
             f.write(f"dump_folder={os.path.abspath(cfg.job.dump_folder)}\ncheckpoint_folder={plan.checkpoint_folder}\n"
-                    f"nothing_to_do={int(bool(plan.nothing_to_do))}\n")
+                    f"nothing_to_do={int(bool(plan.nothing_to_do))}\nshared_lock={int(cfg.fault_tolerance.enable)}\n")
 
 
 def run(argv: list[str] | None = None, check: bool = False) -> int:

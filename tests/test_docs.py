@@ -39,6 +39,7 @@ NOT_CHECKED = {  # a command's first words -> why this test leaves it alone
     "python -m torch.distributed.flight_recorder.fr_trace": "reads a hung run's comm_traces/ "
                                                             "(tests/multiprocess/test_hung_peer.py runs it on one)",
     "tensorboard": "a server, and an optional package",
+    "torchft_lighthouse": "a server, from an optional package (tests/multiprocess/test_replica_groups.py runs one)",
     "export": "only sets a variable for the commands after it",
 }
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")

@@ -6,6 +6,10 @@ point of its curve.
 Before each step s every rank waits while FOLDER/hold-s exists; a preemption signal (torchrun stopping the workers to
 resize the job) releases it, so the step runs and is saved as on any preemption. On the launch's first attempt, rank
 DIE_RANK SIGKILLs itself at the start of step DIE_STEP, as a worker that crashes or is OOM-killed.
+
+A replica group (fault_tolerance.enable) also waits, before asking who is alive for step s, while FOLDER/hold-q<s>
+exists, so the others stay out of the quorum until a test lets them in; and says it asks, by creating
+FOLDER/joining-<replica id>-<torchrun's restart count>.
 """
 
 import os
@@ -34,5 +38,14 @@ def gated_next_batch(self):
     return next_batch(self)
 
 
+def gated_quorum(self):
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    (folder / f"joining-{self.cfg.replica_id}-{restarts}").touch()
+    while (folder / f"hold-q{self.train_state.step + 1}").exists():
+        time.sleep(0.05)
+    return quorum(self)
+
+
 train.DataLoader.next_batch = gated_next_batch
+quorum, train.Replicas._quorum = train.Replicas._quorum, gated_quorum
 sys.exit(train.run(argv))

@@ -9,11 +9,12 @@ The one package that re-exports: `from torchtitan_lite.config import JobConfig` 
 
 from torchtitan_lite.config.job_config import (OPTIONS, SECTIONS, TABLES, did_you_mean, help_text, load_config, to_toml,
                                               validate)
-from torchtitan_lite.config.sections import (ActivationCheckpoint, Checkpoint, Comm, Compile, ConfigError, Float8, Job,
-                                             JobConfig, LRScheduler, Metrics, Mixture, Model, Moe, Optimizer,
-                                             Parallelism, Phase, Source, Training, Validation, opt)
+from torchtitan_lite.config.sections import (ActivationCheckpoint, Checkpoint, Comm, Compile, ConfigError,
+                                             FaultTolerance, Float8, Job, JobConfig, LRScheduler, Metrics, Mixture,
+                                             Model, Moe, Optimizer, Parallelism, Phase, Source, Training, Validation,
+                                             opt)
 
 __all__ = ["OPTIONS", "SECTIONS", "TABLES", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "ConfigError",
-           "Float8", "Job", "JobConfig", "LRScheduler", "Metrics", "Mixture", "Model", "Moe", "Optimizer",
-           "Parallelism", "Phase", "Source", "Training", "Validation", "did_you_mean", "help_text", "load_config",
-           "opt", "to_toml", "validate"]
+           "FaultTolerance", "Float8", "Job", "JobConfig", "LRScheduler", "Metrics", "Mixture", "Model", "Moe",
+           "Optimizer", "Parallelism", "Phase", "Source", "Training", "Validation", "did_you_mean", "help_text",
+           "load_config", "opt", "to_toml", "validate"]

@@ -280,6 +280,21 @@ class Mixture:
 
 
 @dataclass
+class FaultTolerance:
+    """replica groups that outlive each other's failures (torchft, optional: docs/fault_tolerance.md#replica-groups)"""
+    enable: bool = opt(False, "this job is one of group_size replica groups: they sum their gradients each step, "
+                       "and a group that fails restarts and heals from a live one while the others train on")
+    replica_id: int = opt(0, "this group's number, 0 to group_size - 1", rule=at_least(0))
+    group_size: int = opt(1, "replica groups in the run; each trains an equal share of every global batch",
+                          rule=at_least(1))
+    min_replica_size: int = opt(1, "groups that must be alive to commit a step; fewer wait", rule=at_least(1))
+    lighthouse: str = opt("", 'the torchft lighthouse every group asks who is alive, http://HOST:PORT; "" = '
+                          "$TORCHFT_LIGHTHOUSE")
+    process_group_timeout_ms: int = opt(10000, "a cross-group collective waits this long for a silent group before "
+                                        "the step is retried without it", rule=within(1, WEEK * 1000))
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -297,3 +312,4 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     mixture: Mixture = field(default_factory=Mixture)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -311,20 +312,24 @@ class MetricLogger:
     """Writes each logged step to metrics.jsonl, the console and optionally TensorBoard and W&B; rank 0 only."""
 
     def __init__(self, dump_folder: str, rank: int, log_freq: int, enable_tensorboard: bool, tb_folder: str, *,
-                 start_step: int = 0, total_steps: int = 0, config: str = "", enable_wandb: bool = False):
+                 start_step: int = 0, total_steps: int = 0, config: str = "", enable_wandb: bool = False,
+                 writes: Callable[[], bool] = lambda: True):
         """`start_step`: the step this run resumes after (0 for a fresh run); `total_steps`: training.steps, for the
-        console's k/N and ETA; `config`: the resolved config as TOML, shown in TensorBoard's text tab and W&B's."""
-        self.log_freq, self.total_steps, self.last = log_freq, total_steps, {}
+        console's k/N and ETA; `config`: the resolved config as TOML, shown in TensorBoard's text tab and W&B's;
+        `writes`: whether this job logs the step now (replica groups: the one group that does, replicas.py)."""
+        self.log_freq, self.total_steps, self.last, self.writes = log_freq, total_steps, {}, writes
         self._eta = Eta(start_step)
         self._file = None
+        self._path = None
         self._tb = None
         self._wandb = None
         if rank != 0:  # every rank holds the same numbers after the all-reduce; one writer avoids duplicates
             return
         os.makedirs(dump_folder, exist_ok=True)
-        # Append: a resumed run continues the same file, which run_history.start_history has cut back to the
-        # checkpoint's step; a fresh run finds it moved aside.
-        self._file = open(os.path.join(dump_folder, "metrics.jsonl"), "a")  # noqa: SIM115 - open for the run
+        # Appended to, from the first record on (replica groups begin the run's history only at their first step): a
+        # resumed run continues the same file, which run_history.start_history has cut back to the checkpoint's step;
+        # a fresh run finds it moved aside.
+        self._path = os.path.join(dump_folder, "metrics.jsonl")
         if enable_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -350,10 +355,14 @@ class MetricLogger:
         return step == 1 or step % self.log_freq == 0 or last
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        if self._file is None:
+        if self._path is None:
             return
         values = {k: _plain(v) for k, v in values.items()}
         self.last.update(values, step=step)
+        if not self.writes():
+            return
+        if self._file is None:
+            self._file = open(self._path, "a")  # noqa: SIM115 - open for the run
         self._file.write(json.dumps({"step": step, **values}) + "\n")
         self._file.flush()  # readers (loss_compare, tests, a crashed run's post-mortem) see every step written
         eta = self._eta(step, self.total_steps)
@@ -373,6 +382,7 @@ class MetricLogger:
             self._wandb.log(step, values)
 
     def close(self) -> None:
+        self._path = None
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -50,12 +50,13 @@ def _refusal(dump_folder: str, path: str) -> ConfigError:
                        "or give this run a folder of its own (--job.dump_folder)")
 
 
-def _flock(fd: int, wait_s: float) -> bool:
-    """Locks the open file `fd`, waiting up to `wait_s` for another holder to let go; whether it did."""
+def _flock(fd: int, wait_s: float, shared: bool = False) -> bool:
+    """Locks the open file `fd`, waiting up to `wait_s` for another holder to let go; whether it did. A shared lock
+    is held beside other shared ones (a run's replica groups) and refused to an exclusive one, as it refuses them."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
             if time.monotonic() >= deadline:
@@ -74,30 +75,31 @@ def _say_holder(fd: int, pid: int) -> None:
                               "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
 
 
-def check_free(dump_folder: str) -> None:
-    """Refuses a folder a live run holds; holds and creates nothing itself (train.py --check: a refused config leaves
-    no folder behind)."""
+def check_free(dump_folder: str, shared: bool = False) -> None:
+    """Refuses a folder a live run holds (a `shared` one: a run other than replica groups); holds and creates
+    nothing itself (train.py --check: a refused config leaves no folder behind)."""
     try:
         fd = os.open(os.path.join(dump_folder, LOCK), os.O_RDWR)
     except FileNotFoundError:
         return  # no run has held it
     try:
-        if not _flock(fd, 0.0):
+        if not _flock(fd, 0.0, shared):
             raise _refusal(dump_folder, os.path.join(dump_folder, LOCK))
     finally:
         os.close(fd)
 
 
 @contextlib.contextmanager
-def hold(dump_folder: str):
-    """Holds the folder's lock for the duration (rank 0, before anything is written), or refuses in one line. A job
-    whose launcher holds it for the job (LAUNCHER_HOLDS) holds it already."""
+def hold(dump_folder: str, shared: bool = False):
+    """Holds the folder's lock for the duration (rank 0, before anything is written), or refuses in one line; the
+    replica groups of one run hold it `shared`. A job whose launcher holds it for the job (LAUNCHER_HOLDS) holds it
+    already."""
     if os.environ.get(LAUNCHER_HOLDS) == os.path.abspath(dump_folder):
         yield
         return
     fd = _open(dump_folder)
     try:
-        if not _flock(fd, _RETRY_S):
+        if not _flock(fd, _RETRY_S, shared):
             raise _refusal(dump_folder, os.path.join(dump_folder, LOCK))
         _say_holder(fd, os.getpid())
         yield
@@ -106,8 +108,8 @@ def hold(dump_folder: str):
 
 
 if __name__ == "__main__":  # run_train.sh: lock the file it opened as FD, for as long as it keeps it open
-    fd, folder = int(sys.argv[1]), sys.argv[2]
-    if not _flock(fd, _RETRY_S):
+    fd, folder, shared = int(sys.argv[1]), sys.argv[2], sys.argv[3:4] == ["1"]  # FD FOLDER [SHARED]
+    if not _flock(fd, _RETRY_S, shared):
         print(f"error: {_refusal(folder, os.path.join(folder, LOCK))}", file=sys.stderr)
         sys.exit(2)
     _say_holder(fd, os.getppid())

@@ -8,6 +8,8 @@
 - validation.py: the loss on held-out data, the same batches at every validation
 - source_losses.py: a mixture's loss, tokens and epochs per source at the logging steps
 - expert_load.py: a mixture of experts' load each step, and DeepSeek-V3's bias balancing
+- replicas.py: replica groups (torchft): who is alive each step, their gradients summed, a step committed or retried,
+  a restarted group healed from a live one
 
 May import every layer below it; only tools, train.py and scripts import it.
 """

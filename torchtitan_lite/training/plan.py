@@ -80,10 +80,15 @@ def _data(cfg: JobConfig, dims: ParallelDims, global_batch: int) -> str:
         data += f" ({len(m.phases)} later phase{'s' * (len(m.phases) != 1)})" if m.phases else ""
     else:
         data = " ".join(filter(None, (t.dataset, t.dataset_path)))
-    micro = global_batch // (t.local_batch_size * dims.dp)
-    return (f"data {data}: {t.steps:,} step{'s' * (t.steps != 1)} of {global_batch} x {t.seq_len} = "
+    ft = cfg.fault_tolerance
+    groups = ft.group_size if ft.enable else 1  # all alive; fewer take more micro-batches each (replicas.py)
+    micro = global_batch // (t.local_batch_size * dims.dp * groups)
+    line = (f"data {data}: {t.steps:,} step{'s' * (t.steps != 1)} of {global_batch} x {t.seq_len} = "
             f"{global_batch * t.seq_len:,} tokens ({t.local_batch_size} sequences a rank per micro-batch, {micro} "
-            f"micro-batch{'es' * (micro > 1)})")
+            f"micro-batch{'es' * (micro > 1)}")
+    if ft.enable:
+        line += f" with all {groups} replica groups alive; this is group {ft.replica_id}"
+    return line + ")"
 
 
 def _outputs(cfg: JobConfig) -> tuple[str, list[str], str, str]:

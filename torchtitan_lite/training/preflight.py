@@ -20,6 +20,7 @@ from torchtitan_lite.parallel.pipeline import check_pipeline
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.profiling import check_profiling
 from torchtitan_lite.runtime.wandb_run import check_wandb
+from torchtitan_lite.training.replicas import check_replicas
 
 
 def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
@@ -100,5 +101,6 @@ def preflight(cfg: JobConfig, world_size: int):
     bos_id = document_start(cfg, tokenizer)
     training = cfg.training
     global_batch = dims.global_batch(training.local_batch_size, training.global_batch_size)
+    global_batch = check_replicas(cfg, dims, global_batch, getattr(model_args, "moe", None) is not None)
     source, val_sources = build_data(cfg, tokenizer, global_batch, dims.dp)
     return dims, model_args, bos_id, global_batch, source, val_sources

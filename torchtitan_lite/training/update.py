@@ -10,6 +10,9 @@ is enough: the non-finite guard is one voter (runtime/precision.py), and another
 `found_inf` (precision.apply_or_skip), so no step waits for the host to decide. A voter must answer alike on every
 rank, or the replicas drift apart: the guard reads the gradient norm, all-reduced over the whole job.
 
+Before all of it, the commit: with replica groups (training/replicas.py) a step that failed in one of them is not
+kept at all (no update, hook, count or schedule step) and is trained again, where a skipped step counts as a step.
+
 Hooks are lists, as torch's optimizer hooks are, but ours run after every step, applied or skipped. torch's
 post-hooks run inside optimizer.step(), which an optimizer without `found_inf` does not call for a skipped step: a
 hook that all-reduces (float8's scale precompute) would then run on some steps only, and one that counts would miss
@@ -32,17 +35,21 @@ Voter = Callable[[torch.Tensor, int], torch.Tensor]
 
 class Update:
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 guard: UpdateGuard, clip: Callable[[], torch.Tensor]):
+                 guard: UpdateGuard, clip: Callable[[], torch.Tensor], commit: Callable[[], bool] = lambda: True):
         """`clip`: clips the gradients in place by their global norm and returns that norm (optim.clip_grad_norm_
-        with its parameters bound)."""
-        self.optimizer, self.scheduler, self.guard, self.clip = optimizer, scheduler, guard, clip
+        with its parameters bound). `commit`: whether the step is kept at all (replica groups: replicas.py)."""
+        self.optimizer, self.scheduler, self.guard, self.clip, self.commit = optimizer, scheduler, guard, clip, commit
         self.votes: list[Voter] = [guard.vote]
         self.after_step: list[Callable[[], None]] = []
         self.after_first_step: list[Callable[[], None]] = []  # start-up's end: run once, then dropped
         self.lr = scheduler.get_last_lr()[0]
 
-    def __call__(self, step: int) -> torch.Tensor:
-        """Updates the weights from their gradients unless a voter skips it; returns the global gradient norm."""
+    def __call__(self, step: int) -> torch.Tensor | None:
+        """Updates the weights from their gradients unless a voter skips it; returns the global gradient norm. A step
+        not committed leaves no trace (no update, hook, count or schedule step; its gradients freed): None."""
+        if not self.commit():
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         self.guard.unscale_(self.optimizer)
         grad_norm = self.clip()
         self.lr = self.scheduler.get_last_lr()[0]  # the rate this step used, for its log record

@@ -1,0 +1,70 @@
+"""torchtitan_lite/training/replicas.py without processes: what a run of replica groups refuses, in one line each,
+the global batch it trains, the plan it says, and the folder's lock its groups share (runtime/run_lock.py)."""
+
+import pytest
+
+from tests.multiprocess.launch import TINY
+from tests.test_plan import plan_of
+from torchtitan_lite.config import ConfigError, load_config
+from torchtitan_lite.runtime import run_lock
+from torchtitan_lite.training.preflight import preflight
+
+LIGHTHOUSE = ("--fault_tolerance.lighthouse", "http://localhost:29510")
+
+
+def groups(*argv: str) -> list[str]:
+    return ["--job.config_file", str(TINY), "--fault_tolerance.enable", *LIGHTHOUSE, *argv]
+
+
+def global_batch(argv: list[str], world_size: int = 1) -> int:
+    return preflight(load_config(argv), world_size)[3]
+
+
+@pytest.mark.parametrize("argv, world_size, expected", [
+    (groups("--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", "2"), 1,
+     "fault_tolerance.replica_id 2 must be below fault_tolerance.group_size 2: number the groups 0 to 1"),
+    (groups("--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size", "3"), 1,
+     "fault_tolerance.min_replica_size 3 is more than the 2 groups"),
+    (groups("--fault_tolerance.group_size", "3", "--training.global_batch_size", "8"), 1,
+     "training.global_batch_size 8 does not split into whole micro-batches over 3 live groups of local_batch_size 2 "
+     "x data-parallel degree 1: use a multiple of 12"),
+    (groups("--parallelism.tensor_parallel_degree", "2"), 2, "turn off parallelism.tensor_parallel_degree"),
+    (groups("--checkpoint.enable", "--metrics.enable_tensorboard"), 1,
+     "turn off checkpoint.enable, metrics.enable_tensorboard"),
+    (groups("--model.flavor", "tiny_moe"), 1, "turn off a mixture-of-experts flavor"),
+])
+def test_what_replica_groups_cannot_do_is_refused_in_one_line(argv, world_size, expected):
+    with pytest.raises(ConfigError) as e:
+        preflight(load_config(argv), world_size)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_without_a_lighthouse_the_line_says_where_to_name_it(monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ConfigError, match="set fault_tolerance.lighthouse http://HOST:PORT or TORCHFT_LIGHTHOUSE"):
+        preflight(load_config(["--job.config_file", str(TINY), "--fault_tolerance.enable"]), 1)
+
+
+def test_the_global_batch_is_every_groups_and_the_plan_says_each_ones_share():
+    """-1: the smallest batch that splits into whole micro-batches over 1, 2 or 3 live groups of 2 ranks (with 2
+    groups, a micro-batch per rank of each); a batch every live count splits is kept."""
+    assert global_batch(groups("--fault_tolerance.group_size", "3"), 2) == 2 * 2 * 6
+    assert global_batch(groups("--fault_tolerance.group_size", "2"), 2) == 2 * 2 * 2
+    assert global_batch(groups("--fault_tolerance.group_size", "3", "--fault_tolerance.min_replica_size", "2",
+                               "--training.global_batch_size", "12")) == 12
+    assert global_batch(["--job.config_file", str(TINY)], 2) == 4  # without groups, as before
+    data = plan_of(groups("--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", "1",
+                          "--training.global_batch_size", "8"), world_size=2, peak=None).lines[1]
+    assert data.endswith("(2 sequences a rank per micro-batch, 1 micro-batch with all 2 replica groups alive; this "
+                         "is group 1)"), data
+
+
+def test_replica_groups_share_the_folders_lock_and_keep_other_runs_out(tmp_path):
+    folder = str(tmp_path)
+    with run_lock.hold(folder, shared=True), run_lock.hold(folder, shared=True):  # two groups of one run
+        run_lock.check_free(folder, shared=True)  # a third group's check
+        with pytest.raises(ConfigError, match="is in use by a live run"):
+            run_lock.check_free(folder)  # a run of its own
+    with run_lock.hold(folder):
+        with pytest.raises(ConfigError, match="is in use by a live run"):
+            run_lock.check_free(folder, shared=True)  # and groups wait for a plain run to end

@@ -1,0 +1,313 @@
+"""Replica groups: one run as several torchrun jobs that outlive each other's failures (fault_tolerance.*).
+
+Each group is a job of its own with any layout this file allows inside; together the groups are the run's outermost
+data-parallel dimension, as HSDP's replicas are, except that a group may die and come back while the others train on.
+torchft (optional, as torchao is) does what it does well: its lighthouse tells the groups each step who is alive (the
+quorum), its process group across the groups is rebuilt for each new membership, and a group behind the others is
+sent their state. The rest is here:
+- The step's samples are the global batch's, whoever is alive: a group's data-parallel rank and size come from the
+  quorum (its rank among the live groups, their number), so the survivors of a failure take the missing group's
+  micro-batches and every step trains the same samples as an uninterrupted run (the loader's slice is a function of
+  its position, rank and size: data/loader.py).
+- Gradients are summed across the groups, as the step's loss scale expects (step.py: summed across ranks): one flat
+  all-reduce of every gradient's local shard, the layouts being alike in every group (never a DTensor: torchft's
+  collective has no sharding rule for one, and swallows the error).
+- A step is applied only if the group's vote (torchft's should_commit) says that every collective of it succeeded;
+  otherwise nothing of it is kept and it is trained again, on the same samples, by whoever is alive then.
+- The quorum is synchronous: torchft's asynchronous one reads the serving group's state from its own thread while
+  FSDP holds unsharded parameters in forward, and crashed there (benchmarks/results/2026-11-28_torchft_groups.md).
+- A group behind the others (restarted, or one whose vote failed where theirs passed) loads everything a
+  checkpoint holds from a live group (checkpoint.manager's states: weights, optimizer, schedule, loss scale, RNG,
+  data position, step) before its next step, which it then trains with them: its first gradient is a real one.
+  What travels is each tensor's local shard, copied into this group's own tensors: the layouts are alike.
+
+The first of the live groups logs each step, and the run keeps one history (Replicas says how). So far the groups
+refuse checkpoints, and every layout inside them but FSDP (check_replicas).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from torchtitan_lite.checkpoint.manager import TrainState
+from torchtitan_lite.config import ConfigError, FaultTolerance, JobConfig
+from torchtitan_lite.data.loader import DataLoader
+from torchtitan_lite.parallel.dims import ParallelDims
+from torchtitan_lite.quantization import float8
+
+logger = logging.getLogger("torchtitan_lite")
+
+
+def check_replicas(cfg: JobConfig, dims: ParallelDims, global_batch: int, moe: bool) -> int:
+    """The run's global batch with replica groups, or a ConfigError for what they cannot do yet. It must split into
+    whole micro-batches over any number of live groups from min_replica_size to group_size; -1 is the smallest that
+    does (with 2 groups: a micro-batch per data-parallel rank of each)."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return global_batch
+    if ft.replica_id >= ft.group_size:
+        raise ConfigError(f"fault_tolerance.replica_id {ft.replica_id} must be below fault_tolerance.group_size "
+                          f"{ft.group_size}: number the groups 0 to {ft.group_size - 1}")
+    if ft.min_replica_size > ft.group_size:
+        raise ConfigError(f"fault_tolerance.min_replica_size {ft.min_replica_size} is more than the "
+                          f"{ft.group_size} groups (fault_tolerance.group_size): no step could ever commit")
+    if not (ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+        raise ConfigError("fault_tolerance.enable needs the torchft lighthouse's address: set "
+                          "fault_tolerance.lighthouse http://HOST:PORT or TORCHFT_LIGHTHOUSE")
+    try:
+        _import_torchft()
+    except ImportError:
+        raise ConfigError("fault_tolerance.enable needs torchft: pip install torchft==0.2.0") from None
+    unsupported = {"parallelism.data_parallel_replicate_degree": dims.dp_replicate > 1,
+                   "parallelism.tensor_parallel_degree": dims.tp > 1,
+                   "parallelism.pipeline_parallel_degree": dims.pp > 1,
+                   "parallelism.context_parallel_degree": dims.cp > 1,
+                   "checkpoint.enable": cfg.checkpoint.enable,
+                   "checkpoint.create_seed_checkpoint": cfg.checkpoint.create_seed_checkpoint,
+                   "compile.enable": cfg.compile.enable,
+                   "float8.enable_float8_linear": float8.enabled(cfg), "a mixture-of-experts flavor": moe,
+                   f"training.dataset {cfg.training.dataset}": cfg.training.dataset in ("mixture", "hf"),
+                   "validation.enable": cfg.validation.enable,
+                   # Each group would write its own files under the same names, or a curve of its own.
+                   "metrics.enable_tensorboard": cfg.metrics.enable_tensorboard,
+                   "metrics.enable_wandb": cfg.metrics.enable_wandb,
+                   "profiling.enable_profiling": cfg.profiling.enable_profiling,
+                   "profiling.enable_memory_snapshot": cfg.profiling.enable_memory_snapshot}
+    if refused := [k for k, on in unsupported.items() if on]:
+        raise ConfigError(f"replica groups (fault_tolerance.enable) train FSDP layouts of a dense model on "
+                          f"random-access data, without checkpoints, validation or traces so far: turn off "
+                          f"{', '.join(refused)}")
+    per_group = cfg.training.local_batch_size * dims.dp
+    whole = per_group * math.lcm(*range(ft.min_replica_size, ft.group_size + 1))  # whole micro-batches, any count
+    batch = whole if cfg.training.global_batch_size == -1 else global_batch
+    for live in range(ft.min_replica_size, ft.group_size + 1):
+        if batch % (per_group * live):
+            raise ConfigError(f"training.global_batch_size {batch} does not split into whole micro-batches over "
+                              f"{live} live groups of local_batch_size {cfg.training.local_batch_size} x "
+                              f"data-parallel degree {dims.dp}: use a multiple of {whole}")
+    return batch
+
+
+def _import_torchft():
+    """torchft (optional, as torchao is), quiet: its own logs say a few lines per step and rank (its Rust part reads
+    RUST_LOG once, at import, and logs at INFO without it) and a failed collective's traceback, where this file says
+    what happened in one line."""
+    os.environ.setdefault("RUST_LOG", "error")
+    import torchft  # noqa: PLC0415
+
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)  # its receive of a state
+    warnings.filterwarnings("ignore", ".*LeafSpec.*", FutureWarning)
+    return torchft
+
+
+class NoReplicas:
+    """A run of one group: every step is committed at its first attempt, and this job logs every one."""
+
+    def join(self, history: Callable[[], None]) -> None:
+        history()
+
+    def writing(self) -> bool:
+        return True
+
+    def attempts(self, step: int) -> Iterator[None]:
+        yield
+
+    def reduce(self, losses: torch.Tensor) -> None:
+        pass
+
+    def commit(self) -> bool:
+        return True
+
+    def finish(self) -> None:
+        pass
+
+
+class Replicas:
+    """This group's part in a run of replica groups (the module's docstring says how they train together).
+
+    The step's record is written by the group that is first among the live ones (its quorum rank 0), so every
+    committed step is logged once whoever has died meanwhile. The run's history (run_history.py) begins at its
+    first committed step, in the group that logs it: a group that heals, or that committed a step beside the one
+    that logged it, joins a history begun already and never begins another.
+    """
+
+    def __init__(self, cfg: FaultTolerance, group_rank: int, group_size: int, dp_rank: int, dp_size: int,
+                 data: DataLoader, states: dict[str, Stateful], train_state: TrainState, params: list):
+        torchft = _import_torchft()
+        from torchft.checkpointing.pg_transport import PGTransport  # noqa: PLC0415 - optional
+
+        self.cfg, self.data, self.states, self.train_state, self.params = cfg, data, states, train_state, params
+        self.group_rank, self.dp_rank, self.dp_size = group_rank, dp_rank, dp_size  # within the group
+        self.live, self._rank = 0, None
+        self._committed, self._quorum_ready = False, False
+        self._history: Callable[[], None] | None = None  # begins the run's history, until it has one
+        timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
+        pg = torchft.ProcessGroupGloo(timeout=timeout)
+        # The state travels over the groups' own process group, from each rank to the same rank of the group behind.
+        self.manager = torchft.Manager(
+            pg=pg, load_state_dict=self._load, state_dict=self._serve, min_replica_size=cfg.min_replica_size,
+            use_async_quorum=False, rank=group_rank, world_size=group_size, replica_id=f"replica_{cfg.replica_id}",
+            lighthouse_addr=cfg.lighthouse or None, checkpoint_transport=PGTransport(pg, timeout, torch.device("cpu")),
+            init_sync=False)  # every group initializes alike (init.py)
+        self.manager.load_state_dict({"step": train_state.step, "batches_committed": 0})
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    def writing(self) -> bool:
+        """Whether this group logs the step: the first of the live groups."""
+        return self._rank == 0
+
+    # ---- Membership
+
+    def _quorum(self) -> None:
+        """Who is alive for the next attempt; a group behind the others loads their state first (_load)."""
+        before, t0 = self.train_state.step, time.perf_counter()
+        self.manager.start_quorum()
+        live, self._rank = self.manager.num_participants(), self.manager.participating_rank()
+        if live > self.cfg.group_size:
+            raise ConfigError(f"{live} replica groups are alive, more than fault_tolerance.group_size "
+                              f"{self.cfg.group_size}: give each group its own fault_tolerance.replica_id")
+        if self.train_state.step != before:
+            self._history = None
+            logger.info("replica group %d healed from a live group in %.2fs: step %d -> %d", self.cfg.replica_id,
+                        time.perf_counter() - t0, before, self.train_state.step)
+        if live != self.live and self.live:
+            logger.warning("replica groups: %d live (was %d)", live, self.live)
+        self.live = live
+        self.data.dp_rank, self.data.dp_size = self._rank * self.dp_size + self.dp_rank, live * self.dp_size
+
+    def join(self, history: Callable[[], None]) -> None:
+        """The first quorum, before the loop: a group that restarts comes back at the others' step. `history`
+        begins the run's history (rank 0's; a no-op elsewhere)."""
+        self._history = history
+        self._quorum()
+        self._quorum_ready = True
+
+    def attempts(self, step: int) -> Iterator[None]:
+        """Yields until every live group has committed `step`, each attempt on the same samples; none when a heal
+        has already brought this group past it."""
+        position = None
+        while self.train_state.step < step:
+            if not self._quorum_ready:
+                if position is not None:
+                    self.data.position = position  # the failed attempt's samples again
+                self._quorum()
+            self._quorum_ready = False
+            if self.train_state.step >= step:
+                return  # healed from a group that committed it
+            position = self.data.position
+            yield
+            if self._committed:
+                return
+            logger.warning("step %d was not committed (%s): training it again with the groups alive now", step,
+                           _why(self.manager.errored()))
+
+    # ---- The step
+
+    def reduce(self, losses: torch.Tensor) -> None:
+        """Sums the gradients' local shards and the step's losses across the live groups, in one all-reduce."""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
+                 if p.grad is not None]
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [losses.reshape(-1).float()])
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        offset = 0
+        for t in [*grads, losses]:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def commit(self) -> bool:
+        """The group's vote: whether every collective of the step succeeded in every live group (Update's gate)."""
+        self._committed = self.manager.should_commit()
+        if self._committed and self._history is not None:
+            if self.writing():
+                self._history()  # the run's first committed step, which this group logs
+            self._history = None  # else the group that logs it began it
+        return self._committed
+
+    def finish(self) -> None:
+        """Says, on every rank, the digest of its state: the same rank of every group must say the same."""
+        logger.info("replica group %d rank %d ends at step %d, state digest %s", self.cfg.replica_id,
+                    self.group_rank, self.train_state.step, self.digest())
+
+    # ---- Healing
+
+    def _serve(self) -> dict[str, Any]:
+        """What a group behind gets: every state a checkpoint holds, each tensor as this rank's local shard."""
+        return {k: _local(s.state_dict()) for k, s in self.states.items()}
+
+    def _load(self, received: dict[str, Any]) -> None:
+        for k, s in self.states.items():
+            s.load_state_dict(_filled(s.state_dict(), received[k]))
+
+    def digest(self) -> str:
+        """A hash of this rank's weights and optimizer state, bytes and all: equal on the same rank of every group."""
+        h = hashlib.sha256()
+        for k in ("model", "optimizer"):
+            for name, value in sorted(_flat(_local(self.states[k].state_dict()))):
+                h.update(name.encode())
+                h.update(value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                         if isinstance(value, torch.Tensor) else repr(value).encode())
+        return h.hexdigest()[:16]
+
+
+def _why(error: Exception | None) -> str:
+    """A failed step's cause in a few words: gloo's first sentence, without its source location."""
+    if error is None:
+        return "fewer groups alive than fault_tolerance.min_replica_size"
+    text = str(getattr(error, "original_exception", error)).splitlines()[0]
+    return text.rsplit("] ", 1)[-1].split(". ")[0][:160]
+
+
+def _local(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local(v) for v in value)
+    return value
+
+
+def _flat(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [item for k, v in value.items() for item in _flat(v, f"{prefix}{k}.")]
+    return [(prefix, value)]
+
+
+def _filled(template: Any, received: Any) -> Any:
+    """`template` (this rank's own state) with the received values: local shards copied into its DTensors."""
+    if isinstance(template, DTensor):
+        template.to_local().copy_(received)
+        return template
+    if isinstance(template, dict):
+        return {k: _filled(template[k], v) if k in template else v for k, v in received.items()}
+    return received
+
+
+def build_replicas(cfg: JobConfig, group_rank: int, group_size: int, dp_rank: int, dp_size: int, data: DataLoader,
+                   states: dict[str, Stateful], train_state: TrainState, params: list,
+                   exits: contextlib.ExitStack) -> NoReplicas | Replicas:
+    """The run's replica groups, chosen once at start-up."""
+    if not cfg.fault_tolerance.enable:
+        return NoReplicas()
+    replicas = Replicas(cfg.fault_tolerance, group_rank, group_size, dp_rank, dp_size, data, states, train_state,
+                        params)
+    exits.callback(replicas.close)
+    return replicas
