@@ -70,7 +70,8 @@ def start_processes(cfg: JobConfig, env: Env, dims: ParallelDims):
     """The process group, this rank's device and the mesh: (device, mesh, dp mesh, loss mesh)."""
     checks_passed(env)  # from here on, errors are decided on rank 0 and raised on every rank
     flight_recorder.enable(cfg.comm.trace_buf_size, cfg.job.dump_folder)
-    device = init_distributed(env, cfg.comm.init_timeout_seconds)
+    ft = cfg.fault_tolerance
+    device = init_distributed(env, cfg.comm.init_timeout_seconds, ft.groups_per_machine if ft.enable else 1)
     group_formed(env)  # a line can now be said for a hung rank 0
     set_determinism(cfg.training.seed, cfg.training.deterministic, device)
     mesh, dp_mesh, loss_mesh = dims.build_mesh(device.type)

@@ -288,6 +288,8 @@ class FaultTolerance:
     group_size: int = opt(1, "replica groups in the run; each trains an equal share of every global batch",
                           rule=at_least(1))
     min_replica_size: int = opt(1, "groups that must be alive to commit a step; fewer wait", rule=at_least(1))
+    groups_per_machine: int = opt(1, "groups that share this machine's CPU cores: a CPU process computes with its "
+                                  "share of them, as the processes of one job do", rule=at_least(1))
     lighthouse: str = opt("", 'the torchft lighthouse every group asks who is alive, http://HOST:PORT; "" = '
                           "$TORCHFT_LIGHTHOUSE")
     process_group_timeout_ms: int = opt(10000, "a cross-group collective waits this long for a silent group before "

@@ -33,15 +33,16 @@ def cpu_threads(local_processes: int) -> int:
     return max(1, cores // local_processes)
 
 
-def init_distributed(env: Env, timeout_s: int = 600) -> torch.device:
-    """CUDA + NCCL when there are GPUs, else CPU + gloo with the cores shared among the local processes."""
+def init_distributed(env: Env, timeout_s: int = 600, jobs_here: int = 1) -> torch.device:
+    """CUDA + NCCL when there are GPUs, else CPU + gloo with the cores shared among the local processes: those of
+    `jobs_here` alike jobs on this machine (replica groups that share it)."""
     if torch.cuda.is_available():
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(cpu_threads(env.local_world_size))
+        torch.set_num_threads(cpu_threads(env.local_world_size * jobs_here))
         backend = "gloo"
     timeout = timedelta(seconds=timeout_s)
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:

@@ -195,10 +195,16 @@ class Replicas:
 
     def join(self, history: Callable[[], None]) -> None:
         """The first quorum, before the loop: a group that restarts comes back at the others' step. `history`
-        begins the run's history (rank 0's; a no-op elsewhere)."""
+        begins the run's history (rank 0's; a no-op elsewhere). A restarted group with no live group to heal from
+        stops: alone it would train the run again from its start (the others finished, or died as well)."""
         self._history = history
         self._quorum()
         self._quorum_ready = True
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if restarted and self._history is not None and self.live == 1:
+            raise ConfigError(f"replica group {self.cfg.replica_id} restarted and found no live group to heal from "
+                              "(the others have finished, or died too): without checkpoints there is nothing to "
+                              "rejoin; start the run again")
 
     def attempts(self, step: int) -> Iterator[None]:
         """Yields until every live group has committed `step`, each attempt on the same samples; none when a heal

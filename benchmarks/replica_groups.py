@@ -1,0 +1,152 @@
+"""What replica groups (fault_tolerance.enable, torchft) cost, on this machine's CPU processes.
+
+    python benchmarks/replica_groups.py [--steps 30]
+
+1. Without a fault, per step: the debug model on one process, plain and as a run of one replica group (the quorum,
+   the commit vote and the all-reduce across groups, with no peer: what every step pays whatever the model), then two
+   groups of one process against one job of two FSDP processes with the same global batch (each pays its own
+   gradient reduction: the groups one all-reduce across groups, FSDP its reduce-scatter).
+2. A fault, side by side (fault()): a process SIGKILLed at the start of step 10 under two replica groups, and under
+   one job that torchrun restarts and that resumes from its newest checkpoint; the wait for step 10, the steps
+   trained again, and the restarted group's heal.
+Each job's step time is the median of its steps' records after the first two (elapsed_s between records). The last
+line holds every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("launch", ROOT / "tests" / "multiprocess" / "launch.py")
+sys.modules["launch"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sys.modules["launch"])
+from launch import GATE, TINY, kill_tree, torchrun_cmd, train_argv  # noqa: E402
+
+os.environ.setdefault("RUST_LOG", "error")  # the lighthouse's Rust part logs each quorum otherwise
+from torchft._torchft import LighthouseServer  # noqa: E402
+
+DEBUG = ROOT / "train_configs" / "debug_model.toml"
+PLAIN = ("--parallelism.tensor_parallel_degree", "1", "--no-validation.enable", "--metrics.log_freq", "1")
+
+
+def step_seconds(folder: Path) -> float:
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    elapsed = [r["elapsed_s"] for r in records if "loss" in r]
+    return statistics.median(b - a for a, b in zip(elapsed[2:], elapsed[3:]))
+
+
+def start(nproc: int, folder: Path, *args: str, config: Path = DEBUG, script: Path = ROOT / "train.py",
+          restarts: int = 0) -> subprocess.Popen:
+    cmd, env = torchrun_cmd(nproc, script, *args, *train_argv(folder, config=config),
+                            launcher=("--standalone", "--max-restarts", str(restarts)))
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def groups(n: int, lighthouse: str, *args: str) -> tuple[str, ...]:
+    return ("--fault_tolerance.enable", "--fault_tolerance.group_size", str(n), "--fault_tolerance.lighthouse",
+            lighthouse, "--fault_tolerance.groups_per_machine", str(n), *args)
+
+
+def finish(*jobs: subprocess.Popen) -> list[str]:
+    try:
+        outs = [j.communicate(timeout=1200)[0] for j in jobs]
+    finally:
+        for j in jobs:
+            if j.poll() is None:
+                kill_tree(j)
+    for j, out in zip(jobs, outs):
+        assert j.returncode == 0, out[-3000:]
+    return outs
+
+
+def no_fault(root: Path, steps: int) -> dict[str, float]:
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, heartbeat_timeout_ms=1000)
+    try:
+        common = (*PLAIN, "--training.steps", str(steps), "--training.global_batch_size", "8")
+        out = {}
+        finish(start(1, root / "plain", *common))
+        finish(start(1, root / "one_group", *groups(1, lighthouse.address(), "--fault_tolerance.replica_id", "0"),
+                     *common))
+        out["1 process s/step"], out["1 group s/step"] = step_seconds(root / "plain"), step_seconds(root / "one_group")
+        finish(start(2, root / "fsdp2", *common))
+        finish(*(start(1, root / "two_groups", *groups(2, lighthouse.address(), "--fault_tolerance.replica_id",
+                                                       str(r)), *common) for r in (0, 1)))
+        out["fsdp2 s/step"], out["2 groups s/step"] = step_seconds(root / "fsdp2"), step_seconds(root / "two_groups")
+        return out
+    finally:
+        lighthouse.shutdown()
+
+
+def first_seen(folder: Path, *jobs: subprocess.Popen) -> dict[int, float]:
+    """When each step's record first appeared in metrics.jsonl (polled every 20 ms while any job runs)."""
+    seen, path = {}, folder / "metrics.jsonl"
+    while any(j.poll() is None for j in jobs):
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if '"loss"' in line and line.endswith("}"):
+                    seen.setdefault(json.loads(line)["step"], time.monotonic())
+        time.sleep(0.02)
+    return seen
+
+
+def fault(root: Path) -> dict[str, float]:
+    """The same fault, a process SIGKILLed at the start of step 10 of the tests' tiny model (global batch 8, 2 CPU
+    processes in all), under both: two replica groups of one process, and one FSDP job of two processes that
+    torchrun restarts and that resumes from its checkpoint of step 5. The cost is the wait between the records of
+    steps 9 and 10."""
+    common = ("--training.steps", "300", "--training.global_batch_size", "8", "--metrics.log_freq", "1")
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, heartbeat_timeout_ms=1000)
+    groups_folder, restart_folder = root / "fault_groups", root / "fault_restart"
+    groups_folder.mkdir()
+    restart_folder.mkdir()
+    try:
+        jobs = [start(1, groups_folder, str(groups_folder), *die, *groups(2, lighthouse.address(),
+                                                                           "--fault_tolerance.replica_id", str(r)),
+                      *common, config=TINY, script=GATE, restarts=1) for r, die in ((0, ()), (1, ("0", "10")))]
+        seen = first_seen(groups_folder, *jobs)
+        outs = finish(*jobs)
+    finally:
+        lighthouse.shutdown()
+    job = start(2, restart_folder, str(restart_folder), "1", "10", *common, "--checkpoint.enable",
+                "--checkpoint.interval", "5", config=TINY, script=GATE, restarts=1)
+    restarted = first_seen(restart_folder, job)
+    finish(job)
+    # The last heal: a group that starts after the other heals at its start too.
+    healed = re.findall(r"healed from a live group in ([\d.]+)s: step 0 -> (\d+)", outs[1])[-1]
+    return {"groups: step 9 to 10 s": seen[10] - seen[9], "groups: steps trained again": float(
+                outs[0].count("was not committed")),
+            "groups: heal s": float(healed[0]), "groups: rejoined at step": float(healed[1]),
+            "restart: step 9 to 10 s": restarted[10] - restarted[9], "restart: steps trained again": 1.0 + 9 - 5}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        figures = {**no_fault(Path(tmp), args.steps), **fault(Path(tmp))}
+        for k, v in figures.items():
+            print(f"{k:>32}: {v:.4f}")
+        one, plain = figures["1 group s/step"], figures["1 process s/step"]
+        print(f"quorum overhead {100 * (one / plain - 1):+.1f}% of a step ({1000 * (one - plain):+.1f} ms), "
+              f"2 groups / fsdp2 {figures['2 groups s/step'] / figures['fsdp2 s/step']:.3f}; a fault costs "
+              f"{figures['groups: step 9 to 10 s']:.2f} s and {figures['groups: steps trained again']:.0f} step with "
+              f"replica groups (heal {figures['groups: heal s']:.2f} s), {figures['restart: step 9 to 10 s']:.2f} s "
+              f"and {figures['restart: steps trained again']:.0f} steps with restart + resume "
+              f"({time.perf_counter() - t0:.0f} s in all)")
+
+
+if __name__ == "__main__":
+    main()
