@@ -155,6 +155,7 @@ class Replicas:
         self.cfg, self.data, self.states, self.train_state, self.params = cfg, data, states, train_state, params
         self.group_rank, self.dp_rank, self.dp_size = group_rank, dp_rank, dp_size  # within the group
         self.live, self._rank = 0, None
+        self._marks, self._alive = torch.zeros(0), None  # the groups that trained the last step, and the last committed
         self._committed, self._quorum_ready = False, False
         self._history: Callable[[], None] | None = None  # begins the run's history, until it has one
         timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
@@ -188,8 +189,6 @@ class Replicas:
             self._history = None
             logger.info("replica group %d healed from a live group in %.2fs: step %d -> %d", self.cfg.replica_id,
                         time.perf_counter() - t0, before, self.train_state.step)
-        if live != self.live and self.live:
-            logger.warning("replica groups: %d live (was %d)", live, self.live)
         self.live = live
         self.data.dp_rank, self.data.dp_size = self._rank * self.dp_size + self.dp_rank, live * self.dp_size
 
@@ -228,24 +227,40 @@ class Replicas:
     # ---- The step
 
     def reduce(self, losses: torch.Tensor) -> None:
-        """Sums the gradients' local shards and the step's losses across the live groups, in one all-reduce."""
+        """Sums the gradients' local shards and the step's losses across the live groups, in one all-reduce, with
+        each group's mark: which groups trained the step."""
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
                  if p.grad is not None]
-        flat = torch.cat([g.reshape(-1).float() for g in grads] + [losses.reshape(-1).float()])
+        mark = torch.zeros(self.cfg.group_size)
+        mark[self.cfg.replica_id] = 1
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [losses.reshape(-1).float(), mark])
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         offset = 0
         for t in [*grads, losses]:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
+        self._marks = flat[offset:]
 
     def commit(self) -> bool:
         """The group's vote: whether every collective of the step succeeded in every live group (Update's gate)."""
         self._committed = self.manager.should_commit()
-        if self._committed and self._history is not None:
-            if self.writing():
-                self._history()  # the run's first committed step, which this group logs
-            self._history = None  # else the group that logs it began it
+        if self._committed:
+            self._say_who_trained()
+            if self._history is not None:
+                if self.writing():
+                    self._history()  # the run's first committed step, which this group logs
+                self._history = None  # else the group that logs it began it
         return self._committed
+
+    def _say_who_trained(self) -> None:
+        """Names the groups that left or joined since the last committed step."""
+        alive = [i for i, n in enumerate(self._marks.tolist()) if n > 0.5]
+        if self._alive is not None and alive != self._alive:
+            changes = [f"group {i} left" for i in self._alive if i not in alive]
+            changes += [f"group {i} joined" for i in alive if i not in self._alive]
+            logger.warning("replica groups: %s; training with %s", ", ".join(changes),
+                           ", ".join(str(i) for i in alive))
+        self._alive = alive
 
     def finish(self) -> None:
         """Says, on every rank, the digest of its state: the same rank of every group must say the same."""
