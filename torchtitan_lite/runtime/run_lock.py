@@ -76,8 +76,8 @@ def _say_holder(fd: int, pid: int) -> None:
 
 
 def check_free(dump_folder: str, shared: bool = False) -> None:
-    """Refuses a folder a live run holds (a `shared` one: a run other than replica groups); holds and creates
-    nothing itself (train.py --check: a refused config leaves no folder behind)."""
+    """Refuses a folder a live run holds; `shared`, a replica group's check, is refused only by a run that is not
+    replica groups. Holds and creates nothing itself (train.py --check: a refused config leaves no folder behind)."""
     try:
         fd = os.open(os.path.join(dump_folder, LOCK), os.O_RDWR)
     except FileNotFoundError:

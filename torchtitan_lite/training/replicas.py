@@ -231,7 +231,7 @@ class Replicas:
         each group's mark: which groups trained the step."""
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
                  if p.grad is not None]
-        mark = torch.zeros(self.cfg.group_size)
+        mark = torch.zeros(self.cfg.group_size, device=losses.device)
         mark[self.cfg.replica_id] = 1
         flat = torch.cat([g.reshape(-1).float() for g in grads] + [losses.reshape(-1).float(), mark])
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
