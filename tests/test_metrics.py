@@ -379,3 +379,22 @@ def test_the_cpu_peak_is_measured_on_the_workers_thread_count(monkeypatch):
         assert seen == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_step_the_file_holds_already_is_not_written_again(tmp_path, caplog):
+    """Two writers of one metrics.jsonl, as replica groups hand the writing over: each appends past the file's last
+    step, whoever wrote it, and one behind the run (a group left alone after the others finished) writes nothing."""
+    a, b = (MetricLogger(str(tmp_path), rank=0, log_freq=1, enable_tensorboard=False, tb_folder="tb")
+            for _ in range(2))
+    a.log(1, {"loss": 1.0})
+    b.log(2, {"loss": 2.0})  # a has died: b writes
+    a.log(3, {"loss": 3.0})  # a is back and first again
+    with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
+        b.log(2, {"loss": 9.0})  # b, stale, alone
+        b.log(3, {"loss": 9.0})
+        b.log(4, {"loss": 4.0})  # past the file's last step: its own again
+    a.close()
+    b.close()
+    assert [(m["step"], m["loss"]) for m in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "metrics.jsonl already holds step 3: this job's records up to it are not written (it is behind the run)"]

@@ -308,6 +308,18 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
+def _last_step(path: str) -> int | None:
+    """The step of a metrics.jsonl's last complete record (a run's start or resume record included), if any."""
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+        for line in reversed(f.read().splitlines()):
+            try:
+                return int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):  # a torn first line of the tail, or a line without a step
+                continue
+    return None
+
+
 class MetricLogger:
     """Writes each logged step to metrics.jsonl, the console and optionally TensorBoard and W&B; rank 0 only."""
 
@@ -321,6 +333,7 @@ class MetricLogger:
         self._eta = Eta(start_step)
         self._file = None
         self._path = None
+        self._written_to, self._file_step, self._behind = -1, None, False  # the file as this job last wrote it
         self._tb = None
         self._wandb = None
         if rank != 0:  # every rank holds the same numbers after the all-reduce; one writer avoids duplicates
@@ -359,12 +372,8 @@ class MetricLogger:
             return
         values = {k: _plain(v) for k, v in values.items()}
         self.last.update(values, step=step)
-        if not self.writes():
+        if not self.writes() or not self._append(step, values):
             return
-        if self._file is None:
-            self._file = open(self._path, "a")  # noqa: SIM115 - open for the run
-        self._file.write(json.dumps({"step": step, **values}) + "\n")
-        self._file.flush()  # readers (loss_compare, tests, a crashed run's post-mortem) see every step written
         eta = self._eta(step, self.total_steps)
         if "loss" in values:
             fields = [f"step: {step}/{self.total_steps}" if self.total_steps else f"step: {step}",
@@ -380,6 +389,26 @@ class MetricLogger:
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(step, values)
+
+    def _append(self, step: int, values: dict) -> bool:
+        """Appends the step's record, unless the file holds that step already: written by another job meanwhile
+        (replica groups: a group fallen behind the run, left alone once the others have finished), it would read as
+        a second run spliced in (run_history.read_history). Whether it was written."""
+        if self._file is None:
+            self._file = open(self._path, "a")  # noqa: SIM115 - open for the run
+        size = os.fstat(self._file.fileno()).st_size
+        if size != self._written_to:  # first written, or appended to by another writer since
+            self._file_step = _last_step(self._path)
+        if self._file_step is not None and step <= self._file_step:
+            if not self._behind:
+                logger.warning("metrics.jsonl already holds step %d: this job's records up to it are not written "
+                               "(it is behind the run)", self._file_step)
+            self._behind = True
+            return False
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self._file.flush()  # readers (loss_compare, tests, a crashed run's post-mortem) see every step written
+        self._written_to, self._file_step = self._file.tell(), step
+        return True
 
     def close(self) -> None:
         self._path = None
