@@ -39,7 +39,8 @@ from torchtitan_lite.runtime import flight_recorder, run_lock
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
 from torchtitan_lite.runtime.memory_use import MemoryUse
-from torchtitan_lite.runtime.metrics import FLOAT8, MetricLogger, stated_peak_flops
+from torchtitan_lite.runtime.metric_logger import MetricLogger
+from torchtitan_lite.runtime.metrics import FLOAT8, stated_peak_flops
 from torchtitan_lite.runtime.phases import Phases
 from torchtitan_lite.runtime.precision import NonFiniteError, UpdateGuard, warn_if_slow
 from torchtitan_lite.runtime.process import Env, init_distributed, peer_timeout, set_determinism, set_timeout

@@ -22,7 +22,8 @@ from torchtitan_lite.models.llama3.model import FLAVORS, Transformer, Transforme
 from torchtitan_lite.parallel.parallelize import apply_ac
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import metrics
-from torchtitan_lite.runtime.metrics import (FLOAT8, MetricLogger, cpu_peak, flops_per_token, memory_gib, peak_flops,
+from torchtitan_lite.runtime.metric_logger import MetricLogger
+from torchtitan_lite.runtime.metrics import (FLOAT8, cpu_peak, flops_per_token, memory_gib, peak_flops,
                                             stated_peak_flops)
 
 CPU = torch.device("cpu")

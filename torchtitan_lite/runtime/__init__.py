@@ -3,7 +3,8 @@
 - errors.py: one error line per job, whichever rank fails first
 - signals.py: preemption signals and a vanished launcher: the run ends at a step boundary, with a checkpoint
 - precision.py: the numerics of the update: dtypes, fp16 loss scaling, steps whose gradients are not finite
-- metrics.py: throughput (FLOPs, MFU, memory) and the metric logger: console, metrics.jsonl, TensorBoard
+- metrics.py: throughput accounting: FLOPs, the peak MFU is against, memory
+- metric_logger.py: the metric logger: console, metrics.jsonl, TensorBoard, W&B
 - run_history.py: what a run does with the history it finds in its dump folder, and how metrics.jsonl is read
 - run_lock.py: one live run per dump folder
 - flight_recorder.py: a hang that names its cause: the rank that did not join, the collective, the point of the step

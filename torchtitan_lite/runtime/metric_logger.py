@@ -1,0 +1,180 @@
+"""The per-step metric logger.
+
+It writes the two formats docs/configuration.md fixes ("What a run writes"): `metrics.jsonl` (what scripts and tests
+read) and the console line `step: N  loss: X  ...` (torchtitan's shape). TensorBoard is optional and imported only
+when enabled; it gets the run's resolved config as text, and a resumed run continues its curves without the stale
+tail a crash leaves (see MetricLogger). W&B, optional too, gets the same records (wandb_run.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import tomllib
+from collections.abc import Callable
+
+from torchtitan_lite.runtime.wandb_run import WandbRun
+
+logger = logging.getLogger("torchtitan_lite")
+
+
+def _plain(v):
+    """A tensor or numpy scalar as a Python number, so json.dumps writes it at full precision (repr)."""
+    v = v.item() if hasattr(v, "item") else v
+    return v if isinstance(v, (int, float)) else float(v)
+
+
+# Console fields after `loss`, in order: key, label, format. Keys not in `values` are skipped.
+_CONSOLE = [
+    ("grad_norm", "grad_norm", "{:.4f}"),
+    ("lr", "lr", "{:.4e}"),
+    ("tps", "tps", "{:,.0f}"),
+    ("mfu", "mfu", "{:.2f}%"),
+    ("memory_gib", "memory", "{:.2f}GiB"),
+]
+
+
+class Eta:
+    """Time left, from the pace of the steps logged so far by this process. The first logged step's window holds the
+    start-up and, compiled, the compilation: it is the estimate only until a second log gives the pace of steps
+    alone, from then on measured from the first. Validation, checkpoints and logging are in the pace, as in the
+    time left."""
+
+    def __init__(self, start_step: int):
+        self._first: tuple[int, float] = (start_step, time.perf_counter())
+        self._from_first = False
+
+    def __call__(self, step: int, total: int) -> float | None:
+        now = time.perf_counter()
+        first_step, first_time = self._first
+        if total <= step or step <= first_step:
+            return 0.0 if total and step >= total else None
+        eta = (now - first_time) / (step - first_step) * (total - step)
+        if not self._from_first:  # the first log: from now on, the pace is measured from this step
+            self._first, self._from_first = (step, now), True
+        return eta
+
+
+def _clock(seconds: float) -> str:
+    """1h02m, 3m05s, 42s."""
+    seconds = round(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def _last_step(path: str) -> int | None:
+    """The step of a metrics.jsonl's last complete record (a run's start or resume record included), if any."""
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+        for line in reversed(f.read().splitlines()):
+            try:
+                return int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):  # a torn first line of the tail, or a line without a step
+                continue
+    return None
+
+
+class MetricLogger:
+    """Writes each logged step to metrics.jsonl, the console and optionally TensorBoard and W&B; rank 0 only."""
+
+    def __init__(self, dump_folder: str, rank: int, log_freq: int, enable_tensorboard: bool, tb_folder: str, *,
+                 start_step: int = 0, total_steps: int = 0, config: str = "", enable_wandb: bool = False,
+                 writes: Callable[[], bool] = lambda: True):
+        """`start_step`: the step this run resumes after (0 for a fresh run); `total_steps`: training.steps, for the
+        console's k/N and ETA; `config`: the resolved config as TOML, shown in TensorBoard's text tab and W&B's;
+        `writes`: whether this job logs the step now (replica groups: the one group that does, replicas.py)."""
+        self.log_freq, self.total_steps, self.last, self.writes = log_freq, total_steps, {}, writes
+        self._eta = Eta(start_step)
+        self._file = None
+        self._path = None
+        self._written_to, self._file_step, self._behind = -1, None, False  # the file as this job last wrote it
+        self._tb = None
+        self._wandb = None
+        if rank != 0:  # every rank holds the same numbers after the all-reduce; one writer avoids duplicates
+            return
+        os.makedirs(dump_folder, exist_ok=True)
+        # Appended to, from the first record on (replica groups begin the run's history only at their first step): a
+        # resumed run continues the same file, which run_history.start_history has cut back to the checkpoint's step;
+        # a fresh run finds it moved aside.
+        self._path = os.path.join(dump_folder, "metrics.jsonl")
+        if enable_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError(
+                    "metrics.enable_tensorboard is set but tensorboard is not installed: "
+                    "`pip install tensorboard` or pass --no-metrics.enable_tensorboard"
+                ) from e
+            # A crash leaves events for the steps between the last checkpoint and the crash, which the resumed run
+            # logs again. purge_step writes a restart marker at the first step this run logs, and TensorBoard drops
+            # every earlier event at or past it: each curve stays one line, as metrics.jsonl keeps one record per
+            # step. Not start_step itself: the earlier run's record of that step is still valid.
+            self._tb = SummaryWriter(os.path.join(dump_folder, tb_folder), purge_step=start_step + 1)
+            if config:
+                # At this run's first step, not at 0: a resume with other settings (more steps) shows both configs
+                # on the text tab's step slider, and a resume after a crash replaces the stale one with the scalars.
+                self._tb.add_text("config", f"```toml\n{config}```", start_step + 1)
+        if enable_wandb:
+            self._wandb = WandbRun(dump_folder, tomllib.loads(config), start_step)
+
+    def should_log(self, step: int, last: bool = False) -> bool:
+        # Same answer on every rank, so the trainer can gate collectives (loss all-reduce) on it.
+        return step == 1 or step % self.log_freq == 0 or last
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if self._path is None:
+            return
+        values = {k: _plain(v) for k, v in values.items()}
+        self.last.update(values, step=step)
+        if not self.writes() or not self._append(step, values):
+            return
+        eta = self._eta(step, self.total_steps)
+        if "loss" in values:
+            fields = [f"step: {step}/{self.total_steps}" if self.total_steps else f"step: {step}",
+                      f"loss: {values['loss']:.4f}"]
+            fields += [f"{label}: {fmt.format(values[k])}" for k, label, fmt in _CONSOLE if k in values]
+            fields += [f"eta: {_clock(eta)}"] if eta is not None else []
+            logger.info("  ".join(fields))
+        if "val_loss" in values:  # a mixture's sources beside it (val_loss/NAME)
+            sources = "".join(f"  {k}: {v:.4f}" for k, v in values.items() if k.startswith("val_loss/"))
+            logger.info(f"step: {step}  val_loss: {values['val_loss']:.4f}{sources}")
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(step, values)
+
+    def _append(self, step: int, values: dict) -> bool:
+        """Appends the step's record, unless the file holds that step already: written by another job meanwhile
+        (replica groups: a group fallen behind the run, left alone once the others have finished), it would read as
+        a second run spliced in (run_history.read_history). Whether it was written."""
+        if self._file is None:
+            self._file = open(self._path, "a")  # noqa: SIM115 - open for the run
+        size = os.fstat(self._file.fileno()).st_size
+        if size != self._written_to:  # first written, or appended to by another writer since
+            self._file_step = _last_step(self._path)
+        if self._file_step is not None and step <= self._file_step:
+            if not self._behind:
+                logger.warning("metrics.jsonl already holds step %d: this job's records up to it are not written "
+                               "(it is behind the run)", self._file_step)
+            self._behind = True
+            return False
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self._file.flush()  # readers (loss_compare, tests, a crashed run's post-mortem) see every step written
+        self._written_to, self._file_step = self._file.tell(), step
+        return True
+
+    def close(self) -> None:
+        self._path = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
