@@ -3,7 +3,9 @@
 #   NGPU         local processes (default: the number of CUDA devices, or 4 CPU processes without one)
 #   CONFIG_FILE  TOML config (default: this repository's train_configs/debug_model.toml)
 #   LOG_RANK     comma-separated local ranks whose output is shown (default 0)
-#   MAX_RESTARTS torchrun --max-restarts (default 0)
+#   MAX_RESTARTS torchrun --max-restarts (default 0); with REPLICA_GROUPS, the restarts of each group (default 3)
+#   REPLICA_GROUPS  train one run as this many replica groups of NGPU processes each, which outlive each other's
+#                failures (docs/fault_tolerance.md#replica-groups; torchtitan_lite/runtime/replica_launcher.py)
 #   PYTHON       the interpreter (default: python, else python3)
 set -euo pipefail
 # Paths typed on the command line (CONFIG_FILE too) are files seen from here, where the user stands; the trainer
@@ -29,6 +31,13 @@ for arg in "$@"; do  # the options' help, once, from one process: no check, no w
   case $arg in -h|--help) exec "$PYTHON" train.py --help ;; esac
 done
 LOG_RANK=${LOG_RANK:-0}
+lighthouse=${TORCHFT_LIGHTHOUSE:-}
+if [ -n "${REPLICA_GROUPS:-}" ]; then  # after the user's arguments: the groups are this script's to number
+  set -- "$@" --fault_tolerance.enable --fault_tolerance.group_size "$REPLICA_GROUPS" \
+    --fault_tolerance.groups_per_machine "$REPLICA_GROUPS"
+  MAX_RESTARTS=${MAX_RESTARTS:-3}  # restarting a group that fails is what the mode is for
+  lighthouse=${lighthouse:-started by the launcher}  # for the check, which only asks whether there is one
+fi
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 export PYTHONUNBUFFERED=1
 # What torchrun sets when unset, with a five-line banner saying so; the trainer sets its own thread count anyway.
@@ -44,8 +53,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 plan=${TMPDIR:-/tmp}/run_train.$$.plan errors=${TMPDIR:-/tmp}/run_train.$$.errors
 trap 'rm -f "$plan" "$errors" 2>/dev/null || :' EXIT  # set -e holds in traps too
 : >"$errors"
-TORCHTITAN_LITE_PLAN_FILE=$plan WORLD_SIZE=$NGPU "$PYTHON" train.py --check --job.config_file "$CONFIG_FILE" "$@" \
-  || exit $?
+TORCHTITAN_LITE_PLAN_FILE=$plan WORLD_SIZE=$NGPU TORCHFT_LIGHTHOUSE=$lighthouse "$PYTHON" train.py --check \
+  --job.config_file "$CONFIG_FILE" "$@" || exit $?
 checkpoints=$(sed -n 's/^checkpoint_folder=//p' "$plan")
 grep -qx 'nothing_to_do=1' "$plan" && exit 0  # the check said why
 # The folder's lock, held by this script for the whole job (its rank 0 is told so): another run_train.sh that passed
@@ -54,8 +63,13 @@ dump=$(sed -n 's/^dump_folder=//p' "$plan")
 mkdir -p "$dump" && exec 9<>"$dump/run.lock"
 "$PYTHON" -m torchtitan_lite.runtime.run_lock 9 "$dump" "$(sed -n 's/^shared_lock=//p' "$plan")" || exit $?
 export TORCHTITAN_LITE_LAUNCHER_HOLDS=$dump
-echo "starting $NGPU process$([ "$NGPU" = 1 ] || echo es) (torchrun)"
 export TORCHTITAN_LITE_PLAN_SHOWN=1  # rank 0 does not print the plan again
+if [ -n "${REPLICA_GROUPS:-}" ]; then  # a torchrun per group, restarted when it fails; it handles the signals itself
+  rm -f "$plan" "$errors"
+  exec "$PYTHON" -m torchtitan_lite.runtime.replica_launcher "$REPLICA_GROUPS" "$NGPU" "$MAX_RESTARTS" "$LOG_RANK" \
+    --job.config_file "$CONFIG_FILE" "$@"
+fi
+echo "starting $NGPU process$([ "$NGPU" = 1 ] || echo es) (torchrun)"
 # Ctrl-C reaches this script and torchrun (the terminal's foreground group), not the workers (torchrun gives each a
 # session of its own). torchrun would raise a SignalException, pass the signal on, SIGKILL workers still saving 30 s
 # later and exit 1 with a traceback: it is told to leave SIGINT alone (started in the background, it then ignores

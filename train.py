@@ -45,7 +45,7 @@ from torchtitan_lite.runtime.phases import Phases
 from torchtitan_lite.runtime.precision import NonFiniteError, UpdateGuard, warn_if_slow
 from torchtitan_lite.runtime.process import Env, init_distributed, peer_timeout, set_determinism, set_timeout
 from torchtitan_lite.runtime.profiling import StepProfiler
-from torchtitan_lite.runtime.run_history import start_history
+from torchtitan_lite.runtime.run_history import history_run, start_history
 from torchtitan_lite.runtime.signals import Preemption, exit_code, restore_signals, stop_with_launcher
 from torchtitan_lite.runtime.stragglers import Stragglers
 from torchtitan_lite.runtime.throughput import Throughput
@@ -112,6 +112,11 @@ def begin_history(cfg: JobConfig, env: Env, checkpoint: CheckpointManager, resum
                            env.world_size, its_config)
     checkpoint.run = (run_id, to_toml(cfg))  # every checkpoint says whose it is and the config that wrote it
     logger.info("run %s%s", run_id, f", resumed after step {resumed}" if resumed else "")
+
+
+def adopt_history(cfg: JobConfig, checkpoint: CheckpointManager) -> None:
+    """Labels this job's checkpoints with the run another replica group began; rank 0, once it saves them."""
+    checkpoint.run = (history_run(cfg.job.dump_folder), to_toml(cfg))
 
 
 @dataclass
@@ -197,10 +202,16 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     # starts from is known and before anything is written: a resume continues its run's, a fresh start begins one.
     # A plain run decides now; replica groups at their first committed step, in the group that logs it (replicas.py).
     history = partial(begin_history, cfg, env, checkpoint, resumed) if env.rank == 0 else lambda: None
+    adopt = partial(adopt_history, cfg, checkpoint) if env.rank == 0 else lambda: None
+    # Agreeing on a signal takes a collective: on the CPU, so it overlaps GPU work (gloo is the CPU's default group).
+    # So does the stragglers' gather of step times at logging steps.
+    host_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
+    preemption = Preemption(host_group, saving=cfg.checkpoint.enable, speak=env.rank == 0)
     # Replica groups: the first quorum, where a group that restarts loads a live group's state and step.
     replicas = build_replicas(cfg, env.rank, env.world_size, dp_mesh.get_local_rank(), dims.dp, data,
-                              checkpoint.states, train_state, params, exits)
-    replicas.join(history)
+                              checkpoint.states, train_state, params, preemption, exits)
+    replicas.join(history, adopt)
+    checkpoint.writes = replicas.writing
     if cfg.checkpoint.create_seed_checkpoint:
         checkpoint.save(0, model_only=True)
         checkpoint.close()  # an async save is written only now
@@ -229,10 +240,6 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     # start-up is over: a peer silent for train_timeout_seconds from now on is hung.
     update.after_first_step += [partial(memory.measure_held, model, optimizer),
                                 partial(set_timeout, cfg.comm.train_timeout_seconds)]
-    # Agreeing on a signal takes a collective: on the CPU, so it overlaps GPU work (gloo is the CPU's default group).
-    # So does the stragglers' gather of step times at logging steps.
-    host_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
-    preemption = Preemption(host_group, saving=cfg.checkpoint.enable, speak=env.rank == 0)
     phase = Phases(profiler)
     return Trainer(
         steps=Steps(train_state.step, training.steps, training.gc_freq, preemption, profiler, snapshots, phase,

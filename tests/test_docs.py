@@ -133,7 +133,13 @@ def check(command: str, monkeypatch, capsys) -> None:
             return
     config = env.get("CONFIG_FILE", "train_configs/debug_model.toml")
     if words[0] == "./run_train.sh":
-        check_training(["--job.config_file", config, *words[1:]], int(env.get("NGPU", 4)), monkeypatch, capsys)
+        groups = []
+        if n := env.get("REPLICA_GROUPS"):  # what run_train.sh adds to every group's arguments
+            groups = ["--fault_tolerance.enable", "--fault_tolerance.group_size", n,
+                      "--fault_tolerance.groups_per_machine", n]
+            monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "started by the launcher")
+        check_training(["--job.config_file", config, *words[1:], *groups], int(env.get("NGPU", 4)), monkeypatch,
+                       capsys)
     elif words[:2] == ["python", "train.py"]:
         args = words[2:]
         if args == ["--help"]:

@@ -8,8 +8,12 @@ resize the job) releases it, so the step runs and is saved as on any preemption.
 DIE_RANK SIGKILLs itself at the start of step DIE_STEP, as a worker that crashes or is OOM-killed.
 
 A replica group (fault_tolerance.enable) also waits, before asking who is alive for step s, while FOLDER/hold-q<s>
-exists, so the others stay out of the quorum until a test lets them in; and says it asks, by creating
-FOLDER/joining-<replica id>-<torchrun's restart count>.
+exists, so the others stay out of the quorum until a test lets them in; says it asks, by creating
+FOLDER/joining-<replica id>-<times restarted>; and says it waits at step s's hold, by creating
+FOLDER/waiting-<replica id>-<s>. Only the group DIE_REPLICA dies.
+
+A job that run_train.sh starts (REPLICA_GROUPS: a torchrun per group) gets the gate from the environment instead,
+SUITE_GATE=FOLDER[:DIE_REPLICA:DIE_RANK:DIE_STEP], which tests/quick_exit/sitecustomize.py reads in every worker.
 """
 
 import os
@@ -18,34 +22,57 @@ import sys
 import time
 from pathlib import Path
 
-import train
+from torchtitan_lite.data.loader import DataLoader
 from torchtitan_lite.runtime import signals
-
-folder, argv = Path(sys.argv[1]), sys.argv[2:]
-die_rank = die_step = None
-if argv and not argv[0].startswith("--"):
-    die_rank, die_step, argv = int(argv[0]), int(argv[1]), argv[2:]
-next_batch = train.DataLoader.next_batch
+from torchtitan_lite.training import replicas
+from torchtitan_lite.training.replicas import Replicas
 
 
-def gated_next_batch(self):
-    step = self.position // self.global_batch + 1  # the step this batch is for, resumed or not
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if first_attempt and step == die_step and int(os.environ["RANK"]) == die_rank:
-        os.kill(os.getpid(), signal.SIGKILL)
-    while (folder / f"hold-{step}").exists() and not any(p.received for p in signals._installed):
-        time.sleep(0.05)
-    return next_batch(self)
+def _replica_id() -> str | None:
+    argv = sys.argv
+    ids = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--fault_tolerance.replica_id"]
+    return ids[-1] if ids else None
 
 
-def gated_quorum(self):
-    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    (folder / f"joining-{self.cfg.replica_id}-{restarts}").touch()
-    while (folder / f"hold-q{self.train_state.step + 1}").exists():
-        time.sleep(0.05)
-    return quorum(self)
+def install(folder: Path, die_rank: int | None = None, die_step: int | None = None,
+            die_replica: str | None = None) -> None:
+    next_batch, quorum = DataLoader.next_batch, Replicas._quorum
+
+    def gated_next_batch(self):
+        step = self.position // self.global_batch + 1  # the step this batch is for, resumed or not
+        replica = _replica_id()
+        first_attempt = replicas.restarts() == 0
+        if (first_attempt and step == die_step and int(os.environ["RANK"]) == die_rank
+                and die_replica in (None, replica)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if replica is not None and (folder / f"hold-{step}").exists():
+            (folder / f"waiting-{replica}-{step}").touch()
+        while (folder / f"hold-{step}").exists() and not any(p.received for p in signals._installed):
+            time.sleep(0.05)
+        return next_batch(self)
+
+    def gated_quorum(self):
+        (folder / f"joining-{self.cfg.replica_id}-{replicas.restarts()}").touch()
+        while (folder / f"hold-q{self.train_state.step + 1}").exists():
+            time.sleep(0.05)
+        return quorum(self)
+
+    DataLoader.next_batch = gated_next_batch
+    Replicas._quorum = gated_quorum
 
 
-train.DataLoader.next_batch = gated_next_batch
-quorum, train.Replicas._quorum = train.Replicas._quorum, gated_quorum
-sys.exit(train.run(argv))
+def install_from_env() -> None:
+    folder, *die = os.environ["SUITE_GATE"].split(":")
+    install(Path(folder), *((int(die[1]), int(die[2]), die[0]) if die else ()))
+
+
+if __name__ == "__main__":
+    import train
+
+    path, argv = Path(sys.argv[1]), sys.argv[2:]
+    if argv and not argv[0].startswith("--"):
+        install(path, int(argv[0]), int(argv[1]))
+        argv = argv[2:]
+    else:
+        install(path)
+    sys.exit(train.run(argv))

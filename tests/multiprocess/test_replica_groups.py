@@ -1,14 +1,18 @@
-"""Replica groups (fault_tolerance.enable, torchft): two torchrun jobs of one process each train one run, and a group
-SIGKILLed in the middle of it is restarted by its torchrun while the other trains on alone, then heals from it and
-rejoins. The run is the uninterrupted one's: one process's curve, every step logged once."""
+"""Replica groups (fault_tolerance.enable, torchft), as users start them: `REPLICA_GROUPS=2 NGPU=1 ./run_train.sh`,
+two torchrun jobs of one process each training one run. A group SIGKILLed in the middle of it is started again by
+the launcher while the other trains on alone, heals from it and rejoins; a signal to one group stops both after the
+same step, with one checkpoint, which a plain run resumes. The run is the uninterrupted one's: one process's curve,
+every step logged once."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
-from launch import COMMON, GATE, QUICK_EXIT, ROOT, STEPS, TIMEOUT_S, TRAIN, assert_same_curve, command_env, \
-    free_port, kill_tree, torchrun_cmd, train_argv, wait_until
+from launch import CHECKPOINTED, COMMON, QUICK_EXIT, ROOT, STEPS, TIMEOUT_S, TINY, TRAIN, assert_same_curve, ckpt, \
+    command_env, descendants, free_port, kill_tree, stopped_after, torchrun, train_argv, wait_until
 
 os.environ.setdefault("RUST_LOG", "error")  # before torchft's Rust part reads it: the lighthouse logs each quorum
 from torchft._torchft import LighthouseServer  # noqa: E402
@@ -16,62 +20,83 @@ from torchft._torchft import LighthouseServer  # noqa: E402
 from torchtitan_lite.runtime.run_history import read_history
 
 DIES_AT, REJOINS_AT = 4, 6  # group 0, which logs the steps while it lives, dies at the start of step 4
+GROUPS = ("--fault_tolerance.enable", "--fault_tolerance.group_size", "2")
 
 
-def group(replica: int, folder, lighthouse: str, *gate: str) -> subprocess.Popen:
-    args = train_argv(folder, *COMMON, "--training.steps", str(STEPS), "--fault_tolerance.enable",
-                      "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(replica),
-                      "--fault_tolerance.lighthouse", lighthouse, "--fault_tolerance.groups_per_machine", "2")
-    cmd, env = torchrun_cmd(1, GATE, str(folder), *gate, *args, launcher=("--standalone", "--max-restarts", "1"))
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start_groups(folder: Path, *overrides: str, die: str = "") -> subprocess.Popen:
+    """`REPLICA_GROUPS=2 NGPU=1 ./run_train.sh` on the tests' model, its workers gated (gate.py: `die` is
+    REPLICA:RANK:STEP), its output in folder/run.log; the lighthouse drops a group silent for 1 s."""
+    env = command_env(REPLICA_GROUPS="2", NGPU="1", CONFIG_FILE=str(TINY), LIGHTHOUSE_HEARTBEAT_MS="1000",
+                      PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", PYTHONPATH=f"{ROOT}{os.pathsep}{QUICK_EXIT}",
+                      SUITE_GATE=f"{folder}{':' + die if die else ''}")
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "run.log", "w") as log:
+        return subprocess.Popen(["./run_train.sh", "--job.dump_folder", str(folder), *COMMON, "--training.steps",
+                                 str(STEPS), *overrides], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def restart_after_the_end(folder, lighthouse: str) -> subprocess.CompletedProcess:
-    """Group 1's worker as torchrun restarts it (TORCHELASTIC_RESTART_COUNT 1), once the run has ended."""
-    args = train_argv(folder, *COMMON, "--training.steps", str(STEPS), "--fault_tolerance.enable",
-                      "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", "1",
-                      "--fault_tolerance.lighthouse", lighthouse)
+def finish(proc: subprocess.Popen, folder: Path) -> tuple[str, list[str]]:
+    """Waits for the launcher; (its whole output, each group's rank-0 lines)."""
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    out = (folder / "run.log").read_text()
+    return out, ["\n".join(re.findall(rf"^\[group{g}-rank0\]:(.*)$", out, re.M)) for g in (0, 1)]
+
+
+def worker(proc: subprocess.Popen, group: int) -> int:
+    """The pid of group `group`'s worker: the process below the launcher whose command line says its group."""
+    for pid in descendants(proc.pid):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if (b"train.py" in argv and b"torch.distributed.run" not in argv
+                and argv[-3:-1] == [b"--fault_tolerance.replica_id", str(group).encode()]):
+            return pid
+    raise AssertionError(f"no worker of group {group}")
+
+
+def restart_after_the_end(folder) -> subprocess.CompletedProcess:
+    """Group 1's worker as the launcher starts it again, once the run has ended (a lighthouse of its own)."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, heartbeat_timeout_ms=1000)
+    args = train_argv(folder, *COMMON, "--training.steps", str(STEPS), *GROUPS, "--fault_tolerance.replica_id", "1",
+                      "--fault_tolerance.lighthouse", lighthouse.address())
     env = command_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()), TORCHELASTIC_RESTART_COUNT="1",
+                      MASTER_PORT=str(free_port()), TORCHTITAN_LITE_GROUP_RESTARTS="1",
                       PYTHONPATH=f"{ROOT}{os.pathsep}{QUICK_EXIT}")
-    return subprocess.run([sys.executable, str(TRAIN), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    try:
+        return subprocess.run([sys.executable, str(TRAIN), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT_S)
+    finally:
+        lighthouse.shutdown()
 
 
 def test_a_killed_group_heals_and_rejoins_while_the_other_trains_on_the_uninterrupted_curve(runs, tmp_path):
     """Group 0 SIGKILLs itself at the start of step 4 (inside the step: group 1 is in its gradient all-reduce), and
-    its torchrun starts it again. Group 1 finds the step not committed, trains it again alone once the lighthouse
+    the launcher starts it again. Group 1 finds the step not committed, trains it again alone once the lighthouse
     has dropped group 0 (1 s without a heartbeat), and step 5; it then waits before step 6's quorum until the
     restarted group 0 asks to join, which heals from it at step 5 and logs the steps again from step 6."""
-    # The lighthouse in this process: a Rust server on its own threads, shut down with the test.
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, heartbeat_timeout_ms=1000)
     for step in (1, REJOINS_AT):
         (tmp_path / f"hold-q{step}").touch()
-    procs = []
+    proc = start_groups(tmp_path, die=f"0:0:{DIES_AT}")
     try:
-        procs = [group(0, tmp_path, lighthouse.address(), "0", str(DIES_AT)),
-                 group(1, tmp_path, lighthouse.address())]
         # Both in the first quorum, however slowly either starts: else one could train past step 4 alone.
-        wait_until(lambda: all((tmp_path / f"joining-{r}-0").exists() for r in (0, 1)), "both groups", *procs)
+        wait_until(lambda: all((tmp_path / f"joining-{r}-0").exists() for r in (0, 1)), "both groups", proc)
         (tmp_path / "hold-q1").unlink()
-        wait_until(lambda: (tmp_path / "joining-0-1").exists(), "group 0's restart", *procs)
+        wait_until(lambda: (tmp_path / "joining-0-1").exists(), "group 0's restart", proc)
         (tmp_path / f"hold-q{REJOINS_AT}").unlink()
-        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-        history = (tmp_path / "metrics.jsonl").read_text()
-        late = restart_after_the_end(tmp_path, lighthouse.address())
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p)
-        lighthouse.shutdown()
-    for r, out in enumerate(outs):
-        (tmp_path / f"group{r}.log").write_text(out)
-    restarted, survivor = outs
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    except BaseException:
+        kill_tree(proc)
+        raise
+    out, (restarted, survivor) = finish(proc, tmp_path)
+    history = (tmp_path / "metrics.jsonl").read_text()
+    assert proc.returncode == 0, out[-4000:]
+    assert re.findall(r"^replica group (\d) failed \(exit \d+\): starting it again \(1 of 3 restarts\)$", out,
+                      re.M) == ["0"], out[-4000:]
     # The survivor lost one step's compute and was never restarted; the dead group came back at its step.
     assert len(re.findall(r"step 4 was not committed \(.+\): training it again", survivor)) == 1, survivor[-3000:]
     assert "was not committed" not in survivor.replace("step 4 was not committed", ""), survivor[-3000:]
-    started = [len(re.findall(r"llama3 tiny: [\d.]+M parameters", out)) for out in outs]
+    started = [out.count("model built, parallelized and initialized") for out in (restarted, survivor)]
     assert started == [2, 1], started
     # At step 5, once let in; at 3 or 4 had its restart beaten the lighthouse's second without its heartbeat.
     healed = re.findall(r"replica group 0 healed from a live group in [\d.]+s: step 0 -> (\d+)", restarted)
@@ -82,15 +107,50 @@ def test_a_killed_group_heals_and_rejoins_while_the_other_trains_on_the_uninterr
     assert changes == [("group 0 left", "1"), ("group 0 joined", "0, 1")] * alone, changes
     # Weights and optimizer state, bit for bit, in both groups at the end.
     digests = [re.findall(rf"replica group {r} rank 0 ends at step {STEPS}, state digest (\w+)", out)
-               for r, out in enumerate(outs)]
+               for r, out in enumerate((restarted, survivor))]
     assert len(digests[0]) == len(digests[1]) == 1 and digests[0] == digests[1], digests
     # One history: one start, every step once (group 1 logged 4 and 5), the uninterrupted curve.
     records, resumes = read_history(tmp_path)
     assert [m["step"] for m in records] == list(range(1, STEPS + 1)) and not resumes
-    assert sum('"event": "start"' in line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+    assert sum('"event": "start"' in line for line in history.splitlines()) == 1
     assert_same_curve(tmp_path, runs["single"], 1e-5)
     # A group restarted once the others have finished finds no one to heal from: it says so and trains nothing.
+    late = restart_after_the_end(tmp_path)
     assert late.returncode == 2 and late.stderr.strip().splitlines()[-1] == (
         "error: replica group 1 restarted and found no live group to heal from (the others have finished, or died "
         "too): without checkpoints there is nothing to rejoin; start the run again"), late.stdout[-2000:] + late.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == history
+
+
+def test_a_signal_to_one_group_stops_both_with_one_checkpoint_that_a_plain_run_resumes(runs, tmp_path):
+    """The groups resume FSDP 4's step-4 checkpoint. Both wait at step 6, group 1's worker alone gets SIGTERM (the
+    extreme of a signal reaching the groups at different moments), and the step's all-reduce tells group 0: both stop
+    after step 7, which the group that logs saves (alone it would train on to step 8). One process then resumes
+    step 7 to the end: one history, the uninterrupted curve."""
+    folder = stopped_after(runs["fsdp4"], 4, tmp_path / "run")
+    for hold in ("hold-q5", "hold-6"):
+        (folder / hold).touch()
+    proc = start_groups(folder, *CHECKPOINTED)
+    try:
+        wait_until(lambda: all((folder / f"joining-{r}-0").exists() for r in (0, 1)), "both groups", proc)
+        (folder / "hold-q5").unlink()
+        wait_until(lambda: all((folder / f"waiting-{r}-6").exists() for r in (0, 1)), "both groups at step 6", proc)
+        os.kill(worker(proc, 1), signal.SIGTERM)
+        (folder / "hold-6").unlink()
+    except BaseException:
+        kill_tree(proc)
+        raise
+    out, (writer, signalled) = finish(proc, folder)
+    assert proc.returncode == 0, out[-4000:]
+    assert "SIGTERM: stopped after step 7, checkpoint saved" in signalled, signalled[-3000:]
+    assert "a signal to another rank: stopped after step 7, checkpoint saved" in writer, writer[-3000:]
+    # Saved once, by one group: step 6 (the interval) and 7 (the stop) beside the copied 2 and 4.
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == [f"step-{s}" for s in (2, 4, 6, 7)]
+    assert [len(re.findall(rf"saved checkpoint \S+/step-{s} ", g)) for s in (6, 7) for g in (writer, signalled)] \
+        == [1, 0, 1, 0]
+    torchrun(1, folder, *COMMON, "--training.steps", str(STEPS), *CHECKPOINTED)
+    records, resumes = read_history(folder)
+    assert [m["step"] for m in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in resumes] == [4, 7]
+    assert_same_curve(folder, runs["single"], 1e-5)
+    assert ckpt(folder, STEPS).is_dir()

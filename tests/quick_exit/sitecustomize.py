@@ -31,3 +31,12 @@ if os.environ.get("SUITE_BACKGROUND") == "1":
                 f.write("19")
         except OSError:  # no autogroups on this kernel: the nice value alone ranks it
             pass
+
+if os.environ.get("SUITE_GATE") and "TORCHELASTIC_RUN_ID" in os.environ:
+    # A worker of a job the test holds or kills at a known step, started by run_train.sh (tests/multiprocess/gate.py).
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "multiprocess"))
+    import gate
+
+    gate.install_from_env()

@@ -203,6 +203,9 @@ class CheckpointManager:
         # and what the checkpoint a resume loaded says of its own run: (id, config), None when older than run ids.
         self.run: tuple[str, str] | None = None
         self.resumed_run: tuple[str | None, str | None] = (None, None)
+        # Whether this job saves now: of a run's replica groups, the one that logs (replicas.py); they hold the same
+        # state, and one writer keeps the folder's checkpoints one sequence.
+        self.writes: Callable[[], bool] = lambda: True
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -283,6 +286,8 @@ class CheckpointManager:
     def save(self, step: int, model_only: bool = False, dtype: torch.dtype | None = None) -> None:
         """Writes step-N: the full state, or with model_only the weights alone (cast to dtype). Collective."""
         self.wait()  # one save in flight at a time
+        if not self.writes():
+            return
         tmp = os.path.join(self.folder, f"step-{step}.tmp")
         if dist.get_rank() == 0:
             os.makedirs(self.folder, exist_ok=True)

@@ -294,6 +294,9 @@ class FaultTolerance:
                           "$TORCHFT_LIGHTHOUSE")
     process_group_timeout_ms: int = opt(10000, "a cross-group collective waits this long for a silent group before "
                                         "the step is retried without it", rule=within(1, WEEK * 1000))
+    quorum_timeout_ms: int = opt(600000, "a group asking who is alive waits this long for the others to end their "
+                                 "step (a checkpoint save included); keep the lighthouse's join timeout as long",
+                                 rule=within(1, WEEK * 1000))
 
 
 @dataclass

@@ -15,6 +15,8 @@
 - throughput.py: tokens/s and MFU between two logging steps, validation left out
 - memory_use.py: a logged record's memory fields: the peak, the state held after the first step, the GPU allocator's
 - wandb_run.py: Weights & Biases beside metrics.jsonl, a resumed job continuing the same run
+- replica_launcher.py: run_train.sh's REPLICA_GROUPS mode: the lighthouse and a torchrun per replica group, each
+  started again when it fails
 
 Imports config only: models, data and parallelism use the runtime, never the other way round.
 """

@@ -68,6 +68,15 @@ class Preemption:
         self._flag.fill_(self.received is not None)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
 
+    def vote(self) -> int:
+        """This job's agreement for the step in progress (1: some rank was signalled before it began), for one
+        across jobs (replica groups: replicas.py), which widen() then makes the answer."""
+        self._work.wait()
+        return int(self._flag.item())
+
+    def widen(self, signalled: bool) -> None:
+        self._flag.fill_(signalled)
+
     def requested(self) -> str | None:
         """After a step: the name of the signal some rank received before the step began, or None; the same answer
         on every rank."""

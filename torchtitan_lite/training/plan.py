@@ -87,7 +87,7 @@ def _data(cfg: JobConfig, dims: ParallelDims, global_batch: int) -> str:
             f"{global_batch * t.seq_len:,} tokens ({t.local_batch_size} sequences a rank per micro-batch, {micro} "
             f"micro-batch{'es' * (micro > 1)}")
     if ft.enable:
-        line += f" with all {groups} replica groups alive; this is group {ft.replica_id}"
+        line += f" each, with all {groups} replica groups alive"
     return line + ")"
 
 

@@ -21,8 +21,10 @@ sent their state. The rest is here:
   data position, step) before its next step, which it then trains with them: its first gradient is a real one.
   What travels is each tensor's local shard, copied into this group's own tensors: the layouts are alike.
 
-The first of the live groups logs each step, and the run keeps one history (Replicas says how). So far the groups
-refuse checkpoints, and every layout inside them but FSDP (check_replicas).
+The first of the live groups logs each step and saves the checkpoints, which any run resumes, with groups or
+without (their state is the same in every group); the run keeps one history (Replicas says how). A signal to any
+group stops them all after the same step: the step's all-reduce carries each group's agreement on signals
+(signals.py) too. So far the groups refuse every layout inside them but FSDP (check_replicas).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from torchtitan_lite.config import ConfigError, FaultTolerance, JobConfig
 from torchtitan_lite.data.loader import DataLoader
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8
+from torchtitan_lite.runtime.replica_launcher import RESTARTED
+from torchtitan_lite.runtime.signals import Preemption
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -76,7 +80,6 @@ def check_replicas(cfg: JobConfig, dims: ParallelDims, global_batch: int, moe: b
                    "parallelism.tensor_parallel_degree": dims.tp > 1,
                    "parallelism.pipeline_parallel_degree": dims.pp > 1,
                    "parallelism.context_parallel_degree": dims.cp > 1,
-                   "checkpoint.enable": cfg.checkpoint.enable,
                    "checkpoint.create_seed_checkpoint": cfg.checkpoint.create_seed_checkpoint,
                    "compile.enable": cfg.compile.enable,
                    "float8.enable_float8_linear": float8.enabled(cfg), "a mixture-of-experts flavor": moe,
@@ -89,7 +92,7 @@ def check_replicas(cfg: JobConfig, dims: ParallelDims, global_batch: int, moe: b
                    "profiling.enable_memory_snapshot": cfg.profiling.enable_memory_snapshot}
     if refused := [k for k, on in unsupported.items() if on]:
         raise ConfigError(f"replica groups (fault_tolerance.enable) train FSDP layouts of a dense model on "
-                          f"random-access data, without checkpoints, validation or traces so far: turn off "
+                          f"random-access data, without validation or traces so far: turn off "
                           f"{', '.join(refused)}")
     per_group = cfg.training.local_batch_size * dims.dp
     whole = per_group * math.lcm(*range(ft.min_replica_size, ft.group_size + 1))  # whole micro-batches, any count
@@ -100,6 +103,12 @@ def check_replicas(cfg: JobConfig, dims: ParallelDims, global_batch: int, moe: b
                               f"{live} live groups of local_batch_size {cfg.training.local_batch_size} x "
                               f"data-parallel degree {dims.dp}: use a multiple of {whole}")
     return batch
+
+
+def restarts() -> int:
+    """How many times this group has been started again: by its torchrun (MAX_RESTARTS), or as a whole by
+    run_train.sh's REPLICA_GROUPS mode (runtime/replica_launcher.py)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + int(os.environ.get(RESTARTED, "0"))
 
 
 def _import_torchft():
@@ -119,7 +128,7 @@ def _import_torchft():
 class NoReplicas:
     """A run of one group: every step is committed at its first attempt, and this job logs every one."""
 
-    def join(self, history: Callable[[], None]) -> None:
+    def join(self, history: Callable[[], None], adopt: Callable[[], None]) -> None:
         history()
 
     def writing(self) -> bool:
@@ -148,22 +157,26 @@ class Replicas:
     """
 
     def __init__(self, cfg: FaultTolerance, group_rank: int, group_size: int, dp_rank: int, dp_size: int,
-                 data: DataLoader, states: dict[str, Stateful], train_state: TrainState, params: list):
+                 data: DataLoader, states: dict[str, Stateful], train_state: TrainState, params: list,
+                 preemption: Preemption, resumable: bool):
         torchft = _import_torchft()
         from torchft.checkpointing.pg_transport import PGTransport  # noqa: PLC0415 - optional
 
         self.cfg, self.data, self.states, self.train_state, self.params = cfg, data, states, train_state, params
+        self.preemption, self.resumable = preemption, resumable  # resumable: checkpoints on
         self.group_rank, self.dp_rank, self.dp_size = group_rank, dp_rank, dp_size  # within the group
         self.live, self._rank = 0, None
         self._marks, self._alive = torch.zeros(0), None  # the groups that trained the last step, and the last committed
-        self._committed, self._quorum_ready = False, False
+        self._committed, self._quorum_ready, self._signalled = False, False, torch.zeros(1)
         self._history: Callable[[], None] | None = None  # begins the run's history, until it has one
+        self._adopt: Callable[[], None] | None = None  # takes up a history another group began, as its writer
         timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
         pg = torchft.ProcessGroupGloo(timeout=timeout)
         # The state travels over the groups' own process group, from each rank to the same rank of the group behind.
         self.manager = torchft.Manager(
             pg=pg, load_state_dict=self._load, state_dict=self._serve, min_replica_size=cfg.min_replica_size,
-            use_async_quorum=False, rank=group_rank, world_size=group_size, replica_id=f"replica_{cfg.replica_id}",
+            use_async_quorum=False, quorum_timeout=timedelta(milliseconds=cfg.quorum_timeout_ms), rank=group_rank,
+            world_size=group_size, replica_id=f"replica_{cfg.replica_id}",
             lighthouse_addr=cfg.lighthouse or None, checkpoint_transport=PGTransport(pg, timeout, torch.device("cpu")),
             init_sync=False)  # every group initializes alike (init.py)
         self.manager.load_state_dict({"step": train_state.step, "batches_committed": 0})
@@ -192,15 +205,16 @@ class Replicas:
         self.live = live
         self.data.dp_rank, self.data.dp_size = self._rank * self.dp_size + self.dp_rank, live * self.dp_size
 
-    def join(self, history: Callable[[], None]) -> None:
+    def join(self, history: Callable[[], None], adopt: Callable[[], None]) -> None:
         """The first quorum, before the loop: a group that restarts comes back at the others' step. `history`
-        begins the run's history (rank 0's; a no-op elsewhere). A restarted group with no live group to heal from
-        stops: alone it would train the run again from its start (the others finished, or died as well)."""
-        self._history = history
+        begins the run's history, `adopt` takes up one begun by another group (rank 0's; no-ops elsewhere). A
+        restarted group with no live group to heal from and no checkpoints stops: alone it would train the run again
+        from its start (the others finished, or died as well)."""
+        self._history, self._adopt = history, adopt
         self._quorum()
         self._quorum_ready = True
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        if restarted and self._history is not None and self.live == 1:
+        restarted = restarts() > 0
+        if restarted and self._history is not None and self.live == 1 and not self.resumable:
             raise ConfigError(f"replica group {self.cfg.replica_id} restarted and found no live group to heal from "
                               "(the others have finished, or died too): without checkpoints there is nothing to "
                               "rejoin; start the run again")
@@ -228,28 +242,34 @@ class Replicas:
 
     def reduce(self, losses: torch.Tensor) -> None:
         """Sums the gradients' local shards and the step's losses across the live groups, in one all-reduce, with
-        each group's mark: which groups trained the step."""
+        each group's mark (which groups trained the step) and its agreement on signals (whether it stops after it)."""
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
                  if p.grad is not None]
-        mark = torch.zeros(self.cfg.group_size, device=losses.device)
+        mark = torch.zeros(self.cfg.group_size + 1, device=losses.device)
         mark[self.cfg.replica_id] = 1
+        mark[-1] = self.preemption.vote()
         flat = torch.cat([g.reshape(-1).float() for g in grads] + [losses.reshape(-1).float(), mark])
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         offset = 0
         for t in [*grads, losses]:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
-        self._marks = flat[offset:]
+        self._marks, self._signalled = flat[offset:-1], flat[-1:]
 
     def commit(self) -> bool:
         """The group's vote: whether every collective of the step succeeded in every live group (Update's gate)."""
         self._committed = self.manager.should_commit()
         if self._committed:
             self._say_who_trained()
+            self.preemption.widen(self._signalled.item() > 0.5)  # every group stops after the same step
             if self._history is not None:
                 if self.writing():
                     self._history()  # the run's first committed step, which this group logs
+                    self._adopt = None
                 self._history = None  # else the group that logs it began it
+            elif self._adopt is not None and self.writing():  # long begun: the file names the run
+                self._adopt()
+                self._adopt = None
         return self._committed
 
     def _say_who_trained(self) -> None:
@@ -323,12 +343,12 @@ def _filled(template: Any, received: Any) -> Any:
 
 
 def build_replicas(cfg: JobConfig, group_rank: int, group_size: int, dp_rank: int, dp_size: int, data: DataLoader,
-                   states: dict[str, Stateful], train_state: TrainState, params: list,
+                   states: dict[str, Stateful], train_state: TrainState, params: list, preemption: Preemption,
                    exits: contextlib.ExitStack) -> NoReplicas | Replicas:
     """The run's replica groups, chosen once at start-up."""
     if not cfg.fault_tolerance.enable:
         return NoReplicas()
     replicas = Replicas(cfg.fault_tolerance, group_rank, group_size, dp_rank, dp_size, data, states, train_state,
-                        params)
+                        params, preemption, cfg.checkpoint.enable)
     exits.callback(replicas.close)
     return replicas
