@@ -28,7 +28,7 @@ def global_batch(argv: list[str], world_size: int = 1) -> int:
     (groups("--fault_tolerance.group_size", "3", "--training.global_batch_size", "8"), 1,
      "training.global_batch_size 8 does not split into whole micro-batches over 3 live groups of local_batch_size 2 "
      "x data-parallel degree 1: use a multiple of 12"),
-    (groups("--parallelism.tensor_parallel_degree", "2"), 2, "turn off parallelism.tensor_parallel_degree"),
+    (groups("--parallelism.pipeline_parallel_degree", "2"), 2, "turn off parallelism.pipeline_parallel_degree"),
     (groups("--checkpoint.create_seed_checkpoint", "--metrics.enable_tensorboard"), 1,
      "turn off checkpoint.create_seed_checkpoint, metrics.enable_tensorboard"),
     (groups("--model.flavor", "tiny_moe"), 1, "turn off a mixture-of-experts flavor"),

@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch import CHECKPOINTED, COMMON, QUICK_EXIT, ROOT, STEPS, TIMEOUT_S, TINY, TRAIN, assert_same_curve, ckpt, \
-    command_env, descendants, free_port, kill_tree, stopped_after, torchrun, train_argv, wait_until
+from launch import CHECKPOINTED, COMMON, QUICK_EXIT, ROOT, STEPS, TIMEOUT_S, TINY, TP2, TRAIN, assert_same_curve, \
+    ckpt, command_env, descendants, free_port, kill_tree, stopped_after, torchrun, train_argv, wait_until
 
 os.environ.setdefault("RUST_LOG", "error")  # before torchft's Rust part reads it: the lighthouse logs each quorum
 from torchft._torchft import LighthouseServer  # noqa: E402
@@ -23,10 +23,10 @@ DIES_AT, REJOINS_AT = 4, 6  # group 0, which logs the steps while it lives, dies
 GROUPS = ("--fault_tolerance.enable", "--fault_tolerance.group_size", "2")
 
 
-def start_groups(folder: Path, *overrides: str, die: str = "") -> subprocess.Popen:
-    """`REPLICA_GROUPS=2 NGPU=1 ./run_train.sh` on the tests' model, its workers gated (gate.py: `die` is
+def start_groups(folder: Path, *overrides: str, die: str = "", nproc: int = 1) -> subprocess.Popen:
+    """`REPLICA_GROUPS=2 NGPU=nproc ./run_train.sh` on the tests' model, its workers gated (gate.py: `die` is
     REPLICA:RANK:STEP), its output in folder/run.log; the lighthouse drops a group silent for 1 s."""
-    env = command_env(REPLICA_GROUPS="2", NGPU="1", CONFIG_FILE=str(TINY), LIGHTHOUSE_HEARTBEAT_MS="1000",
+    env = command_env(REPLICA_GROUPS="2", NGPU=str(nproc), CONFIG_FILE=str(TINY), LIGHTHOUSE_HEARTBEAT_MS="1000",
                       PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", PYTHONPATH=f"{ROOT}{os.pathsep}{QUICK_EXIT}",
                       SUITE_GATE=f"{folder}{':' + die if die else ''}")
     folder.mkdir(parents=True, exist_ok=True)
@@ -47,11 +47,12 @@ def finish(proc: subprocess.Popen, folder: Path) -> tuple[str, list[str]]:
 
 
 def worker(proc: subprocess.Popen, group: int) -> int:
-    """The pid of group `group`'s worker: the process below the launcher whose command line says its group."""
+    """The pid of group `group`'s rank 0: the worker below the launcher whose command line says its group."""
     for pid in descendants(proc.pid):
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         if (b"train.py" in argv and b"torch.distributed.run" not in argv
-                and argv[-3:-1] == [b"--fault_tolerance.replica_id", str(group).encode()]):
+                and argv[-3:-1] == [b"--fault_tolerance.replica_id", str(group).encode()]
+                and b"RANK=0" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")):
             return pid
     raise AssertionError(f"no worker of group {group}")
 
@@ -123,14 +124,14 @@ def test_a_killed_group_heals_and_rejoins_while_the_other_trains_on_the_uninterr
 
 
 def test_a_signal_to_one_group_stops_both_with_one_checkpoint_that_a_plain_run_resumes(runs, tmp_path):
-    """The groups resume FSDP 4's step-4 checkpoint. Both wait at step 6, group 1's worker alone gets SIGTERM (the
-    extreme of a signal reaching the groups at different moments), and the step's all-reduce tells group 0: both stop
-    after step 7, which the group that logs saves (alone it would train on to step 8). One process then resumes
-    step 7 to the end: one history, the uninterrupted curve."""
+    """The groups, TP 2 each, resume FSDP 4's step-4 checkpoint. Both wait at step 6, and group 1's rank 0 alone gets
+    SIGTERM (the extreme of a signal reaching the groups at different moments): the step's all-reduce tells group 0,
+    and both stop after step 7, which the group that logs saves (alone it would train on to step 8). One process then
+    resumes step 7 to the end: one history, the uninterrupted curve."""
     folder = stopped_after(runs["fsdp4"], 4, tmp_path / "run")
     for hold in ("hold-q5", "hold-6"):
         (folder / hold).touch()
-    proc = start_groups(folder, *CHECKPOINTED)
+    proc = start_groups(folder, *CHECKPOINTED, *TP2, nproc=2)
     try:
         wait_until(lambda: all((folder / f"joining-{r}-0").exists() for r in (0, 1)), "both groups", proc)
         (folder / "hold-q5").unlink()
@@ -144,6 +145,9 @@ def test_a_signal_to_one_group_stops_both_with_one_checkpoint_that_a_plain_run_r
     assert proc.returncode == 0, out[-4000:]
     assert "SIGTERM: stopped after step 7, checkpoint saved" in signalled, signalled[-3000:]
     assert "a signal to another rank: stopped after step 7, checkpoint saved" in writer, writer[-3000:]
+    digests = [re.findall(r"replica group \d rank 0 ends at step 7, state digest (\w+)", g)
+               for g in (writer, signalled)]
+    assert len(digests[0]) == 1 and digests[0] == digests[1], digests
     # Saved once, by one group: step 6 (the interval) and 7 (the stop) beside the copied 2 and 4.
     assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == [f"step-{s}" for s in (2, 4, 6, 7)]
     assert [len(re.findall(rf"saved checkpoint \S+/step-{s} ", g)) for s in (6, 7) for g in (writer, signalled)] \

@@ -24,7 +24,7 @@ sent their state. The rest is here:
 The first of the live groups logs each step and saves the checkpoints, which any run resumes, with groups or
 without (their state is the same in every group); the run keeps one history (Replicas says how). A signal to any
 group stops them all after the same step: the step's all-reduce carries each group's agreement on signals
-(signals.py) too. So far the groups refuse every layout inside them but FSDP (check_replicas).
+(signals.py) too. So far the groups refuse pipeline and context parallelism inside them (check_replicas).
 """
 
 from __future__ import annotations
@@ -77,7 +77,6 @@ def check_replicas(cfg: JobConfig, dims: ParallelDims, global_batch: int, moe: b
     except ImportError:
         raise ConfigError("fault_tolerance.enable needs torchft: pip install torchft==0.2.0") from None
     unsupported = {"parallelism.data_parallel_replicate_degree": dims.dp_replicate > 1,
-                   "parallelism.tensor_parallel_degree": dims.tp > 1,
                    "parallelism.pipeline_parallel_degree": dims.pp > 1,
                    "parallelism.context_parallel_degree": dims.cp > 1,
                    "checkpoint.create_seed_checkpoint": cfg.checkpoint.create_seed_checkpoint,
@@ -91,7 +90,7 @@ def check_replicas(cfg: JobConfig, dims: ParallelDims, global_batch: int, moe: b
                    "profiling.enable_profiling": cfg.profiling.enable_profiling,
                    "profiling.enable_memory_snapshot": cfg.profiling.enable_memory_snapshot}
     if refused := [k for k, on in unsupported.items() if on]:
-        raise ConfigError(f"replica groups (fault_tolerance.enable) train FSDP layouts of a dense model on "
+        raise ConfigError(f"replica groups (fault_tolerance.enable) train FSDP and TP layouts of a dense model on "
                           f"random-access data, without validation or traces so far: turn off "
                           f"{', '.join(refused)}")
     per_group = cfg.training.local_batch_size * dims.dp
