@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from launch import CHECKPOINTED, COMMON, QUICK_EXIT, ROOT, STEPS, TIMEOUT_S, TINY, TP2, TRAIN, assert_same_curve, \
-    ckpt, command_env, descendants, free_port, kill_tree, stopped_after, torchrun, train_argv, wait_until
+    ckpt, command_env, descendants, free_port, kill_tree, run_job, stopped_after, torchrun, train_argv, wait_until
 
 os.environ.setdefault("RUST_LOG", "error")  # before torchft's Rust part reads it: the lighthouse logs each quorum
 from torchft._torchft import LighthouseServer  # noqa: E402
@@ -158,3 +158,34 @@ def test_a_signal_to_one_group_stops_both_with_one_checkpoint_that_a_plain_run_r
     assert [r["step"] for r in resumes] == [4, 7]
     assert_same_curve(folder, runs["single"], 1e-5)
     assert ckpt(folder, STEPS).is_dir()
+
+
+# Slurm on one machine: every node is this one, and srun runs its command here, once.
+FAKE_SLURM = {
+    "scontrol": 'printf "node0\\nnode1\\n"\n',
+    "srun": 'while [[ $1 == -* ]]; do if [ "$1" = -w ]; then shift; fi; shift; done\n'
+            '[ "$1" = hostname ] && { echo 127.0.0.1; exit; }\nexec "$@"\n',
+}
+
+
+def test_the_slurm_script_trains_one_run_as_a_group_per_node(runs, tmp_path):
+    """scripts/replica_groups.slurm on an allocation of two nodes (both this machine), 1 process each: the lighthouse
+    it starts, a torchrun per group, one history on the uninterrupted curve."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}")
+        (bin_dir / name).chmod(0o755)
+    folder = tmp_path / "run"
+    env = command_env(PATH=f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                      SLURM_NNODES="2", SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_ID="1", SLURM_GPUS_PER_NODE="1",
+                      CONFIG_FILE=str(TINY), LIGHTHOUSE_PORT=str(free_port()), RDZV_PORT=str(free_port()),
+                      PYTHON=sys.executable, RUST_LOG="error", CUDA_VISIBLE_DEVICES="",
+                      PYTHONPATH=f"{ROOT}{os.pathsep}{QUICK_EXIT}", TMPDIR=str(tmp_path))
+    proc = run_job(["bash", "scripts/replica_groups.slurm", "--job.dump_folder", str(folder), *COMMON,
+                    "--training.steps", str(STEPS), "--fault_tolerance.groups_per_machine", "2"], env)
+    out = proc.stdout + proc.stderr
+    digests = [re.findall(rf"\[group{g}-rank0\]:.*ends at step {STEPS}, state digest (\w+)", out) for g in (0, 1)]
+    assert len(digests[0]) == 1 and digests[0] == digests[1], out[-3000:]
+    assert [m["step"] for m in read_history(folder)[0]] == list(range(1, STEPS + 1))
+    assert_same_curve(folder, runs["single"], 1e-5)
