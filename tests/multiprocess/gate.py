@@ -10,10 +10,14 @@ DIE_RANK SIGKILLs itself at the start of step DIE_STEP, as a worker that crashes
 A replica group (fault_tolerance.enable) also waits, before asking who is alive for step s, while FOLDER/hold-q<s>
 exists, so the others stay out of the quorum until a test lets them in; says it asks, by creating
 FOLDER/joining-<replica id>-<times restarted>; and says it waits at step s's hold, by creating
-FOLDER/waiting-<replica id>-<s>. Only the group DIE_REPLICA dies.
+FOLDER/waiting-<replica id>-<s>. Only the group DIE_REPLICA dies, at the start of the step or, with DIE_IN
+"reduce", in its all-reduce across the groups (after its backward, the others waiting in theirs). A group asked to
+send its state to a group that heals SIGKILLs itself instead while FOLDER/die-serving exists (the first to be asked
+takes the file away).
 
 A job that run_train.sh starts (REPLICA_GROUPS: a torchrun per group) gets the gate from the environment instead,
-SUITE_GATE=FOLDER[:DIE_REPLICA:DIE_RANK:DIE_STEP], which tests/quick_exit/sitecustomize.py reads in every worker.
+SUITE_GATE=FOLDER[:DIE_REPLICA:DIE_RANK:DIE_STEP[:DIE_IN]], which tests/quick_exit/sitecustomize.py reads in every
+worker.
 """
 
 import os
@@ -35,16 +39,18 @@ def _replica_id() -> str | None:
 
 
 def install(folder: Path, die_rank: int | None = None, die_step: int | None = None,
-            die_replica: str | None = None) -> None:
-    next_batch, quorum = DataLoader.next_batch, Replicas._quorum
+            die_replica: str | None = None, die_in: str = "data") -> None:
+    next_batch, quorum, serve, reduce = DataLoader.next_batch, Replicas._quorum, Replicas._serve, Replicas.reduce
+
+    def die_at(step: int, phase: str) -> None:
+        if (replicas.restarts() == 0 and step == die_step and phase == die_in and int(os.environ["RANK"]) == die_rank
+                and die_replica in (None, _replica_id())):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def gated_next_batch(self):
         step = self.position // self.global_batch + 1  # the step this batch is for, resumed or not
         replica = _replica_id()
-        first_attempt = replicas.restarts() == 0
-        if (first_attempt and step == die_step and int(os.environ["RANK"]) == die_rank
-                and die_replica in (None, replica)):
-            os.kill(os.getpid(), signal.SIGKILL)
+        die_at(step, "data")
         if replica is not None and (folder / f"hold-{step}").exists():
             (folder / f"waiting-{replica}-{step}").touch()
         while (folder / f"hold-{step}").exists() and not any(p.received for p in signals._installed):
@@ -57,13 +63,25 @@ def install(folder: Path, die_rank: int | None = None, die_step: int | None = No
             time.sleep(0.05)
         return quorum(self)
 
+    def gated_serve(self):
+        try:
+            (folder / "die-serving").unlink()
+        except FileNotFoundError:
+            return serve(self)
+        (folder / f"died-serving-{self.cfg.replica_id}").touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def gated_reduce(self, losses):
+        die_at(self.train_state.step + 1, "reduce")
+        return reduce(self, losses)
+
     DataLoader.next_batch = gated_next_batch
-    Replicas._quorum = gated_quorum
+    Replicas._quorum, Replicas._serve, Replicas.reduce = gated_quorum, gated_serve, gated_reduce
 
 
 def install_from_env() -> None:
     folder, *die = os.environ["SUITE_GATE"].split(":")
-    install(Path(folder), *((int(die[1]), int(die[2]), die[0]) if die else ()))
+    install(Path(folder), *((int(die[1]), int(die[2]), die[0], *die[3:]) if die else ()))
 
 
 if __name__ == "__main__":

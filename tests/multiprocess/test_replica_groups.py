@@ -23,11 +23,12 @@ DIES_AT, REJOINS_AT = 4, 6  # group 0, which logs the steps while it lives, dies
 GROUPS = ("--fault_tolerance.enable", "--fault_tolerance.group_size", "2")
 
 
-def start_groups(folder: Path, *overrides: str, die: str = "", nproc: int = 1) -> subprocess.Popen:
-    """`REPLICA_GROUPS=2 NGPU=nproc ./run_train.sh` on the tests' model, its workers gated (gate.py: `die` is
-    REPLICA:RANK:STEP), its output in folder/run.log; the lighthouse drops a group silent for 1 s."""
-    env = command_env(REPLICA_GROUPS="2", NGPU=str(nproc), CONFIG_FILE=str(TINY), LIGHTHOUSE_HEARTBEAT_MS="1000",
-                      PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", PYTHONPATH=f"{ROOT}{os.pathsep}{QUICK_EXIT}",
+def start_groups(folder: Path, *overrides: str, die: str = "", nproc: int = 1,
+                 groups: int = 2) -> subprocess.Popen:
+    """`REPLICA_GROUPS=groups NGPU=nproc ./run_train.sh` on the tests' model, its workers gated (gate.py: `die` is
+    REPLICA:RANK:STEP[:reduce]), its output in folder/run.log; the lighthouse drops a group silent for 1 s."""
+    env = command_env(REPLICA_GROUPS=str(groups), NGPU=str(nproc), CONFIG_FILE=str(TINY),
+                      LIGHTHOUSE_HEARTBEAT_MS="1000", PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", PYTHONPATH=f"{ROOT}{os.pathsep}{QUICK_EXIT}",
                       SUITE_GATE=f"{folder}{':' + die if die else ''}")
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "run.log", "w") as log:
@@ -35,7 +36,7 @@ def start_groups(folder: Path, *overrides: str, die: str = "", nproc: int = 1) -
                                  str(STEPS), *overrides], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def finish(proc: subprocess.Popen, folder: Path) -> tuple[str, list[str]]:
+def finish(proc: subprocess.Popen, folder: Path, groups: int = 2) -> tuple[str, list[str]]:
     """Waits for the launcher; (its whole output, each group's rank-0 lines)."""
     try:
         proc.wait(timeout=TIMEOUT_S)
@@ -43,7 +44,7 @@ def finish(proc: subprocess.Popen, folder: Path) -> tuple[str, list[str]]:
         if proc.poll() is None:
             kill_tree(proc)
     out = (folder / "run.log").read_text()
-    return out, ["\n".join(re.findall(rf"^\[group{g}-rank0\]:(.*)$", out, re.M)) for g in (0, 1)]
+    return out, ["\n".join(re.findall(rf"^\[group{g}-rank0\]:(.*)$", out, re.M)) for g in range(groups)]
 
 
 def worker(proc: subprocess.Popen, group: int) -> int:
@@ -158,6 +159,43 @@ def test_a_signal_to_one_group_stops_both_with_one_checkpoint_that_a_plain_run_r
     assert [r["step"] for r in resumes] == [4, 7]
     assert_same_curve(folder, runs["single"], 1e-5)
     assert ckpt(folder, STEPS).is_dir()
+
+
+def test_three_groups_survive_two_kills_in_a_row_the_second_of_the_group_serving_a_heal(tmp_path):
+    """Three groups (a global batch of 12: whole micro-batches for 1, 2 or 3 of them). Group 0 SIGKILLs itself in
+    step 3's all-reduce across the groups (after its backward) and the launcher starts it again; the two others train
+    on, then wait before step 5 until it
+    asks to join. The group asked to send it their state SIGKILLs itself instead, so the heal fails: group 0 heals
+    from the third group, and the second restarts and heals in turn. At the end the three hold the same state, bit
+    for bit, and the run is the uninterrupted one's."""
+    # A collective with a dead group fails at once, or waits this long for it (the survivors' ring, its restart).
+    batch12 = ("--training.global_batch_size", "12", "--fault_tolerance.process_group_timeout_ms", "3000")
+    reference, folder = tmp_path / "single", tmp_path / "run"
+    torchrun(1, reference, *COMMON, "--training.steps", str(STEPS), *batch12)
+    folder.mkdir()
+    for marker in ("hold-q1", "hold-q5", "die-serving"):
+        (folder / marker).touch()
+    proc = start_groups(folder, *batch12, die="0:0:3:reduce", groups=3)
+    try:
+        wait_until(lambda: all((folder / f"joining-{r}-0").exists() for r in range(3)), "three groups", proc)
+        (folder / "hold-q1").unlink()
+        wait_until(lambda: (folder / "joining-0-1").exists(), "group 0's restart", proc)
+        (folder / "hold-q5").unlink()
+    except BaseException:
+        kill_tree(proc)
+        raise
+    out, logs = finish(proc, folder, groups=3)
+    assert proc.returncode == 0, out[-4000:]
+    servers = [int(p.name.rsplit("-", 1)[1]) for p in folder.glob("died-serving-*")]
+    assert len(servers) == 1 and servers[0] in (1, 2), out[-4000:]
+    failed = re.findall(r"^replica group (\d) failed \(exit \d+\): starting it again \(1 of 3 restarts\)$", out, re.M)
+    assert failed == ["0", str(servers[0])], out[-4000:]
+    digests = [re.findall(rf"replica group {g} rank 0 ends at step {STEPS}, state digest (\w+)", log)
+               for g, log in enumerate(logs)]
+    assert all(len(d) == 1 for d in digests) and len({d[0] for d in digests}) == 1, digests
+    records, resumes = read_history(folder)
+    assert [m["step"] for m in records] == list(range(1, STEPS + 1)) and not resumes
+    assert_same_curve(folder, reference, 1e-5)
 
 
 # Slurm on one machine: every node is this one, and srun runs its command here, once.
