@@ -28,7 +28,8 @@ def start_groups(folder: Path, *overrides: str, die: str = "", nproc: int = 1,
     """`REPLICA_GROUPS=groups NGPU=nproc ./run_train.sh` on the tests' model, its workers gated (gate.py: `die` is
     REPLICA:RANK:STEP[:reduce]), its output in folder/run.log; the lighthouse drops a group silent for 1 s."""
     env = command_env(REPLICA_GROUPS=str(groups), NGPU=str(nproc), CONFIG_FILE=str(TINY),
-                      LIGHTHOUSE_HEARTBEAT_MS="1000", PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", PYTHONPATH=f"{ROOT}{os.pathsep}{QUICK_EXIT}",
+                      LIGHTHOUSE_HEARTBEAT_MS="1000", PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="",
+                      PYTHONPATH=f"{ROOT}{os.pathsep}{QUICK_EXIT}",
                       SUITE_GATE=f"{folder}{':' + die if die else ''}")
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "run.log", "w") as log:
