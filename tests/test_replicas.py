@@ -55,8 +55,8 @@ def test_the_global_batch_is_every_groups_and_the_plan_says_each_ones_share():
     assert global_batch(["--job.config_file", str(TINY)], 2) == 4  # without groups, as before
     data = plan_of(groups("--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", "1",
                           "--training.global_batch_size", "8"), world_size=2, peak=None).lines[1]
-    assert data.endswith("(2 sequences a rank per micro-batch, 1 micro-batch with all 2 replica groups alive; this "
-                         "is group 1)"), data
+    assert data.endswith("(2 sequences a rank per micro-batch, 1 micro-batch each, with all 2 replica groups "
+                         "alive)"), data
 
 
 def test_replica_groups_share_the_folders_lock_and_keep_other_runs_out(tmp_path):

@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -111,8 +113,8 @@ class Groups:
         self.ended[group] = status
         if status == 0:
             return
-        # Exit 2 is a refusal the group said in one line (its config, or nothing left to rejoin): not retried.
-        again = self.started[group] <= self.restarts and status != 2 and not (self.stopping or completed)
+        # Once the run has completed (or is being stopped), a group that fails has nothing left to rejoin.
+        again = self.started[group] <= self.restarts and not (self.stopping or completed)
         print(f"replica group {group} failed (exit {status})" + (
             f": starting it again ({self.started[group]} of {self.restarts} restarts)" if again else
             ", not started again" + (" (out of restarts: MAX_RESTARTS)" if self.started[group] > self.restarts
@@ -121,27 +123,29 @@ class Groups:
             self.start(group)
 
 
-def lighthouse(args: list[str]):
-    """torchft's lighthouse in this process (its server runs on threads of its own), or None when the run names
-    one. Every group may train alone (min_replicas 1): the groups' own fault_tolerance.min_replica_size decides."""
+def lighthouse(args: list[str]) -> subprocess.Popen | None:
+    """torchft's lighthouse (its server, a program of its own), or None when the run names one. Every group may
+    train alone (min_replicas 1): the groups' own fault_tolerance.min_replica_size decides."""
     if "--fault_tolerance.lighthouse" in args or os.environ.get("TORCHFT_LIGHTHOUSE"):
         return None
-    os.environ.setdefault("RUST_LOG", "error")  # read once, at import: else a line per quorum
-    from torchft._torchft import LighthouseServer  # noqa: PLC0415 - optional, as torchao is
-
-    server = LighthouseServer(bind="[::]:0", min_replicas=1,
-                              join_timeout_ms=int(os.environ.get(JOIN_TIMEOUT_MS, "600000")),
-                              heartbeat_timeout_ms=int(os.environ.get(HEARTBEAT_MS, "5000")))
-    os.environ["TORCHFT_LIGHTHOUSE"] = server.address()
-    return server
+    program = shutil.which("torchft_lighthouse") or os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    with socket.socket() as s:  # a port free now: the lighthouse binds it a moment later
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    os.environ["TORCHFT_LIGHTHOUSE"] = f"http://{socket.gethostname()}:{port}"
+    return subprocess.Popen([program, "--min_replicas", "1", "--bind", f"[::]:{port}",
+                             "--join_timeout_ms", os.environ.get(JOIN_TIMEOUT_MS, "600000"),
+                             "--heartbeat_timeout_ms", os.environ.get(HEARTBEAT_MS, "5000")],
+                            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "error")},
+                            start_new_session=True, preexec_fn=_die_with_parent)
 
 
 def main(argv: list[str]) -> int:
     groups, nproc, restarts, log_ranks, args = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], argv[4:]
+    run = Groups(groups, nproc, restarts, log_ranks, args)
     server = lighthouse(args)
     print(f"starting {groups} replica groups of {nproc} process{'es' * (nproc > 1)} (torchrun each), lighthouse "
           f"{os.environ.get('TORCHFT_LIGHTHOUSE', 'of --fault_tolerance.lighthouse')}", flush=True)
-    run = Groups(groups, nproc, restarts, log_ranks, args)
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, run.on_signal)
     try:
@@ -151,7 +155,8 @@ def main(argv: list[str]) -> int:
     finally:
         run.kill()  # none is left on any way out
         if server is not None:
-            server.shutdown()
+            server.kill()
+            server.wait()
 
 
 if __name__ == "__main__":

@@ -228,8 +228,9 @@ class Replicas:
                     self.data.position = position  # the failed attempt's samples again
                 self._quorum()
             self._quorum_ready = False
-            if self.train_state.step >= step:
-                return  # healed from a group that committed it
+            if self.train_state.step >= step:  # healed from a group that committed it
+                self._quorum_ready = True  # in the quorum of the step after its last: this group's next one
+                return
             position = self.data.position
             yield
             if self._committed:
@@ -272,11 +273,15 @@ class Replicas:
         return self._committed
 
     def _say_who_trained(self) -> None:
-        """Names the groups that left or joined since the last committed step."""
+        """Names the groups that left or joined since the last committed step; at this job's first one, those
+        absent."""
         alive = [i for i, n in enumerate(self._marks.tolist()) if n > 0.5]
-        if self._alive is not None and alive != self._alive:
+        if self._alive is None:
+            changes = [f"group {i} absent" for i in range(self.cfg.group_size) if i not in alive]
+        else:
             changes = [f"group {i} left" for i in self._alive if i not in alive]
             changes += [f"group {i} joined" for i in alive if i not in self._alive]
+        if changes:
             logger.warning("replica groups: %s; training with %s", ", ".join(changes),
                            ", ".join(str(i) for i in alive))
         self._alive = alive
