@@ -9,8 +9,8 @@ DIE_RANK SIGKILLs itself at the start of step DIE_STEP, as a worker that crashes
 
 A replica group (fault_tolerance.enable) also waits, before asking who is alive for step s, while FOLDER/hold-q<s>
 exists, so the others stay out of the quorum until a test lets them in; says it asks, by creating
-FOLDER/joining-<replica id>-<times restarted>; and says it waits at step s's hold, by creating
-FOLDER/waiting-<replica id>-<s>. Only the group DIE_REPLICA dies, at the start of the step or, with DIE_IN
+FOLDER/joining-<replica id>-<times restarted>; and says its rank 0 waits at step s's hold (its step s begun), by
+creating FOLDER/waiting-<replica id>-<s>. Only the group DIE_REPLICA dies, at the start of the step or, with DIE_IN
 "reduce", in its all-reduce across the groups (after its backward, the others waiting in theirs). A group asked to
 send its state to a group that heals SIGKILLs itself instead while FOLDER/die-serving exists (the first to be asked
 takes the file away).
@@ -51,7 +51,7 @@ def install(folder: Path, die_rank: int | None = None, die_step: int | None = No
         step = self.position // self.global_batch + 1  # the step this batch is for, resumed or not
         replica = _replica_id()
         die_at(step, "data")
-        if replica is not None and (folder / f"hold-{step}").exists():
+        if replica is not None and os.environ["RANK"] == "0" and (folder / f"hold-{step}").exists():
             (folder / f"waiting-{replica}-{step}").touch()
         while (folder / f"hold-{step}").exists() and not any(p.received for p in signals._installed):
             time.sleep(0.05)

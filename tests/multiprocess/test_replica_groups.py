@@ -139,13 +139,14 @@ def test_three_groups_survive_two_kills_in_a_row_the_second_of_the_group_serving
 def test_on_slurm_groups_outlive_a_hang_and_a_signal_to_one_stops_both_with_one_checkpoint(runs, tmp_path):
     """scripts/replica_groups.slurm on two nodes (both this machine, srun and scontrol standing in), a group of
     TP 2 on each, resuming FSDP 4's step-4 checkpoint:
-    - group 1 is SIGSTOPped at the start of step 5: group 0's all-reduce with it times out
+    - group 0 is SIGSTOPped at the start of step 5: group 1's all-reduce with it times out
       (fault_tolerance.process_group_timeout_ms) and, once the lighthouse has missed its heartbeat for a second,
-      group 0 trains step 5 alone and says which group is absent; let go (SIGCONT), group 1 finds its step failed, heals
-      from group 0 at step 5 (each rank from its counterpart) and rejoins;
+      group 1 trains step 5 alone, says which group is absent, and logs it: the run's history goes on from group 1.
+      Let go (SIGCONT), group 0 finds its step failed, heals from group 1 at step 5 (each rank from its counterpart)
+      and rejoins, first among the groups again: it logs the steps, and saves them under the run's id;
     - both wait at step 6, and group 1's rank 0 alone gets SIGTERM (the extreme of a signal reaching the groups at
-      different moments): step 7's all-reduce tells group 0, and both stop after step 7, which the group that logs
-      saves (alone, it would train on to step 8).
+      different moments): step 7's all-reduce tells group 0, and both stop after step 7, which group 0 saves (alone,
+      it would train on to step 8).
     One process then resumes step 7 to the end: one history, the uninterrupted curve."""
     bin_dir, folder = tmp_path / "bin", stopped_after(runs["fsdp4"], 4, tmp_path / "run")
     bin_dir.mkdir()
@@ -164,16 +165,16 @@ def test_on_slurm_groups_outlive_a_hang_and_a_signal_to_one_stops_both_with_one_
         wait_until(lambda: all((folder / f"joining-{r}-0").exists() for r in (0, 1)), "both groups", proc)
         (folder / "hold-q5").unlink()
         wait_until(lambda: all((folder / f"waiting-{r}-5").exists() for r in (0, 1)), "both at step 5", proc)
-        hung = list(workers(proc, 1).values())
+        hung = list(workers(proc, 0).values())
         for pid in hung:
             os.kill(pid, signal.SIGSTOP)
         (folder / "hold-5").unlink()
-        wait_until(lambda: "replica groups: group 1 absent; training with 0" in log.read_text(), "group 1 dropped",
+        wait_until(lambda: "replica groups: group 0 absent; training with 1" in log.read_text(), "group 0 dropped",
                    proc)
-        asked = (folder / "joining-1-0").stat().st_mtime_ns
+        asked = (folder / "joining-0-0").stat().st_mtime_ns
         for pid in hung:
             os.kill(pid, signal.SIGCONT)
-        wait_until(lambda: (folder / "joining-1-0").stat().st_mtime_ns > asked, "group 1 asking again", proc)
+        wait_until(lambda: (folder / "joining-0-0").stat().st_mtime_ns > asked, "group 0 asking again", proc)
         (folder / "hold-q6").unlink()
         wait_until(lambda: all((folder / f"waiting-{r}-6").exists() for r in (0, 1)), "both at step 6", proc)
         os.kill(workers(proc, 1)[0], signal.SIGTERM)
@@ -183,13 +184,14 @@ def test_on_slurm_groups_outlive_a_hang_and_a_signal_to_one_stops_both_with_one_
         raise
     out, (first, other) = finish(proc, folder, 2)
     assert proc.returncode == 0, out[-4000:]
-    assert re.findall(r"step (\d) was not committed \((.+?)\)", first) == [
-        ("5", "Timed out waiting 2000ms for recv operation to complete")], first[-3000:]
+    assert re.findall(r"step (\d) was not committed \((.+?)\)", other) == [
+        ("5", "Timed out waiting 2000ms for recv operation to complete")], other[-3000:]
     # Absent from the first step this job commits, the one after the resume.
-    assert re.findall(r"replica groups: (.+); training with (.+)", first) == [("group 1 absent", "0"),
-                                                                             ("group 1 joined", "0, 1")], first
-    assert re.findall(r"replica group 1 healed from a live group in [\d.]+s: step (\d) -> (\d)", other) == [
-        ("4", "5")], other[-3000:]
+    assert re.findall(r"replica groups: (.+); training with (.+)", other) == [("group 0 absent", "1"),
+                                                                             ("group 0 joined", "0, 1")], other
+    assert re.findall(r"replica group 0 healed from a live group in [\d.]+s: step (\d) -> (\d)", first) == [
+        ("4", "5")], first[-3000:]
+    assert [re.findall(rf"step: {s}/", g) != [] for s in (5, 6) for g in (first, other)] == [False, True, True, False]
     assert "SIGTERM: stopped after step 7, checkpoint saved" in other, other[-3000:]
     assert "a signal to another rank: stopped after step 7, checkpoint saved" in first, first[-3000:]
     digests = [re.findall(r"replica group \d rank 0 ends at step 7, state digest (\w+)", g) for g in (first, other)]
