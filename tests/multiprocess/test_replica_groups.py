@@ -119,6 +119,7 @@ def test_three_groups_survive_two_kills_in_a_row_the_second_of_the_group_serving
     assert len(re.findall(r"step 3 was not committed \(.+\): training it again", logs[third])) == 1, logs[third]
     assert [log.count("model built, parallelized and initialized") for log in logs] == [
         2 if g in (0, server) else 1 for g in range(3)], out[-4000:]
+    assert len(re.findall(r"replica group 0 could not heal \(.+\): asking the groups alive now again", logs[0])) == 1
     healed = [re.findall(rf"replica group {g} healed from a live group in [\d.]+s: step 0 -> (\d)", logs[g])
               for g in (0, server)]
     assert all(len(h) == 1 and 2 <= int(h[0]) <= 6 for h in healed), healed

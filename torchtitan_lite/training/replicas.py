@@ -167,6 +167,7 @@ class Replicas:
         self.live, self._rank = 0, None
         self._marks, self._alive = torch.zeros(0), None  # the groups that trained the last step, and the last committed
         self._committed, self._quorum_ready, self._signalled = False, False, torch.zeros(1)
+        self._heal_error: Exception | None = None
         self._history: Callable[[], None] | None = None  # begins the run's history, until it has one
         self._adopt: Callable[[], None] | None = None  # takes up a history another group began, as its writer
         timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
@@ -193,6 +194,7 @@ class Replicas:
         """Who is alive for the next attempt; a group behind the others loads their state first (_load)."""
         before, t0 = self.train_state.step, time.perf_counter()
         self.manager.start_quorum()
+        self._heal_error = self.manager.errored()  # a heal whose sender died: this group is still behind
         live, self._rank = self.manager.num_participants(), self.manager.participating_rank()
         if live > self.cfg.group_size:
             raise ConfigError(f"{live} replica groups are alive, more than fault_tolerance.group_size "
@@ -235,8 +237,12 @@ class Replicas:
             yield
             if self._committed:
                 return
-            logger.warning("step %d was not committed (%s): training it again with the groups alive now", step,
-                           _why(self.manager.errored()))
+            if self._heal_error is not None:
+                logger.warning("replica group %d could not heal (%s): asking the groups alive now again",
+                               self.cfg.replica_id, _why(self._heal_error))
+            else:
+                logger.warning("step %d was not committed (%s): training it again with the groups alive now", step,
+                               _why(self.manager.errored()))
 
     # ---- The step
 
