@@ -51,6 +51,8 @@ def _children(pid: int) -> list[int]:
 
 
 class Groups:
+    """The groups' torchruns: started, signalled, watched and started again."""
+
     def __init__(self, groups: int, nproc: int, restarts: int, log_ranks: str, args: list[str]):
         self.groups, self.nproc, self.restarts, self.log_ranks, self.args = groups, nproc, restarts, log_ranks, args
         self.procs: dict[int, subprocess.Popen] = {}
@@ -104,9 +106,7 @@ class Groups:
                 self._ended(group, status)
         if self.interrupts:
             return 130
-        if 0 in self.ended.values():
-            return 0
-        return max(self.ended.values(), default=1)
+        return 0 if 0 in self.ended.values() else 1  # torchrun's own status for a failed job
 
     def _ended(self, group: int, status: int) -> None:
         completed = 0 in self.ended.values()
