@@ -6,7 +6,7 @@ It starts torchft's lighthouse (unless the arguments or TORCHFT_LIGHTHOUSE name 
 each worker told its group (`--fault_tolerance.replica_id N`), and watches them. A group whose torchrun ends in a
 failure (a worker killed, or torchrun itself) is started again, up to RESTARTS times, while the others train on: it
 heals from them and rejoins (training/replicas.py). The command ends once every group has: 0 when the run completed
-(some group trained it to its end or stopped it on a signal), else the failure's status.
+(some group trained it to its end or stopped it on a signal), else 1.
 
 A group is restarted whole, by a new torchrun, rather than by torchrun's own restarts: a killed torchrun has nobody
 to restart it. Each torchrun is in a session of its own, so Ctrl-C at the terminal reaches this process alone, which
