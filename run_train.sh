@@ -33,6 +33,10 @@ done
 LOG_RANK=${LOG_RANK:-0}
 lighthouse=${TORCHFT_LIGHTHOUSE:-}
 if [ -n "${REPLICA_GROUPS:-}" ]; then  # after the user's arguments: the groups are this script's to number
+  if ! [[ $REPLICA_GROUPS =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: REPLICA_GROUPS=$REPLICA_GROUPS: set it to the number of replica groups (1 or more), or unset it" >&2
+    exit 2
+  fi
   set -- "$@" --fault_tolerance.enable --fault_tolerance.group_size "$REPLICA_GROUPS" \
     --fault_tolerance.groups_per_machine "$REPLICA_GROUPS"
   MAX_RESTARTS=${MAX_RESTARTS:-3}  # restarting a group that fails is what the mode is for

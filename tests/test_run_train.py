@@ -109,6 +109,15 @@ def test_a_missing_config_file_is_named_as_CONFIG_FILE(tmp_path):
         "train_configs/debug_model.toml"]
 
 
+@pytest.mark.parametrize("groups", ["two", "0"])
+def test_a_bad_number_of_replica_groups_is_named_as_REPLICA_GROUPS(tmp_path, groups):
+    env = {**launcher_stub(tmp_path), "REPLICA_GROUPS": groups}
+    proc = subprocess.run([SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.splitlines() == [f"error: REPLICA_GROUPS={groups}: set it to the number of replica groups (1 or "
+                                        "more), or unset it"]
+
+
 def test_the_check_prints_the_plan_and_a_finished_run_starts_no_worker(tmp_path):
     train_in_process(tmp_path / "out", "--training.steps", "2", "--checkpoint.enable")
     env = launcher_stub(tmp_path)
