@@ -165,8 +165,9 @@ class Replicas:
         self.preemption, self.resumable = preemption, resumable  # resumable: checkpoints on
         self.group_rank, self.dp_rank, self.dp_size = group_rank, dp_rank, dp_size  # within the group
         self.live, self._rank = 0, None
-        self._marks, self._alive = torch.zeros(0), None  # the groups that trained the last step, and the last committed
-        self._committed, self._quorum_ready, self._signalled = False, False, torch.zeros(1)
+        # Which groups trained the last attempt, then whether one was signalled (reduce); those of the last committed.
+        self._marks, self._alive = torch.zeros(0), None
+        self._committed, self._quorum_ready = False, False
         self._heal_error: Exception | None = None
         self._history: Callable[[], None] | None = None  # begins the run's history, until it has one
         self._adopt: Callable[[], None] | None = None  # takes up a history another group began, as its writer
@@ -260,14 +261,15 @@ class Replicas:
         for t in [*grads, losses]:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
-        self._marks, self._signalled = flat[offset:-1], flat[-1:]
+        self._marks = flat[offset:]
 
     def commit(self) -> bool:
         """The group's vote: whether every collective of the step succeeded in every live group (Update's gate)."""
         self._committed = self.manager.should_commit()
         if self._committed:
-            self._say_who_trained()
-            self.preemption.widen(self._signalled.item() > 0.5)  # every group stops after the same step
+            *marks, signalled = self._marks.tolist()  # read once: one copy from the device
+            self._say_who_trained(marks)
+            self.preemption.widen(signalled > 0.5)  # every group stops after the same step
             if self._history is not None:
                 if self.writing():
                     self._history()  # the run's first committed step, which this group logs
@@ -278,10 +280,10 @@ class Replicas:
                 self._adopt = None
         return self._committed
 
-    def _say_who_trained(self) -> None:
+    def _say_who_trained(self, marks: list[float]) -> None:
         """Names the groups that left or joined since the last committed step; at this job's first one, those
         absent."""
-        alive = [i for i, n in enumerate(self._marks.tolist()) if n > 0.5]
+        alive = [i for i, n in enumerate(marks) if n > 0.5]
         if self._alive is None:
             changes = [f"group {i} absent" for i in range(self.cfg.group_size) if i not in alive]
         else:
