@@ -281,13 +281,13 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
             with t.phase("log"):
                 t.guard.check()  # a step since the last log that must stop the run raises here (saves check too)
                 dist.all_reduce(losses, group=t.loss_group)
-                losses, window = losses.tolist(), t.throughput.lap(step)
+                losses, window = losses.tolist(), t.throughput.lap(step, t.replicas.batches_trained())
                 t.metrics.log(step, {
                     "loss": losses[0], "grad_norm": grad_norm.item(), **t.update.fields(), **window.fields(),
                     **t.memory.fields(), **t.train_state.fields(),
                     "world_size": env.world_size,  # changes when an elastic job shrinks or grows
                     **t.guard.metrics(), **t.stragglers.fields(window.seconds, window.steps), **val_losses,
-                    **t.expert_load.fields(),
+                    **t.expert_load.fields(), **t.replicas.fields(),
                     **t.per_source.fields(losses, step),
                 })
         with t.phase("checkpoint"):

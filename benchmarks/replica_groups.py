@@ -5,7 +5,8 @@
 1. Without a fault, per step: the debug model on one process, plain and as a run of one replica group (the quorum,
    the commit vote and the all-reduce across groups, with no peer: what every step pays whatever the model), then two
    groups of one process against one job of two FSDP processes with the same global batch (each pays its own
-   gradient reduction: the groups one all-reduce across groups, FSDP its reduce-scatter).
+   gradient reduction: the groups one all-reduce across groups, FSDP its reduce-scatter), and one of those two groups
+   alone, as while the other is away: in exact mode it trains the whole global batch, in fast mode its own half.
 2. A fault, side by side (fault()): a process SIGKILLed at the start of step 10 under two replica groups, and under
    one job that torchrun restarts and that resumes from its newest checkpoint; the wait for step 10, the steps
    trained again, and the restarted group's heal.
@@ -83,6 +84,10 @@ def no_fault(root: Path, steps: int) -> dict[str, float]:
         finish(*(start(1, root / "two_groups", *groups(2, lighthouse.address(), "--fault_tolerance.replica_id",
                                                        str(r)), *common) for r in (0, 1)))
         out["fsdp2 s/step"], out["2 groups s/step"] = step_seconds(root / "fsdp2"), step_seconds(root / "two_groups")
+        for mode in ("exact", "fast"):  # one of the two groups alone, as while the other is away
+            finish(start(1, root / mode, *groups(2, lighthouse.address(), "--fault_tolerance.replica_id", "0",
+                                                 "--fault_tolerance.mode", mode), *common))
+            out[f"1 of 2 groups, {mode} s/step"] = step_seconds(root / mode)
         return out
     finally:
         lighthouse.shutdown()
@@ -141,7 +146,9 @@ def main() -> None:
             print(f"{k:>32}: {v:.4f}")
         one, plain = figures["1 group s/step"], figures["1 process s/step"]
         print(f"quorum overhead {100 * (one / plain - 1):+.1f}% of a step ({1000 * (one - plain):+.1f} ms), "
-              f"2 groups / fsdp2 {figures['2 groups s/step'] / figures['fsdp2 s/step']:.3f}; a fault costs "
+              f"2 groups / fsdp2 {figures['2 groups s/step'] / figures['fsdp2 s/step']:.3f}, one group of the two "
+              f"alone / both: exact {figures['1 of 2 groups, exact s/step'] / figures['2 groups s/step']:.2f}, fast "
+              f"{figures['1 of 2 groups, fast s/step'] / figures['2 groups s/step']:.2f}; a fault costs "
               f"{figures['groups: step 9 to 10 s']:.2f} s and {figures['groups: steps trained again']:.0f} step with "
               f"replica groups (heal {figures['groups: heal s']:.2f} s), {figures['restart: step 9 to 10 s']:.2f} s "
               f"and {figures['restart: steps trained again']:.0f} steps with restart + resume "

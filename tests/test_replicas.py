@@ -8,6 +8,7 @@ from tests.test_plan import plan_of
 from torchtitan_lite.config import ConfigError, load_config
 from torchtitan_lite.runtime import run_lock
 from torchtitan_lite.training.preflight import preflight
+from torchtitan_lite.training.replicas import behind_the_run
 
 LIGHTHOUSE = ("--fault_tolerance.lighthouse", "http://localhost:29510")
 
@@ -28,7 +29,8 @@ def global_batch(argv: list[str], world_size: int = 1) -> int:
     (groups("--fault_tolerance.group_size", "3", "--training.global_batch_size", "8"), 1,
      "training.global_batch_size 8 does not split into whole micro-batches over 3 live groups of local_batch_size 2 "
      "x data-parallel degree 1: use a multiple of 12"),
-    (groups("--parallelism.pipeline_parallel_degree", "2"), 2, "turn off parallelism.pipeline_parallel_degree"),
+    (groups("--parallelism.data_parallel_replicate_degree", "2"), 2,
+     "turn off parallelism.data_parallel_replicate_degree"),
     (groups("--checkpoint.create_seed_checkpoint", "--metrics.enable_tensorboard"), 1,
      "turn off checkpoint.create_seed_checkpoint, metrics.enable_tensorboard"),
     (groups("--model.flavor", "tiny_moe"), 1, "turn off a mixture-of-experts flavor"),
@@ -59,6 +61,20 @@ def test_the_global_batch_is_every_groups_and_the_plan_says_each_ones_share():
                          "alive)"), data
 
 
+def test_in_fast_mode_the_global_batch_splits_over_every_group_alone_and_the_plan_says_so():
+    """Fast mode: each group's share is fixed, so the batch need only split over all groups at once (exact mode's
+    6 for 3 groups of 1 rank would not split over 2 live ones)."""
+    fast = ("--fault_tolerance.group_size", "3", "--fault_tolerance.mode", "fast")
+    assert global_batch(groups(*fast), 2) == 2 * 2 * 3
+    assert global_batch(groups(*fast, "--training.global_batch_size", "6")) == 6
+    with pytest.raises(ConfigError, match="over 2 live groups of local_batch_size 2 x data-parallel degree 1: use a "
+                                          "multiple of 12"):
+        global_batch(groups("--fault_tolerance.group_size", "3", "--training.global_batch_size", "6"))
+    data = plan_of(groups(*fast, "--training.global_batch_size", "12"), world_size=2, peak=None).lines[1]
+    assert data.endswith("1 micro-batch each in each of the 3 replica groups; a missing group's are skipped: "
+                         "fault_tolerance.mode fast)"), data
+
+
 def test_replica_groups_share_the_folders_lock_and_keep_other_runs_out(tmp_path):
     folder = str(tmp_path)
     with run_lock.hold(folder, shared=True), run_lock.hold(folder, shared=True):  # two groups of one run
@@ -68,3 +84,15 @@ def test_replica_groups_share_the_folders_lock_and_keep_other_runs_out(tmp_path)
     with run_lock.hold(folder):
         with pytest.raises(ConfigError, match="is in use by a live run"):
             run_lock.check_free(folder, shared=True)  # and groups wait for a plain run to end
+
+
+def test_a_group_is_behind_the_run_when_another_logged_past_its_step_since_it_started(tmp_path):
+    """A group that joins no live group and finds records past its step written since it started would train them
+    again over the others' (they finished first); records from before its start are a stopped run's, which its
+    resume drops."""
+    assert not behind_the_run(str(tmp_path), 6, started=0.0)  # no history yet
+    (tmp_path / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n{"step": 8, "loss": 0.9}\n')
+    written = (tmp_path / "metrics.jsonl").stat().st_mtime
+    assert behind_the_run(str(tmp_path), 6, started=written - 1)
+    assert not behind_the_run(str(tmp_path), 6, started=written + 1)  # written before: a stopped run's
+    assert not behind_the_run(str(tmp_path), 8, started=written - 1)  # at the run's step: it joins it

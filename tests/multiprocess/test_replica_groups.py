@@ -6,13 +6,15 @@ uninterrupted one's: one process's curve, every step logged once, every group's 
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from launch import CHECKPOINTED, COMMON, QUICK_EXIT, ROOT, STEPS, TIMEOUT_S, TINY, TP2, TRAIN, assert_same_curve, \
-    command_env, descendants, free_port, kill_tree, stopped_after, torchrun, train_argv, wait_until
+from launch import CHECKPOINTED, COMMON, CP2, GATE, PP2, QUICK_EXIT, ROOT, STEPS, TIMEOUT_S, TINY, TP2, \
+    assert_same_curve, ckpt, command_env, curve, descendants, free_port, kill_tree, stopped_after, train_argv, \
+    train_in_process, wait_until
 
 os.environ.setdefault("RUST_LOG", "error")  # before torchft's Rust part reads it: the lighthouse logs each quorum
 from torchft._torchft import LighthouseServer  # noqa: E402
@@ -64,19 +66,27 @@ def workers(proc: subprocess.Popen, group: int) -> dict[int, int]:
     return found
 
 
-def restart_after_the_end(folder, *overrides: str) -> subprocess.CompletedProcess:
-    """Group 1's worker as the launcher starts it again, once the run has ended (a lighthouse of its own)."""
+def restart_alone(folder: Path, groups: int, *overrides: str, meanwhile=lambda: None) -> tuple[int, str]:
+    """Group 1's worker as the launcher starts it again, alone: the others have ended (a lighthouse of its own).
+    `meanwhile` runs once it has asked to join (gated: hold-q markers may hold it there). (Its exit status, output.)"""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, heartbeat_timeout_ms=1000)
     args = train_argv(folder, *COMMON, "--training.steps", str(STEPS), *overrides, "--fault_tolerance.enable",
-                      "--fault_tolerance.group_size", "3", "--fault_tolerance.replica_id", "1",
+                      "--fault_tolerance.group_size", str(groups), "--fault_tolerance.replica_id", "1",
                       "--fault_tolerance.lighthouse", lighthouse.address())
     env = command_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()), TORCHTITAN_LITE_GROUP_RESTARTS="1",
                       PYTHONPATH=f"{ROOT}{os.pathsep}{QUICK_EXIT}")
+    for marker in folder.glob("joining-1-1"):
+        marker.unlink()
+    proc = subprocess.Popen([sys.executable, str(GATE), str(folder), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        return subprocess.run([sys.executable, str(TRAIN), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=TIMEOUT_S)
+        wait_until(lambda: (folder / "joining-1-1").exists(), "the group asking to join", proc)
+        meanwhile()
+        return proc.wait(timeout=TIMEOUT_S), proc.communicate()[0]
     finally:
+        if proc.poll() is None:
+            kill_tree(proc)
         lighthouse.shutdown()
 
 
@@ -90,7 +100,7 @@ def test_three_groups_survive_two_kills_in_a_row_the_second_of_the_group_serving
     # A collective with a dead group fails at once, or waits this long for it (the survivors' ring, its restart).
     batch12 = ("--training.global_batch_size", "12", "--fault_tolerance.process_group_timeout_ms", "3000")
     reference, folder = tmp_path / "single", tmp_path / "run"
-    torchrun(1, reference, *COMMON, "--training.steps", str(STEPS), *batch12)
+    train_in_process(reference, *COMMON, "--training.steps", str(STEPS), *batch12)
     folder.mkdir()
     for marker in ("hold-q1", "hold-q5", "hold-q7", "die-serving"):
         (folder / marker).touch()
@@ -130,10 +140,10 @@ def test_three_groups_survive_two_kills_in_a_row_the_second_of_the_group_serving
     assert [m["step"] for m in records] == list(range(1, STEPS + 1)) and not resumes
     assert sum('"event": "start"' in line for line in history.splitlines()) == 1
     assert_same_curve(folder, reference, 1e-5)
-    late = restart_after_the_end(folder, *batch12)
-    assert late.returncode == 2 and late.stderr.strip().splitlines()[-1] == (
+    code, late = restart_alone(folder, 3, *batch12)
+    assert code == 2 and late.strip().splitlines()[-1] == (
         "error: replica group 1 restarted and found no live group to heal from (the others have finished, or died "
-        "too): without checkpoints there is nothing to rejoin; start the run again"), late.stdout[-2000:] + late.stderr
+        "too): without checkpoints there is nothing to rejoin; start the run again"), late[-2000:]
     assert (folder / "metrics.jsonl").read_text() == history
 
 
@@ -201,8 +211,95 @@ def test_on_slurm_groups_outlive_a_hang_and_a_signal_to_one_stops_both_with_one_
     assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == [f"step-{s}" for s in (2, 4, 6, 7)]
     assert [len(re.findall(rf"saved checkpoint \S+/step-{s} ", g)) for s in (6, 7) for g in (first, other)] \
         == [1, 0, 1, 0]
-    torchrun(1, folder, *COMMON, "--training.steps", str(STEPS), *CHECKPOINTED)
+    train_in_process(folder, *COMMON, "--training.steps", str(STEPS), *CHECKPOINTED)
     records, resumes = read_history(folder)
     assert [m["step"] for m in records] == list(range(1, STEPS + 1))
     assert [r["step"] for r in resumes] == [4, 7]
     assert_same_curve(folder, runs["single"], 1e-5)
+
+
+def test_in_fast_mode_a_missing_groups_samples_are_skipped_and_named_and_the_rest_is_their_mean(tmp_path):
+    """`REPLICA_GROUPS=2 NGPU=2 ... --fault_tolerance.mode fast`, each group 2 pipeline stages, each its own half of
+    every global batch of 8. Group 1's last stage SIGKILLs itself at the start of step 1, so group 0 trains step 1
+    alone: its loss and gradient norm are those of a global batch of its 4 windows alone (the sums scaled to their
+    mean; unscaled, both would be halved). Group 1 is started again, each stage heals from its counterpart, and it
+    rejoins at step j (the test holds group 0 before step 5 until it asks): the records of steps 1 to j - 1 name
+    group 1's windows of each as skipped, later ones none, and no other window is missing or trained twice. At the
+    end each stage's state is the same in both groups, bit for bit. Groups of CP 2 then resume its step-6 checkpoint
+    and train steps 7 and 8 as it did; a group started alone from an older one while another logs past it stops."""
+    half, folder = tmp_path / "half", tmp_path / "run"
+    train_in_process(half, *COMMON, "--training.steps", str(STEPS), "--training.global_batch_size", "4")
+    folder.mkdir()
+    for marker in ("hold-q1", "hold-q5"):
+        (folder / marker).touch()
+    proc = start(folder, ["./run_train.sh"], *PP2, "--training.local_batch_size", "4", *CHECKPOINTED,
+                 "--fault_tolerance.mode", "fast", "--fault_tolerance.process_group_timeout_ms", "3000",
+                 REPLICA_GROUPS="2", NGPU="2", LOG_RANK="0,1", SUITE_GATE=f"{folder}:1:1:1")
+    try:
+        wait_until(lambda: all((folder / f"joining-{r}-0").exists() for r in range(2)), "two groups", proc)
+        (folder / "hold-q1").unlink()
+        wait_until(lambda: (folder / "joining-1-1").exists(), "group 1's restart", proc)
+        (folder / "hold-q5").unlink()
+    except BaseException:
+        kill_tree(proc)
+        raise
+    out, logs = finish(proc, folder, 2)
+    assert proc.returncode == 0, out[-4000:]
+    assert "each in each of the 2 replica groups; a missing group's are skipped: fault_tolerance.mode fast" in out
+    # Started again, it resumes the newest checkpoint group 0 saved (every 2 steps), heals from group 0 if that has
+    # trained on meanwhile, and trains the steps from j on.
+    trained = re.findall(rf"training done at step {STEPS}/{STEPS}: (\d) steps", logs[1])
+    assert len(trained) == 1 and 2 <= STEPS + 1 - int(trained[0]) <= 6, logs[1][-3000:]
+    rejoined = STEPS + 1 - int(trained[0])
+    assert re.findall(r"replica groups: (.+); training with (.+)", logs[0]) == [
+        ("group 1 absent", "0 (fast mode: a missing group's samples are skipped)"), ("group 1 joined", "0, 1")]
+    records = read_history(folder)[0]
+    assert [m["step"] for m in records] == list(range(1, STEPS + 1))
+    assert [m["skipped_samples"] for m in records] == [
+        [[8 * s - 4, 8 * s]] if s < rejoined else [] for s in range(1, STEPS + 1)], records
+    assert_same_curve(folder, half, 1e-5, steps=[1])
+    found = re.findall(rf"^\[group(\d)-rank(\d)\]:.* ends at step {STEPS}, state digest (\w+)", out, re.M)
+    digests = {(g, r): d for g, r, d in found}
+    assert len(found) == len(digests) == 4 and all(digests["0", r] == digests["1", r] for r in "01"), found
+    # As if the run had stopped after step 6: groups of CP 2 resume its checkpoint, in exact mode, and train steps 7
+    # and 8 as it did (every group was alive then, so both modes train the whole batch).
+    fast = curve(folder)
+    shutil.rmtree(ckpt(folder, 8))
+    for marker in folder.glob("joining-*"):
+        marker.unlink()
+    (folder / "hold-q7").touch()  # until both ask: the first to ask would otherwise train on alone
+    proc = start(folder, ["./run_train.sh"], *CP2, "--training.local_batch_size", "4", *CHECKPOINTED,
+                 REPLICA_GROUPS="2", NGPU="2")
+    try:
+        wait_until(lambda: all((folder / f"joining-{r}-0").exists() for r in range(2)), "two groups", proc)
+        (folder / "hold-q7").unlink()
+    except BaseException:
+        kill_tree(proc)
+        raise
+    out, logs = finish(proc, folder, 2)
+    assert proc.returncode == 0, out[-4000:]
+    digests = [re.findall(rf"ends at step {STEPS}, state digest (\w+)", log) for log in logs]
+    assert all(len(d) == 1 for d in digests) and digests[0] == digests[1], digests
+    records, resumes = read_history(folder)
+    assert [m["step"] for m in records] == list(range(1, STEPS + 1)) and [r["step"] for r in resumes] == [6]
+    resumed = curve(folder)
+    for step in (7, 8):
+        (loss, norm), (loss_was, norm_was) = resumed[step], fast[step]
+        assert abs(loss - loss_was) <= 1e-5 and abs(norm - norm_was) <= 1e-5 * norm_was, (step, resumed, fast)
+    # A group restarted alone from the step-4 checkpoint while another logged steps past it (the file's time moves
+    # once it has started) is behind a run that went on without it: it stops, and the history is left as it was.
+    for step in (6, 8):
+        shutil.rmtree(ckpt(folder, step))
+    history, metrics = (folder / "metrics.jsonl").read_text(), folder / "metrics.jsonl"
+    (folder / "hold-q5").touch()
+
+    def another_group_logs():
+        os.utime(metrics)
+        (folder / "hold-q5").unlink()
+
+    code, late = restart_alone(folder, 2, "--training.local_batch_size", "4", *CHECKPOINTED,
+                               meanwhile=another_group_logs)
+    assert code == 2 and late.strip().splitlines()[-1] == (
+        "error: replica group 1 is behind the run: another group logged steps past 4 since this one started, and "
+        "none is alive to heal from (they have finished, or died): nothing to rejoin"), late[-2000:]
+    assert metrics.read_text() == history and not ckpt(folder, 6).exists()

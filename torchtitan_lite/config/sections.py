@@ -288,6 +288,9 @@ class FaultTolerance:
     group_size: int = opt(1, "replica groups in the run; each trains an equal share of every global batch",
                           rule=at_least(1))
     min_replica_size: int = opt(1, "groups that must be alive to commit a step; fewer wait", rule=at_least(1))
+    mode: str = opt("exact", 'a missing group\'s share of the global batch: "exact" = the live groups train it (the '
+                    'uninterrupted curve), "fast" = skipped, and named in metrics.jsonl (skipped_samples)',
+                    choices=("exact", "fast"))
     groups_per_machine: int = opt(1, "groups that share this machine's CPU cores: a CPU process computes with its "
                                   "share of them, as the processes of one job do", rule=at_least(1))
     lighthouse: str = opt("", 'the torchft lighthouse every group asks who is alive, http://HOST:PORT; "" = '

@@ -21,9 +21,10 @@ logger = logging.getLogger("torchtitan_lite")
 
 
 def _plain(v):
-    """A tensor or numpy scalar as a Python number, so json.dumps writes it at full precision (repr)."""
+    """A tensor or numpy scalar as a Python number, so json.dumps writes it at full precision (repr); a list (fast
+    replica groups' skipped_samples) as it is."""
     v = v.item() if hasattr(v, "item") else v
-    return v if isinstance(v, (int, float)) else float(v)
+    return v if isinstance(v, (int, float, list)) else float(v)
 
 
 # Console fields after `loss`, in order: key, label, format. Keys not in `values` are skipped.
@@ -65,7 +66,7 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def _last_step(path: str) -> int | None:
+def last_step(path: str) -> int | None:
     """The step of a metrics.jsonl's last complete record (a run's start or resume record included), if any."""
     with open(path, "rb") as f:
         f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
@@ -143,7 +144,8 @@ class MetricLogger:
             logger.info(f"step: {step}  val_loss: {values['val_loss']:.4f}{sources}")
         if self._tb is not None:
             for k, v in values.items():
-                self._tb.add_scalar(k, v, step)
+                if not isinstance(v, list):
+                    self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(step, values)
 
@@ -155,7 +157,7 @@ class MetricLogger:
             self._file = open(self._path, "a")  # noqa: SIM115 - open for the run
         size = os.fstat(self._file.fileno()).st_size
         if size != self._written_to:  # first written, or appended to by another writer since
-            self._file_step = _last_step(self._path)
+            self._file_step = last_step(self._path)
         if self._file_step is not None and step <= self._file_step:
             if not self._behind:
                 logger.warning("metrics.jsonl already holds step %d: this job's records up to it are not written "

@@ -44,7 +44,8 @@ def init_distributed(env: Env, timeout_s: int = 600, jobs_here: int = 1) -> torc
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(env.local_world_size * jobs_here))
         backend = "gloo"
-    timeout = timedelta(seconds=timeout_s)
+    global _timeout
+    timeout, _timeout = timedelta(seconds=timeout_s), f"comm.init_timeout_seconds = {timeout_s}"
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         # Plain `python train.py`: a one-process group, so the mesh code path is the same. Its store lives in this
         # process, so two such runs on one machine can never race for a port.
@@ -119,7 +120,7 @@ def _round_store(agent: dist.Store, env: Env, timeout: timedelta) -> dist.Store:
         time.sleep(0.1)
 
 
-_timeout = "comm.init_timeout_seconds"  # the option whose bound is in force
+_timeout = "comm.init_timeout_seconds"  # the option whose bound is in force, with its value once known
 _train_timeout: timedelta | None = None
 
 

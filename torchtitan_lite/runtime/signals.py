@@ -68,6 +68,11 @@ class Preemption:
         self._flag.fill_(self.received is not None)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
 
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """Where this job's ranks agree on a host value (gloo beside a GPU's NCCL; None: the default group)."""
+        return self._group
+
     def vote(self) -> int:
         """This job's agreement for the step in progress (1: some rank was signalled before it began), for one
         across jobs (replica groups: replicas.py), which widen() then makes the answer."""

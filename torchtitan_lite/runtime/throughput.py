@@ -43,10 +43,11 @@ class Throughput:
         finally:
             self._since += time.perf_counter() - begin
 
-    def lap(self, step: int) -> Window:
-        """At a logging step: the window since the previous one, and a new one begins."""
+    def lap(self, step: int, batches: float | None = None) -> Window:
+        """At a logging step: the window since the previous one, and a new one begins. `batches`: the global batches
+        this job trained in it, if not one a step (replica groups: each its share of a step's)."""
         now = time.perf_counter()
         seconds, steps = now - self._since, step - self._since_step
-        tps = self.tokens * steps / self.world_size / seconds
+        tps = self.tokens * (steps if batches is None else batches) / self.world_size / seconds
         self._since, self._since_step = now, step
         return Window(seconds, steps, tps, 100 * tps * self.flops / self.peak)

@@ -10,6 +10,7 @@
 - expert_load.py: a mixture of experts' load each step, and DeepSeek-V3's bias balancing
 - replicas.py: replica groups (torchft): who is alive each step, their gradients summed, a step committed or retried,
   a restarted group healed from a live one
+- replica_state.py: what a group that heals is sent (each rank's local shards), and the digest groups compare
 
 May import every layer below it; only tools, train.py and scripts import it.
 """

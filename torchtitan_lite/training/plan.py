@@ -87,7 +87,9 @@ def _data(cfg: JobConfig, dims: ParallelDims, global_batch: int) -> str:
             f"{global_batch * t.seq_len:,} tokens ({t.local_batch_size} sequences a rank per micro-batch, {micro} "
             f"micro-batch{'es' * (micro > 1)}")
     if ft.enable:
-        line += f" each, with all {groups} replica groups alive"
+        line += (f" each, with all {groups} replica groups alive" if ft.mode == "exact" else
+                 f" each in each of the {groups} replica groups; a missing group's are skipped: fault_tolerance.mode "
+                 "fast")
     return line + ")"
 
 

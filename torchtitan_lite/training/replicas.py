@@ -8,7 +8,8 @@ sent their state. The rest is here:
 - The step's samples are the global batch's, whoever is alive: a group's data-parallel rank and size come from the
   quorum (its rank among the live groups, their number), so the survivors of a failure take the missing group's
   micro-batches and every step trains the same samples as an uninterrupted run (the loader's slice is a function of
-  its position, rank and size: data/loader.py).
+  its position, rank and size: data/loader.py). Fast mode fixes each group's share by its replica_id instead: a
+  missing group's is skipped (and named in the log record), and the sums scaled to the mean of the samples trained.
 - Gradients are summed across the groups, as the step's loss scale expects (step.py: summed across ranks): one flat
   all-reduce of every gradient's local shard, the layouts being alike in every group (never a DTensor: torchft's
   collective has no sharding rule for one, and swallows the error).
@@ -18,19 +19,18 @@ sent their state. The rest is here:
   FSDP holds unsharded parameters in forward, and crashed there (benchmarks/results/2026-11-28_torchft_groups.md).
 - A group behind the others (restarted, or one whose vote failed where theirs passed) loads everything a
   checkpoint holds from a live group (checkpoint.manager's states: weights, optimizer, schedule, loss scale, RNG,
-  data position, step) before its next step, which it then trains with them: its first gradient is a real one.
-  What travels is each tensor's local shard, copied into this group's own tensors: the layouts are alike.
+  data position, step) before its next step, which it then trains with them: its first gradient is a real one
+  (replica_state.py: each tensor's local shard travels).
 
 The first of the live groups logs each step and saves the checkpoints, which any run resumes, with groups or
 without (their state is the same in every group); the run keeps one history (Replicas says how). A signal to any
 group stops them all after the same step: the step's all-reduce carries each group's agreement on signals
-(signals.py) too. So far the groups refuse pipeline and context parallelism inside them (check_replicas).
+(signals.py) too. A group may be any layout but HSDP's (whose replicate dimension the groups are): check_replicas.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import os
@@ -41,6 +41,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
@@ -50,10 +51,14 @@ from torchtitan_lite.config import ConfigError, FaultTolerance, JobConfig
 from torchtitan_lite.data.loader import DataLoader
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8
+from torchtitan_lite.runtime.metric_logger import last_step
 from torchtitan_lite.runtime.replica_launcher import RESTARTED
 from torchtitan_lite.runtime.signals import Preemption
+from torchtitan_lite.training import replica_state
 
 logger = logging.getLogger("torchtitan_lite")
+
+STARTED = time.time()  # when this job started (train.py imports this module at once): behind_the_run's
 
 
 def check_replicas(cfg: JobConfig, dims: ParallelDims, global_batch: int, moe: bool) -> int:
@@ -77,8 +82,6 @@ def check_replicas(cfg: JobConfig, dims: ParallelDims, global_batch: int, moe: b
     except ImportError:
         raise ConfigError("fault_tolerance.enable needs torchft: pip install torchft==0.2.0") from None
     unsupported = {"parallelism.data_parallel_replicate_degree": dims.dp_replicate > 1,
-                   "parallelism.pipeline_parallel_degree": dims.pp > 1,
-                   "parallelism.context_parallel_degree": dims.cp > 1,
                    "checkpoint.create_seed_checkpoint": cfg.checkpoint.create_seed_checkpoint,
                    "compile.enable": cfg.compile.enable,
                    "float8.enable_float8_linear": float8.enabled(cfg), "a mixture-of-experts flavor": moe,
@@ -90,13 +93,15 @@ def check_replicas(cfg: JobConfig, dims: ParallelDims, global_batch: int, moe: b
                    "profiling.enable_profiling": cfg.profiling.enable_profiling,
                    "profiling.enable_memory_snapshot": cfg.profiling.enable_memory_snapshot}
     if refused := [k for k, on in unsupported.items() if on]:
-        raise ConfigError(f"replica groups (fault_tolerance.enable) train FSDP and TP layouts of a dense model on "
-                          f"random-access data, without validation or traces so far: turn off "
+        raise ConfigError(f"replica groups (fault_tolerance.enable) train FSDP, TP, PP and CP layouts of a dense "
+                          f"model on random-access data, without validation or traces so far: turn off "
                           f"{', '.join(refused)}")
     per_group = cfg.training.local_batch_size * dims.dp
-    whole = per_group * math.lcm(*range(ft.min_replica_size, ft.group_size + 1))  # whole micro-batches, any count
+    # Exact mode: whole micro-batches for any count of live groups; fast mode: for every group, each its own share.
+    counts = [ft.group_size] if ft.mode == "fast" else range(ft.min_replica_size, ft.group_size + 1)
+    whole = per_group * math.lcm(*counts)
     batch = whole if cfg.training.global_batch_size == -1 else global_batch
-    for live in range(ft.min_replica_size, ft.group_size + 1):
+    for live in counts:
         if batch % (per_group * live):
             raise ConfigError(f"training.global_batch_size {batch} does not split into whole micro-batches over "
                               f"{live} live groups of local_batch_size {cfg.training.local_batch_size} x "
@@ -108,6 +113,14 @@ def restarts() -> int:
     """How many times this group has been started again: by its torchrun (MAX_RESTARTS), or as a whole by
     run_train.sh's REPLICA_GROUPS mode (runtime/replica_launcher.py)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + int(os.environ.get(RESTARTED, "0"))
+
+
+def behind_the_run(folder: str, step: int, started: float) -> bool:
+    """Whether another group logged steps past `step` since this job started (at `started`): it left the run
+    (finished, or died) before this group joined, whose steps and checkpoints would overwrite its. Records written
+    before belong to a run stopped after its newest checkpoint, which a resume drops."""
+    path = os.path.join(folder, "metrics.jsonl")
+    return os.path.exists(path) and os.stat(path).st_mtime > started and (last_step(path) or 0) > step
 
 
 def _import_torchft():
@@ -142,6 +155,12 @@ class NoReplicas:
     def commit(self) -> bool:
         return True
 
+    def fields(self) -> dict[str, Any]:
+        return {}
+
+    def batches_trained(self) -> float | None:
+        return None  # one a step
+
     def finish(self) -> None:
         pass
 
@@ -157,18 +176,24 @@ class Replicas:
 
     def __init__(self, cfg: FaultTolerance, group_rank: int, group_size: int, dp_rank: int, dp_size: int,
                  data: DataLoader, states: dict[str, Stateful], train_state: TrainState, params: list,
-                 preemption: Preemption, resumable: bool):
+                 preemption: Preemption, resumable: bool, folder: str):
         torchft = _import_torchft()
         from torchft.checkpointing.pg_transport import PGTransport  # noqa: PLC0415 - optional
 
         self.cfg, self.data, self.states, self.train_state, self.params = cfg, data, states, train_state, params
-        self.preemption, self.resumable = preemption, resumable  # resumable: checkpoints on
+        self.preemption, self.resumable, self.folder = preemption, resumable, folder  # resumable: checkpoints on
         self.group_rank, self.dp_rank, self.dp_size = group_rank, dp_rank, dp_size  # within the group
         self.live, self._rank = 0, None
         # Which groups trained the last attempt, then whether one was signalled (reduce); those of the last committed.
         self._marks, self._alive = torch.zeros(0), None
         self._committed, self._quorum_ready = False, False
         self._heal_error: Exception | None = None
+        # Fast mode: each group's share of every global batch is its own; the windows of those missing from the steps
+        # committed since the last log record ([first, end) in the data's order), which the next one lists.
+        self.fast, self.skipped = cfg.mode == "fast", []
+        self._batches = 0.0  # the global batches this group trained since the last log record: its share of each
+        if self.fast:
+            data.dp_rank, data.dp_size = cfg.replica_id * dp_size + dp_rank, cfg.group_size * dp_size
         self._history: Callable[[], None] | None = None  # begins the run's history, until it has one
         self._adopt: Callable[[], None] | None = None  # takes up a history another group began, as its writer
         timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
@@ -205,7 +230,8 @@ class Replicas:
             logger.info("replica group %d healed from a live group in %.2fs: step %d -> %d", self.cfg.replica_id,
                         time.perf_counter() - t0, before, self.train_state.step)
         self.live = live
-        self.data.dp_rank, self.data.dp_size = self._rank * self.dp_size + self.dp_rank, live * self.dp_size
+        if not self.fast:
+            self.data.dp_rank, self.data.dp_size = self._rank * self.dp_size + self.dp_rank, live * self.dp_size
 
     def join(self, history: Callable[[], None], adopt: Callable[[], None]) -> None:
         """The first quorum, before the loop: a group that restarts comes back at the others' step. `history`
@@ -220,6 +246,13 @@ class Replicas:
             raise ConfigError(f"replica group {self.cfg.replica_id} restarted and found no live group to heal from "
                               "(the others have finished, or died too): without checkpoints there is nothing to "
                               "rejoin; start the run again")
+        if self._history is not None:
+            behind = torch.tensor([float(behind_the_run(self.folder, self.train_state.step, STARTED))])
+            dist.all_reduce(behind, op=ReduceOp.MAX, group=self.preemption.group)  # one answer: the file may grow
+            if behind.item():
+                raise ConfigError(f"replica group {self.cfg.replica_id} is behind the run: another group logged "
+                                  f"steps past {self.train_state.step} since this one started, and none is alive to "
+                                  "heal from (they have finished, or died): nothing to rejoin")
 
     def attempts(self, step: int) -> Iterator[None]:
         """Yields until every live group has committed `step`, each attempt on the same samples; none when a heal
@@ -257,6 +290,8 @@ class Replicas:
         mark[-1] = self.preemption.vote()
         flat = torch.cat([g.reshape(-1).float() for g in grads] + [losses.reshape(-1).float(), mark])
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        if self.fast and self.live < self.cfg.group_size:  # sums over the live groups' shares: their mean instead
+            flat[: -mark.numel()] *= self.cfg.group_size / self.live
         offset = 0
         for t in [*grads, losses]:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -269,6 +304,9 @@ class Replicas:
         if self._committed:
             *marks, signalled = self._marks.tolist()  # read once: one copy from the device
             self._say_who_trained(marks)
+            self._batches += 1 / (self.cfg.group_size if self.fast else sum(n > 0.5 for n in marks))
+            if self.fast:
+                self._skip([g for g, n in enumerate(marks) if n < 0.5])
             self.preemption.widen(signalled > 0.5)  # every group stops after the same step
             if self._history is not None:
                 if self.writing():
@@ -280,6 +318,30 @@ class Replicas:
                 self._adopt = None
         return self._committed
 
+    def _skip(self, missing: list[int]) -> None:
+        """Notes the committed step's windows that `missing` groups would have trained: theirs in fast mode."""
+        share = self.data.global_batch // self.cfg.group_size
+        first = self.data.position - self.data.global_batch  # the step's: the loader has moved past it
+        for g in missing:
+            start, end = first + g * share, first + (g + 1) * share
+            if self.skipped and self.skipped[-1][1] == start:
+                self.skipped[-1][1] = end
+            else:
+                self.skipped.append([start, end])
+
+    def fields(self) -> dict[str, Any]:
+        """The log record's: in fast mode, the windows skipped since the last record. Called at every logging step
+        in every group (each sees every committed step), so any group that logs the next record lists the same."""
+        if not self.fast:
+            return {}
+        skipped, self.skipped = self.skipped, []
+        return {"skipped_samples": skipped}
+
+    def batches_trained(self) -> float:
+        """The global batches this group trained since the last call, at logging steps: its tokens per second."""
+        batches, self._batches = self._batches, 0.0
+        return batches
+
     def _say_who_trained(self, marks: list[float]) -> None:
         """Names the groups that left or joined since the last committed step; at this job's first one, those
         absent."""
@@ -290,8 +352,10 @@ class Replicas:
             changes = [f"group {i} left" for i in self._alive if i not in alive]
             changes += [f"group {i} joined" for i in alive if i not in self._alive]
         if changes:
-            logger.warning("replica groups: %s; training with %s", ", ".join(changes),
-                           ", ".join(str(i) for i in alive))
+            logger.warning("replica groups: %s; training with %s%s", ", ".join(changes),
+                           ", ".join(str(i) for i in alive),
+                           " (fast mode: a missing group's samples are skipped)" if self.fast and len(alive) <
+                           self.cfg.group_size else "")
         self._alive = alive
 
     def finish(self) -> None:
@@ -303,21 +367,16 @@ class Replicas:
 
     def _serve(self) -> dict[str, Any]:
         """What a group behind gets: every state a checkpoint holds, each tensor as this rank's local shard."""
-        return {k: _local(s.state_dict()) for k, s in self.states.items()}
+        return {**{k: replica_state.local(s.state_dict()) for k, s in self.states.items()}, "skipped": self.skipped}
 
     def _load(self, received: dict[str, Any]) -> None:
         for k, s in self.states.items():
-            s.load_state_dict(_filled(s.state_dict(), received[k]))
+            s.load_state_dict(replica_state.filled(s.state_dict(), received[k]))
+        self.skipped = [list(r) for r in received["skipped"]]  # the next record lists them, whichever group logs it
 
     def digest(self) -> str:
-        """A hash of this rank's weights and optimizer state, bytes and all: equal on the same rank of every group."""
-        h = hashlib.sha256()
-        for k in ("model", "optimizer"):
-            for name, value in sorted(_flat(_local(self.states[k].state_dict()))):
-                h.update(name.encode())
-                h.update(value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-                         if isinstance(value, torch.Tensor) else repr(value).encode())
-        return h.hexdigest()[:16]
+        """A hash of this rank's weights and optimizer state: equal on the same rank of every group."""
+        return replica_state.digest(self.states)
 
 
 def _why(error: Exception | None) -> str:
@@ -328,32 +387,6 @@ def _why(error: Exception | None) -> str:
     return text.rsplit("] ", 1)[-1].split(". ")[0][:160]
 
 
-def _local(value: Any) -> Any:
-    if isinstance(value, DTensor):
-        return value.to_local()
-    if isinstance(value, dict):
-        return {k: _local(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_local(v) for v in value)
-    return value
-
-
-def _flat(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(value, dict):
-        return [item for k, v in value.items() for item in _flat(v, f"{prefix}{k}.")]
-    return [(prefix, value)]
-
-
-def _filled(template: Any, received: Any) -> Any:
-    """`template` (this rank's own state) with the received values: local shards copied into its DTensors."""
-    if isinstance(template, DTensor):
-        template.to_local().copy_(received)
-        return template
-    if isinstance(template, dict):
-        return {k: _filled(template[k], v) if k in template else v for k, v in received.items()}
-    return received
-
-
 def build_replicas(cfg: JobConfig, group_rank: int, group_size: int, dp_rank: int, dp_size: int, data: DataLoader,
                    states: dict[str, Stateful], train_state: TrainState, params: list, preemption: Preemption,
                    exits: contextlib.ExitStack) -> NoReplicas | Replicas:
@@ -361,6 +394,6 @@ def build_replicas(cfg: JobConfig, group_rank: int, group_size: int, dp_rank: in
     if not cfg.fault_tolerance.enable:
         return NoReplicas()
     replicas = Replicas(cfg.fault_tolerance, group_rank, group_size, dp_rank, dp_size, data, states, train_state,
-                        params, preemption, cfg.checkpoint.enable)
+                        params, preemption, cfg.checkpoint.enable, cfg.job.dump_folder)
     exits.callback(replicas.close)
     return replicas
