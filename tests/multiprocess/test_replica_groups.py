@@ -4,6 +4,7 @@ started again or let go, heal from a live group and rejoin while the others trai
 them all after the same step, with one checkpoint, which a plain run resumes. Through it all the run is the
 uninterrupted one's: one process's curve, every step logged once, every group's state the same bit for bit."""
 
+import contextlib
 import os
 import re
 import shutil
@@ -40,6 +41,21 @@ def start(folder: Path, program: list[str], *overrides: str, **env: str) -> subp
     with open(folder / "run.log", "w") as log:
         return subprocess.Popen([*program, "--job.dump_folder", str(folder), *COMMON, "--training.steps", str(STEPS),
                                  *overrides], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+@contextlib.contextmanager
+def steering(proc: subprocess.Popen):
+    """The test's actions on a running launcher: should one fail, the launcher goes with every process below it."""
+    try:
+        yield
+    except BaseException:
+        kill_tree(proc)
+        raise
+
+
+def joined(folder: Path, groups: int) -> bool:
+    """Whether every group's first start has asked to join (gate.py's markers)."""
+    return all((folder / f"joining-{r}-0").exists() for r in range(groups))
 
 
 def finish(proc: subprocess.Popen, folder: Path, groups: int) -> tuple[str, list[str]]:
@@ -106,8 +122,8 @@ def test_three_groups_survive_two_kills_in_a_row_the_second_of_the_group_serving
         (folder / marker).touch()
     proc = start(folder, ["./run_train.sh"], *batch12, REPLICA_GROUPS="3", NGPU="1",
                  SUITE_GATE=f"{folder}:0:0:3:reduce")
-    try:
-        wait_until(lambda: all((folder / f"joining-{r}-0").exists() for r in range(3)), "three groups", proc)
+    with steering(proc):
+        wait_until(lambda: joined(folder, 3), "three groups", proc)
         (folder / "hold-q1").unlink()
         wait_until(lambda: (folder / "joining-0-1").exists(), "group 0's restart", proc)
         (folder / "hold-q5").unlink()
@@ -115,9 +131,6 @@ def test_three_groups_survive_two_kills_in_a_row_the_second_of_the_group_serving
         server = int(next(folder.glob("died-serving-*")).name.rsplit("-", 1)[1])
         wait_until(lambda: (folder / f"joining-{server}-1").exists(), "the server's restart", proc)
         (folder / "hold-q7").unlink()
-    except BaseException:
-        kill_tree(proc)
-        raise
     out, logs = finish(proc, folder, 3)
     history = (folder / "metrics.jsonl").read_text()
     assert proc.returncode == 0, out[-4000:]
@@ -172,8 +185,8 @@ def test_on_slurm_groups_outlive_a_hang_and_a_signal_to_one_stops_both_with_one_
                  SLURM_NNODES="2", SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_ID="1", SLURM_GPUS_PER_NODE="2",
                  LIGHTHOUSE_PORT=str(free_port()), RDZV_PORT=str(free_port()), TMPDIR=str(tmp_path))
     log = folder / "run.log"
-    try:
-        wait_until(lambda: all((folder / f"joining-{r}-0").exists() for r in (0, 1)), "both groups", proc)
+    with steering(proc):
+        wait_until(lambda: joined(folder, 2), "both groups", proc)
         (folder / "hold-q5").unlink()
         wait_until(lambda: all((folder / f"waiting-{r}-5").exists() for r in (0, 1)), "both at step 5", proc)
         hung = list(workers(proc, 0).values())
@@ -190,9 +203,6 @@ def test_on_slurm_groups_outlive_a_hang_and_a_signal_to_one_stops_both_with_one_
         wait_until(lambda: all((folder / f"waiting-{r}-6").exists() for r in (0, 1)), "both at step 6", proc)
         os.kill(workers(proc, 1)[0], signal.SIGTERM)
         (folder / "hold-6").unlink()
-    except BaseException:
-        kill_tree(proc)
-        raise
     out, (first, other) = finish(proc, folder, 2)
     assert proc.returncode == 0, out[-4000:]
     assert re.findall(r"step (\d) was not committed \((.+?)\)", other) == [
@@ -235,14 +245,11 @@ def test_in_fast_mode_a_missing_groups_samples_are_skipped_and_named_and_the_res
     proc = start(folder, ["./run_train.sh"], *PP2, "--training.local_batch_size", "4", *CHECKPOINTED,
                  "--fault_tolerance.mode", "fast", "--fault_tolerance.process_group_timeout_ms", "3000",
                  REPLICA_GROUPS="2", NGPU="2", LOG_RANK="0,1", SUITE_GATE=f"{folder}:1:1:1")
-    try:
-        wait_until(lambda: all((folder / f"joining-{r}-0").exists() for r in range(2)), "two groups", proc)
+    with steering(proc):
+        wait_until(lambda: joined(folder, 2), "two groups", proc)
         (folder / "hold-q1").unlink()
         wait_until(lambda: (folder / "joining-1-1").exists(), "group 1's restart", proc)
         (folder / "hold-q5").unlink()
-    except BaseException:
-        kill_tree(proc)
-        raise
     out, logs = finish(proc, folder, 2)
     assert proc.returncode == 0, out[-4000:]
     assert "each in each of the 2 replica groups; a missing group's are skipped: fault_tolerance.mode fast" in out
@@ -270,12 +277,9 @@ def test_in_fast_mode_a_missing_groups_samples_are_skipped_and_named_and_the_res
     (folder / "hold-q7").touch()  # until both ask: the first to ask would otherwise train on alone
     proc = start(folder, ["./run_train.sh"], *CP2, "--training.local_batch_size", "4", *CHECKPOINTED,
                  REPLICA_GROUPS="2", NGPU="2")
-    try:
-        wait_until(lambda: all((folder / f"joining-{r}-0").exists() for r in range(2)), "two groups", proc)
+    with steering(proc):
+        wait_until(lambda: joined(folder, 2), "two groups", proc)
         (folder / "hold-q7").unlink()
-    except BaseException:
-        kill_tree(proc)
-        raise
     out, logs = finish(proc, folder, 2)
     assert proc.returncode == 0, out[-4000:]
     digests = [re.findall(rf"ends at step {STEPS}, state digest (\w+)", log) for log in logs]
