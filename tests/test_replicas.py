@@ -67,6 +67,9 @@ def test_in_fast_mode_the_global_batch_splits_over_every_group_alone_and_the_pla
     fast = ("--fault_tolerance.group_size", "3", "--fault_tolerance.mode", "fast")
     assert global_batch(groups(*fast), 2) == 2 * 2 * 3
     assert global_batch(groups(*fast, "--training.global_batch_size", "6")) == 6
+    with pytest.raises(ConfigError, match="does not split into whole micro-batches over 3 groups of local_batch_size "
+                                          "2 x data-parallel degree 1: use a multiple of 6"):
+        global_batch(groups(*fast, "--training.global_batch_size", "4"))
     with pytest.raises(ConfigError, match="over 2 live groups of local_batch_size 2 x data-parallel degree 1: use a "
                                           "multiple of 12"):
         global_batch(groups("--fault_tolerance.group_size", "3", "--training.global_batch_size", "6"))

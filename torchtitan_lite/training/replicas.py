@@ -104,8 +104,9 @@ def check_replicas(cfg: JobConfig, dims: ParallelDims, global_batch: int, moe: b
     for live in counts:
         if batch % (per_group * live):
             raise ConfigError(f"training.global_batch_size {batch} does not split into whole micro-batches over "
-                              f"{live} live groups of local_batch_size {cfg.training.local_batch_size} x "
-                              f"data-parallel degree {dims.dp}: use a multiple of {whole}")
+                              f"{live} {'' if ft.mode == 'fast' else 'live '}groups of local_batch_size "
+                              f"{cfg.training.local_batch_size} x data-parallel degree {dims.dp}: use a multiple of "
+                              f"{whole}")
     return batch
 
 
