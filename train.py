@@ -248,7 +248,8 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
         per_source=SourceLosses(data, model_step, training.seq_len, global_tokens), update=update, replicas=replicas,
         validation=Validation(cfg.validation, val_sources, loader_args, model_step, global_tokens,
                               loss_mesh.get_group(), training.steps),
-        throughput=Throughput(global_tokens, env.world_size, model_flops_per_token, peak, train_state.step),
+        throughput=Throughput(global_tokens, env.world_size, model_flops_per_token, peak, train_state.step,
+                              replicas.batches_trained),
         memory=memory, train_state=train_state, guard=guard, expert_load=expert_load, metrics=metrics,
         loss_group=loss_mesh.get_group(), checkpoint=checkpoint)
 
@@ -281,7 +282,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
             with t.phase("log"):
                 t.guard.check()  # a step since the last log that must stop the run raises here (saves check too)
                 dist.all_reduce(losses, group=t.loss_group)
-                losses, window = losses.tolist(), t.throughput.lap(step, t.replicas.batches_trained())
+                losses, window = losses.tolist(), t.throughput.lap(step)
                 t.metrics.log(step, {
                     "loss": losses[0], "grad_norm": grad_norm.item(), **t.update.fields(), **window.fields(),
                     **t.memory.fields(), **t.train_state.fields(),

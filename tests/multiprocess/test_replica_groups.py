@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from launch import CHECKPOINTED, COMMON, CP2, GATE, PP2, QUICK_EXIT, ROOT, STEPS, TIMEOUT_S, TINY, TP2, \
-    assert_same_curve, ckpt, command_env, curve, descendants, free_port, kill_tree, stopped_after, train_argv, \
+    assert_same_curve, ckpt, command_env, descendants, free_port, kill_tree, stopped_after, train_argv, \
     train_in_process, wait_until
 
 os.environ.setdefault("RUST_LOG", "error")  # before torchft's Rust part reads it: the lighthouse logs each quorum
@@ -67,6 +67,12 @@ def finish(proc: subprocess.Popen, folder: Path, groups: int) -> tuple[str, list
             kill_tree(proc)
     out = (folder / "run.log").read_text()
     return out, ["\n".join(re.findall(rf"^\[group{g}-rank0\]:(.*)$", out, re.M)) for g in range(groups)]
+
+
+def assert_same_state(logs: list[str], step: int) -> None:
+    """Each group's rank 0 says one digest of its state at `step` (replicas.finish), the same in every group."""
+    digests = [re.findall(rf"replica group \d rank 0 ends at step {step}, state digest (\w+)", log) for log in logs]
+    assert all(len(d) == 1 for d in digests) and len({d[0] for d in digests}) == 1, digests
 
 
 def workers(proc: subprocess.Popen, group: int) -> dict[int, int]:
@@ -146,9 +152,7 @@ def test_three_groups_survive_two_kills_in_a_row_the_second_of_the_group_serving
     healed = [re.findall(rf"replica group {g} healed from a live group in [\d.]+s: step 0 -> (\d)", logs[g])
               for g in (0, server)]
     assert all(len(h) == 1 and 2 <= int(h[0]) <= 6 for h in healed), healed
-    digests = [re.findall(rf"replica group {g} rank 0 ends at step {STEPS}, state digest (\w+)", log)
-               for g, log in enumerate(logs)]
-    assert all(len(d) == 1 for d in digests) and len({d[0] for d in digests}) == 1, digests
+    assert_same_state(logs, STEPS)
     records, resumes = read_history(folder)
     assert [m["step"] for m in records] == list(range(1, STEPS + 1)) and not resumes
     assert sum('"event": "start"' in line for line in history.splitlines()) == 1
@@ -215,8 +219,7 @@ def test_on_slurm_groups_outlive_a_hang_and_a_signal_to_one_stops_both_with_one_
     assert [re.findall(rf"step: {s}/", g) != [] for s in (5, 6) for g in (first, other)] == [False, True, True, False]
     assert "SIGTERM: stopped after step 7, checkpoint saved" in other, other[-3000:]
     assert "a signal to another rank: stopped after step 7, checkpoint saved" in first, first[-3000:]
-    digests = [re.findall(r"replica group \d rank 0 ends at step 7, state digest (\w+)", g) for g in (first, other)]
-    assert len(digests[0]) == 1 and digests[0] == digests[1], digests
+    assert_same_state([first, other], 7)
     # Saved once, by one group: step 6 (the interval) and 7 (the stop) beside the copied 2 and 4.
     assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == [f"step-{s}" for s in (2, 4, 6, 7)]
     assert [len(re.findall(rf"saved checkpoint \S+/step-{s} ", g)) for s in (6, 7) for g in (first, other)] \
@@ -270,7 +273,9 @@ def test_in_fast_mode_a_missing_groups_samples_are_skipped_and_named_and_the_res
     assert len(found) == len(digests) == 4 and all(digests["0", r] == digests["1", r] for r in "01"), found
     # As if the run had stopped after step 6: groups of CP 2 resume its checkpoint, in exact mode, and train steps 7
     # and 8 as it did (every group was alive then, so both modes train the whole batch).
-    fast = curve(folder)
+    fast = tmp_path / "fast"
+    fast.mkdir()
+    shutil.copy(folder / "metrics.jsonl", fast)
     shutil.rmtree(ckpt(folder, 8))
     for marker in folder.glob("joining-*"):
         marker.unlink()
@@ -282,14 +287,10 @@ def test_in_fast_mode_a_missing_groups_samples_are_skipped_and_named_and_the_res
         (folder / "hold-q7").unlink()
     out, logs = finish(proc, folder, 2)
     assert proc.returncode == 0, out[-4000:]
-    digests = [re.findall(rf"ends at step {STEPS}, state digest (\w+)", log) for log in logs]
-    assert all(len(d) == 1 for d in digests) and digests[0] == digests[1], digests
+    assert_same_state(logs, STEPS)
     records, resumes = read_history(folder)
     assert [m["step"] for m in records] == list(range(1, STEPS + 1)) and [r["step"] for r in resumes] == [6]
-    resumed = curve(folder)
-    for step in (7, 8):
-        (loss, norm), (loss_was, norm_was) = resumed[step], fast[step]
-        assert abs(loss - loss_was) <= 1e-5 and abs(norm - norm_was) <= 1e-5 * norm_was, (step, resumed, fast)
+    assert_same_curve(folder, fast, 1e-5, steps=[7, 8])
     # A group restarted alone from the step-4 checkpoint while another logged steps past it (the file's time moves
     # once it has started) is behind a run that went on without it: it stops, and the history is left as it was.
     for step in (6, 8):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -28,10 +28,13 @@ class Window:
 
 class Throughput:
     def __init__(self, global_tokens: int, world_size: int, flops_per_token: float, peak_flops: float,
-                 start_step: int):
+                 start_step: int, batches: Callable[[], float | None] = lambda: None):
         """`global_tokens`: the tokens of one step, all ranks together; `peak_flops`: one device's; `start_step`:
-        the step the run resumes after (0 for a fresh run). The clock starts now."""
+        the step the run resumes after (0 for a fresh run); `batches`, asked at each lap: the global batches this job
+        trained since the last, if not one a step (replica groups: each its share of a step's). The clock starts
+        now."""
         self.tokens, self.world_size, self.flops, self.peak = global_tokens, world_size, flops_per_token, peak_flops
+        self.batches = batches
         self._since, self._since_step = time.perf_counter(), start_step
 
     @contextlib.contextmanager
@@ -43,11 +46,11 @@ class Throughput:
         finally:
             self._since += time.perf_counter() - begin
 
-    def lap(self, step: int, batches: float | None = None) -> Window:
-        """At a logging step: the window since the previous one, and a new one begins. `batches`: the global batches
-        this job trained in it, if not one a step (replica groups: each its share of a step's)."""
+    def lap(self, step: int) -> Window:
+        """At a logging step: the window since the previous one, and a new one begins."""
         now = time.perf_counter()
         seconds, steps = now - self._since, step - self._since_step
+        batches = self.batches()
         tps = self.tokens * (steps if batches is None else batches) / self.world_size / seconds
         self._since, self._since_step = now, step
         return Window(seconds, steps, tps, 100 * tps * self.flops / self.peak)

@@ -304,10 +304,11 @@ class Replicas:
         self._committed = self.manager.should_commit()
         if self._committed:
             *marks, signalled = self._marks.tolist()  # read once: one copy from the device
-            self._say_who_trained(marks)
-            self._batches += 1 / (self.cfg.group_size if self.fast else sum(n > 0.5 for n in marks))
+            alive = [g for g, n in enumerate(marks) if n > 0.5]
+            self._say_who_trained(alive)
+            self._batches += 1 / (self.cfg.group_size if self.fast else len(alive))
             if self.fast:
-                self._skip([g for g, n in enumerate(marks) if n < 0.5])
+                self._skip([g for g in range(self.cfg.group_size) if g not in alive])
             self.preemption.widen(signalled > 0.5)  # every group stops after the same step
             if self._history is not None:
                 if self.writing():
@@ -343,10 +344,9 @@ class Replicas:
         batches, self._batches = self._batches, 0.0
         return batches
 
-    def _say_who_trained(self, marks: list[float]) -> None:
+    def _say_who_trained(self, alive: list[int]) -> None:
         """Names the groups that left or joined since the last committed step; at this job's first one, those
         absent."""
-        alive = [i for i, n in enumerate(marks) if n > 0.5]
         if self._alive is None:
             changes = [f"group {i} absent" for i in range(self.cfg.group_size) if i not in alive]
         else:
@@ -362,7 +362,7 @@ class Replicas:
     def finish(self) -> None:
         """Says, on every rank, the digest of its state: the same rank of every group must say the same."""
         logger.info("replica group %d rank %d ends at step %d, state digest %s", self.cfg.replica_id,
-                    self.group_rank, self.train_state.step, self.digest())
+                    self.group_rank, self.train_state.step, replica_state.digest(self.states))
 
     # ---- Healing
 
@@ -374,10 +374,6 @@ class Replicas:
         for k, s in self.states.items():
             s.load_state_dict(replica_state.filled(s.state_dict(), received[k]))
         self.skipped = [list(r) for r in received["skipped"]]  # the next record lists them, whichever group logs it
-
-    def digest(self) -> str:
-        """A hash of this rank's weights and optimizer state: equal on the same rank of every group."""
-        return replica_state.digest(self.states)
 
 
 def _why(error: Exception | None) -> str:
