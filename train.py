@@ -16,7 +16,6 @@ import faulthandler
 import gc
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.parallel.pipeline import merge_stages, split_stages
 from torchtitan_lite.quantization import float8
-from torchtitan_lite.runtime import flight_recorder, run_lock
+from torchtitan_lite.runtime import flight_recorder, run_lock, startup_interrupt
+from torchtitan_lite.runtime.fence import file_state
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
 from torchtitan_lite.runtime.memory_snapshot import MemorySnapshots, OutOfMemory
 from torchtitan_lite.runtime.memory_use import MemoryUse
@@ -190,6 +190,7 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     # ---- Checkpoint: resume from the newest complete checkpoint in the folder, or start from
     # checkpoint.initial_load_path.
     train_state = TrainState()
+    history_found = file_state(cfg.job.dump_folder)  # replica groups: whether another group logs meanwhile
     # Closed on every way out: an in-flight async save is published or, failed, cleared; old ones finish deleting.
     checkpoint = exits.enter_context(CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, optimizer,
                                                        scheduler, data, train_state, guard, training.steps))
@@ -209,9 +210,9 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     preemption = Preemption(host_group, saving=cfg.checkpoint.enable, speak=env.rank == 0)
     # Replica groups: the first quorum, where a group that restarts loads a live group's state and step.
     replicas = build_replicas(cfg, env.rank, env.world_size, dp_mesh.get_local_rank(), dims.dp, data,
-                              checkpoint.states, train_state, params, preemption, exits)
+                              checkpoint.states, train_state, params, preemption, exits, history_found)
     replicas.join(history, adopt)
-    checkpoint.writes = replicas.writing
+    checkpoint.writer = replicas.writer
     if cfg.checkpoint.create_seed_checkpoint:
         checkpoint.save(0, model_only=True)
         checkpoint.close()  # an async save is written only now
@@ -221,7 +222,8 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     # ---- Around the step: what it logs, what traces it, what acts around its update and between steps.
     metrics = MetricLogger(cfg.job.dump_folder, env.rank, cfg.metrics.log_freq, cfg.metrics.enable_tensorboard,
                            cfg.metrics.save_tb_folder, start_step=train_state.step, total_steps=training.steps,
-                           config=to_toml(cfg), enable_wandb=cfg.metrics.enable_wandb, writes=replicas.writing)
+                           config=to_toml(cfg), enable_wandb=cfg.metrics.enable_wandb, writes=replicas.writer.holds,
+                           unwritten=replicas.unwritten)
     # Traces of chosen steps and, on a GPU, memory snapshots (one written when a step runs out of memory).
     profiler = exits.enter_context(StepProfiler(cfg.profiling, cfg.job.dump_folder, env.rank, device, train_state.step))
     snapshots = exits.enter_context(MemorySnapshots(cfg.profiling, cfg.job.dump_folder, env.rank, device,
@@ -298,7 +300,8 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     t.checkpoint.close()  # waits for an async save still being written
     t.metrics.close()
     if env.rank == 0:
-        logger.info("%s", ending(cfg, t.steps.first, t.steps.done, t.steps.seconds(), t.metrics.last))
+        logger.info("%s", ending(cfg, t.steps.first, t.steps.done, t.steps.seconds(), t.metrics.last,
+                                 t.replicas.writer.holds()))
     return t.steps.stopped
 
 
@@ -327,6 +330,8 @@ def run(argv: list[str] | None = None, check: bool = False) -> int:
     logging.basicConfig(level=logging.WARNING if check else logging.INFO, format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S")
     try:
+        if not check:  # run_train.sh's check ignores Ctrl-C: the script stops once it has ended
+            startup_interrupt.heed()  # in here: Ctrl-C from this moment on (or passed on before it) stops start-up
         cfg = load_config(argv)
         if check:
             checked(cfg, env.world_size)
@@ -361,9 +366,6 @@ def run(argv: list[str] | None = None, check: bool = False) -> int:
 
 if __name__ == "__main__":
     faulthandler.enable()  # a crash in native code (gloo, a kernel) still names the Python line it came from
-    # run_train.sh starts torchrun, hence us, with Ctrl-C ignored (it forwards it itself): before the loop handles it,
-    # Ctrl-C stops the start-up as usual.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     check = sys.argv[1:2] == ["--check"]
     code = run(sys.argv[2:] if check else None, check=check)
     gc.freeze()  # no final garbage collection over torch's objects at exit: about a second less per rank

@@ -12,7 +12,7 @@ from tests.multiprocess.launch import TINY
 from torchtitan_lite.config import ConfigError, Training, Validation, load_config
 from torchtitan_lite.data import files as datasets
 from torchtitan_lite.data.loader import (HOLDOUT, DataLoader, Permutation, TokenSource, build_source, build_sources,
-                                         to_device, warn_if_validating_on_training_data)
+                                         group_share, to_device, warn_if_validating_on_training_data)
 from torchtitan_lite.data.synthetic import SyntheticSource
 from torchtitan_lite.data.tokenizer import BOS, LLAMA3_N_RANKS, LLAMA3_SPECIALS, STDLIB_BPE, Tokenizer
 
@@ -130,6 +130,27 @@ def test_rank_slices_together_are_the_dp1_batch(dp):
     for (ri, rl), (gi, gl) in zip(ref, got):
         assert torch.equal(ri, gi) and torch.equal(rl, gl)
         assert torch.equal(ri[:, 1:], rl[:, :-1])  # labels are the inputs shifted by one
+
+
+def test_replica_groups_uneven_shares_together_are_the_global_batch_whoever_is_alive():
+    """Live replica groups of 2 ranks share a batch of 14 windows, 7 rows of a micro-batch on each rank (group_share):
+    3 groups take 3, 2 and 2 rows, 2 groups 4 and 3, 1 group all 7. Step by step, with the live count changing and
+    each step's loaders resumed from the last one's state, their ranks together read the plain run's batches, each
+    rank whole micro-batches; the state they save is a plain loader's."""
+    source = arange_source(1003, 9)
+    ref, plain = global_batches(source, 1, 4, global_batch=14, local_batch=1)
+    state = None
+    for (inputs, _), live in zip(ref, (3, 2, 1, 3)):
+        loaders = [DataLoader(source, 14, 1, r, 2) for _ in range(live) for r in range(2)]
+        for i, loader in enumerate(loaders):
+            if state:
+                loader.load_state_dict(state)
+            loader.share = group_share(14, 1, i // 2, live, i % 2, 2)
+        micro = [loader.next_batch() for loader in loaders]
+        assert [len(m) for m in micro] == {3: [3, 3, 2, 2, 2, 2], 2: [4, 4, 3, 3], 1: [7, 7]}[live]
+        assert torch.equal(torch.cat([x for m in micro for x, _ in m]), inputs)
+        state = loaders[-1].state_dict()
+    assert state == plain[0].state_dict() == {"position": 56, "digest": state["digest"]}
 
 
 @pytest.mark.parametrize("dp_after", [1, 2, 4])

@@ -9,7 +9,7 @@ import torch
 from tests.multiprocess.launch import ROOT, TINY, train_in_process
 from torchtitan_lite.config import OPTIONS, help_text, load_config
 from torchtitan_lite.config.job_config import _default
-from torchtitan_lite.training.plan import make_plan
+from torchtitan_lite.training.plan import ending, make_plan
 from torchtitan_lite.training.preflight import preflight
 
 # What the user of issue 41 wrote: their data, nothing else.
@@ -76,3 +76,21 @@ def test_a_finished_run_has_nothing_to_do_before_any_worker(tmp_path):
         "(raise training.steps to extend the run)")
     assert plan_of([*argv, "--training.steps", "3"], peak=None).nothing_to_do == ""
     assert torch.cuda.is_available() is False  # the suite's machines: the CPU bound above is the one they get
+
+
+def test_the_last_line_names_the_checkpoint_of_the_last_step_in_every_replica_group(tmp_path):
+    """The writing group's save of step 40, the run's last, is still being written (step-40.tmp) when the other
+    group ends: that one names step-40 as the writing group's, where it used to name the folder's newest complete
+    checkpoint, step-30. A job that writes lists the folder once its own save is closed: step-40."""
+    cfg = load_config(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), "--checkpoint.enable",
+                       "--training.steps", "40"])
+    folder = tmp_path / "checkpoint"
+    (folder / "step-30").mkdir(parents=True)
+    (folder / "step-30" / ".metadata").touch()
+    (folder / "step-40.tmp").mkdir()  # its .metadata, written last, not yet
+    named = re.compile(r"; checkpoint ([^;]+);")
+    assert named.findall(ending(cfg, 31, 40, 5.0, {}, writes=False)) == [
+        f"{folder / 'step-40'} (the writing replica group's)"]
+    (folder / "step-40.tmp" / ".metadata").touch()
+    (folder / "step-40.tmp").rename(folder / "step-40")
+    assert named.findall(ending(cfg, 31, 40, 5.0, {})) == [str(folder / "step-40")]

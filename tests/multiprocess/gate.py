@@ -8,12 +8,17 @@ resize the job) releases it, so the step runs and is saved as on any preemption.
 DIE_RANK SIGKILLs itself at the start of step DIE_STEP, as a worker that crashes or is OOM-killed.
 
 A replica group (fault_tolerance.enable) also waits, before asking who is alive for step s, while FOLDER/hold-q<s>
-exists, so the others stay out of the quorum until a test lets them in; says it asks, by creating
-FOLDER/joining-<replica id>-<times restarted>; and says its rank 0 waits at step s's hold (its step s begun), by
-creating FOLDER/waiting-<replica id>-<s>. Only the group DIE_REPLICA dies, at the start of the step or, with DIE_IN
-"reduce", in its all-reduce across the groups (after its backward, the others waiting in theirs). A group asked to
-send its state to a group that heals SIGKILLs itself instead while FOLDER/die-serving exists (the first to be asked
-takes the file away).
+(or FOLDER/hold-q<s>-<replica id>, for that group alone) exists, so the others stay out of the quorum until a test
+lets them in; says it asks, by creating FOLDER/joining-<replica id>-<times restarted>; and says its rank 0 waits at
+step s's hold (its step s begun), by creating FOLDER/waiting-<replica id>-<s>. Markers a test creates act once, in
+the first process to find them: FOLDER/freeze-after-commit-<replica id>-<s> SIGSTOPs that group's rank 0 once it has
+committed step s (before it logs or saves it; FOLDER/frozen-<replica id> says so),
+FOLDER/kill-after-commit-<replica id>-<s> SIGKILLs it there, and FOLDER/hang-<replica id>-<s> holds the group in its
+all-reduce of step s for ever, alive (FOLDER/hanging-<replica id>). A save of step s waits before its `.metadata`
+while FOLDER/hold-save-<s> exists (FOLDER/saving-<s> says it does). Only the group DIE_REPLICA dies, at the start of
+the step or, with DIE_IN "reduce", in its all-reduce across the groups (after its backward, the others waiting in
+theirs). A group asked to send its state to a group that heals SIGKILLs itself instead while FOLDER/die-serving
+exists (the first to be asked takes the file away).
 
 A job that run_train.sh starts (REPLICA_GROUPS: a torchrun per group) gets the gate from the environment instead,
 SUITE_GATE=FOLDER[:DIE_REPLICA:DIE_RANK:DIE_STEP[:DIE_IN]], which tests/quick_exit/sitecustomize.py reads in every
@@ -26,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from torchtitan_lite.checkpoint import manager
 from torchtitan_lite.data.loader import DataLoader
 from torchtitan_lite.runtime import signals
 from torchtitan_lite.training import replicas
@@ -41,6 +47,15 @@ def _replica_id() -> str | None:
 def install(folder: Path, die_rank: int | None = None, die_step: int | None = None,
             die_replica: str | None = None, die_in: str = "data") -> None:
     next_batch, quorum, serve, reduce = DataLoader.next_batch, Replicas._quorum, Replicas._serve, Replicas.reduce
+    commit, finish = Replicas.commit, manager._Writer.finish
+
+    def taken(marker: str) -> bool:
+        """Whether `marker` was there, which this process then takes away (one process acts on it, once)."""
+        try:
+            (folder / marker).unlink()
+            return True
+        except FileNotFoundError:
+            return False
 
     def die_at(step: int, phase: str) -> None:
         if (replicas.restarts() == 0 and step == die_step and phase == die_in and int(os.environ["RANK"]) == die_rank
@@ -59,7 +74,8 @@ def install(folder: Path, die_rank: int | None = None, die_step: int | None = No
 
     def gated_quorum(self):
         (folder / f"joining-{self.cfg.replica_id}-{replicas.restarts()}").touch()
-        while (folder / f"hold-q{self.train_state.step + 1}").exists():
+        hold = f"hold-q{self.train_state.step + 1}"
+        while (folder / hold).exists() or (folder / f"{hold}-{self.cfg.replica_id}").exists():
             time.sleep(0.05)
         return quorum(self)
 
@@ -75,8 +91,34 @@ def install(folder: Path, die_rank: int | None = None, die_step: int | None = No
         die_at(self.train_state.step + 1, "reduce")
         return reduce(self, losses)
 
+    def gated_commit(self):
+        committed = commit(self)
+        step = self.train_state.step + 1
+        if committed and self.group_rank == 0 and taken(f"freeze-after-commit-{self.cfg.replica_id}-{step}"):
+            (folder / f"frozen-{self.cfg.replica_id}").touch()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if committed and self.group_rank == 0 and taken(f"kill-after-commit-{self.cfg.replica_id}-{step}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return committed
+
+    def gated_finish(self, metadata, results):
+        step = int(Path(self.path).name.split(".")[0].split("-")[1])
+        if (folder / f"hold-save-{step}").exists():
+            (folder / f"saving-{step}").touch()
+        while (folder / f"hold-save-{step}").exists():
+            time.sleep(0.05)
+        return finish(self, metadata, results)
+
+    def hanging_reduce(self, losses):
+        if taken(f"hang-{self.cfg.replica_id}-{self.train_state.step + 1}"):
+            (folder / f"hanging-{self.cfg.replica_id}").touch()
+            while True:  # alive, its heartbeat beating: stuck in its step
+                time.sleep(1)
+        return gated_reduce(self, losses)
+
     DataLoader.next_batch = gated_next_batch
-    Replicas._quorum, Replicas._serve, Replicas.reduce = gated_quorum, gated_serve, gated_reduce
+    Replicas._quorum, Replicas._serve, Replicas.reduce = gated_quorum, gated_serve, hanging_reduce
+    Replicas.commit, manager._Writer.finish = gated_commit, gated_finish
 
 
 def install_from_env() -> None:

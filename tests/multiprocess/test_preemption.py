@@ -2,16 +2,19 @@
 the launch script makes every rank finish the step it is in, save a checkpoint of that step and exit 0; a second
 signal while that checkpoint is being written does not spoil it. The second case runs a 2-stage pipeline: both
 stages stop after the same step and save it. Ctrl-C, as a terminal sends it (SIGINT to the whole process group), does
-the same and exits 130; a second Ctrl-C during that save ends the job at once, leaving the checkpoint before."""
+the same and exits 130; a second Ctrl-C during that save ends the job at once, leaving the checkpoint before. Before
+the first step, Ctrl-C stops the job in one line, whenever it comes."""
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from launch import PP2, ROOT, TINY, TIMEOUT_S, descendants, kill_tree, logged, read_metrics, running, wait_until
+from launch import COMMON, PP2, ROOT, TINY, TIMEOUT_S, descendants, kill_tree, logged, read_metrics, running, wait_until
 from torchtitan_lite.checkpoint.folder import complete_checkpoints
 from torchtitan_lite.runtime import run_lock
 
@@ -78,3 +81,46 @@ def test_signal_saves_the_current_step(tmp_path, signals, layout):
     assert last <= int(said[0].split("stopping after step ")[1].split()[0]), said
     assert list(complete_checkpoints(str(folder))) == [last]
     assert not any(p.name.endswith(".tmp") for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("moment, groups", [("check", 0), ("workers_importing", 0), ("torchruns_starting", 2)],
+                         ids=["check", "workers_importing", "replica_groups"])
+def test_ctrl_c_during_start_up_stops_before_the_first_step(tmp_path, moment, groups):
+    """Ctrl-C while the script checks the config, while the workers import torch (they start with SIGINT ignored, as
+    torchrun has it in the background), or while REPLICA_GROUPS' torchruns start, with no worker yet to pass it to:
+    the job stops before its first step, in one line (a group's rank 0 each), and exits 130. It used to end in a
+    traceback (the check, the groups), or to be lost: the job trained to its end, then exited 130."""
+    env = {**os.environ, "NGPU": "1" if groups else "2", "CONFIG_FILE": str(TINY), "PYTHON": sys.executable,
+           "CUDA_VISIBLE_DEVICES": "", **({"REPLICA_GROUPS": str(groups)} if groups else {})}
+    proc = subprocess.Popen(["./run_train.sh", "--job.dump_folder", str(tmp_path), *COMMON, "--training.steps", "4",
+                             "--checkpoint.enable"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    def runs(which) -> bool:
+        """Whether a process below the script runs whose arguments `which` accepts."""
+        found = False
+        for pid in descendants(proc.pid):
+            with contextlib.suppress(OSError):  # ended meanwhile
+                found |= which(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+        return found
+
+    try:
+        lines = []
+        if moment == "check":
+            wait_until(lambda: runs(lambda argv: b"--check" in argv), "the check", proc)
+        else:  # the line said as torchrun starts, which takes it seconds (it imports torch)
+            while not lines or not lines[-1].startswith("starting "):
+                lines.append(proc.stdout.readline())
+                assert lines[-1], "".join(lines)
+        if moment == "workers_importing":  # as soon as torchrun has started them: they need seconds for torch
+            wait_until(lambda: runs(lambda argv: b"train.py" in argv and b"torch.distributed.run" not in argv),
+                       "the workers", proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        out = "".join(lines) + proc.communicate(timeout=TIMEOUT_S)[0]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode == 130 and out.count(
+        "Ctrl-C during start-up: stopped before the first step, nothing saved") == max(groups, 1), out[-3000:]
+    assert logged(tmp_path) == 0 and "Traceback" not in out and "failed (exit" not in out, out[-3000:]

@@ -10,7 +10,9 @@ import re
 
 from torchtitan_lite.config import Checkpoint, ConfigError
 
-_STEP = re.compile(r"step-(\d+)(\.tmp)?")
+# A save in progress is `step-N.tmp`, or `step-N.TAG.tmp` when replica groups save (TAG: the writer's claim,
+# runtime/fence.py).
+_STEP = re.compile(r"step-(\d+)((?:\.[A-Za-z0-9]+)?\.tmp)?")
 # Beside DCP's files in each step-N: the id of the run that saved it (runtime/run_history.py) and that run's config,
 # so a checkpoint says whose it is and how it was made, wherever it is copied.
 RUN, CONFIG = "run.json", "config.toml"
@@ -47,11 +49,12 @@ def complete_checkpoints(folder: str) -> dict[int, str]:
     """step -> path of each complete checkpoint in `folder`, oldest first: a `step-N` folder holding DCP's
     `.metadata`, which exists only once every rank's shards are written (DCP writes it last, through a rename).
 
-    A `step-N.tmp` holding `.metadata` where no complete `step-N` is counts too: a save every rank finished whose
-    publishing rename never happened (a crash before it, or between the two renames of a re-save: trash.publish). The
-    next run's rank 0 renames it into place before it lists or sweeps the folder (trash.finish_publishing), and a
-    read-only listing (`train.py --check`, the tools) finds the same step here. Any other `step-N.tmp` (a save in
-    progress, or one a complete `step-N` supersedes) and `step-N.<tag>.trash` (a deletion in progress) never match."""
+    A `step-N.tmp` (or `step-N.TAG.tmp`) holding `.metadata` where no complete `step-N` is counts too: a save every
+    rank finished whose publishing rename never happened (a crash before it, or between the two renames of a
+    re-save: trash.publish). The next run's rank 0 renames it into place before it lists or sweeps the folder
+    (trash.finish_publishing), and a read-only listing (`train.py --check`, the tools) finds the same step here. Any
+    other `step-N.tmp` (a save in progress, or one a complete `step-N` supersedes) and `step-N.<tag>.trash` (a
+    deletion in progress) never match."""
     names = os.listdir(folder) if os.path.isdir(folder) else []
     matches = [m for m in map(_STEP.fullmatch, names) if m]
     found = {}

@@ -166,6 +166,27 @@ def _is_full(metadata: Metadata) -> bool:
     return any(k.startswith("train_state.") for k in metadata.state_dict_metadata)
 
 
+class Writer:
+    """Who saves: this job alone, always (a plain run). Replica groups answer for themselves (training/replicas.py)."""
+
+    def may_write(self) -> bool:
+        """Whether this job saves now; the same answer on every rank (collective where it must be)."""
+        return True
+
+    def tag(self) -> str | None:
+        """The tag of this job's saves in progress (`step-N.TAG.tmp`): None, `step-N.tmp`, for a sole writer."""
+        return None
+
+    def holds(self) -> bool:
+        """Whether this job still saves, asked on rank 0 before it publishes: a writer may have lost its claim."""
+        return True
+
+    def took_over(self, step: int) -> str | None:
+        """At a step where this job became the writer: the tag of the writer before it (whose saves in progress
+        are left over), "" for none; None at any other step."""
+        return None
+
+
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; the previous ones are intact."""
 
@@ -203,9 +224,10 @@ class CheckpointManager:
         # and what the checkpoint a resume loaded says of its own run: (id, config), None when older than run ids.
         self.run: tuple[str, str] | None = None
         self.resumed_run: tuple[str | None, str | None] = (None, None)
-        # Whether this job saves now: of a run's replica groups, the one that logs (replicas.py); they hold the same
-        # state, and one writer keeps the folder's checkpoints one sequence.
-        self.writes: Callable[[], bool] = lambda: True
+        # Whether and under which tag this job saves now: of a run's replica groups, the one that logs, while its
+        # claim on the folder holds (replicas.py, runtime/fence.py); they hold the same state, and one writer keeps
+        # the folder's checkpoints one sequence.
+        self.writer: Writer = Writer()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -280,18 +302,39 @@ class CheckpointManager:
             self.wait()  # publish a finished async save now rather than at the next save
         if last and self.cfg.last_save_model_only:
             self.save(step, model_only=True, dtype=getattr(torch, self.cfg.export_dtype))
-        elif last or step % self.cfg.interval == 0:
+        elif last or step % self.cfg.interval == 0 or self._catch_up(step):
             self.save(step)
+
+    def _catch_up(self, step: int) -> bool:
+        """At a step where this job became the run's writer (replica groups): whether the writer before it left the
+        run before it saved the last interval step it committed, so that this job saves now (a catch-up save)
+        rather than leave the run's newest checkpoint an interval older. Its saves in progress go."""
+        previous = self.writer.took_over(step)
+        if previous is None:
+            return False
+
+        def newest() -> int:
+            if previous:
+                self._trash.discard_tagged(self.folder, previous)
+            return max(complete_checkpoints(self.folder), default=0)
+
+        due = step // self.cfg.interval * self.cfg.interval
+        if _on_rank0(newest) >= due:
+            return False
+        logger.info("checkpoint step-%d: a catch-up save, the writer before this replica group having left the run "
+                    "before it saved step-%d", step, due)
+        return True
 
     def save(self, step: int, model_only: bool = False, dtype: torch.dtype | None = None) -> None:
         """Writes step-N: the full state, or with model_only the weights alone (cast to dtype). Collective."""
         self.wait()  # one save in flight at a time
-        if not self.writes():
+        if not self.writer.may_write():
             return
-        tmp = os.path.join(self.folder, f"step-{step}.tmp")
+        tag = self.writer.tag()
+        tmp = os.path.join(self.folder, f"step-{step}{f'.{tag}' if tag else ''}.tmp")
         if dist.get_rank() == 0:
             os.makedirs(self.folder, exist_ok=True)
-            self._trash.sweep(self.folder)  # a crashed save's or deletion's leftovers
+            self._trash.sweep(self.folder, tag)  # a crashed save's or deletion's leftovers
         dist.barrier()  # no rank writes into step-N.tmp before rank 0 has moved an old one away
         states = {"model": _model_state(self.model, dtype)} if model_only else self.states
         t0 = time.perf_counter()
@@ -299,12 +342,12 @@ class CheckpointManager:
             try:
                 dcp.save(states, storage_writer=_Writer(tmp, self.run))
             except CheckpointException as e:
-                return self._failed(step, e)
-            self._publish(step, t0)
+                return self._failed(step, tmp, e)
+            self._publish(step, tmp, t0)
         else:
             result = dcp.async_save(states, storage_writer=_Writer(tmp, self.run), process_group=self._group)
             # Newer torch may answer with a pair of futures; the upload one means "written".
-            self._pending = (getattr(result, "upload_completion", result), step, t0)
+            self._pending = (getattr(result, "upload_completion", result), step, t0, tmp)
             logger.info("checkpoint step-%d: training blocked %.2fs while the state was copied; writing in the "
                         "background", step, time.perf_counter() - t0)
 
@@ -330,7 +373,7 @@ class CheckpointManager:
         rank 0's has succeeded only once every rank has written, and its step was healthy when it was staged."""
         if self._pending is None:
             return
-        future, step, t0 = self._pending
+        future, step, t0, tmp = self._pending
         if exiting_on is None:
             error = self._outcome(block=True)[1]
         else:
@@ -338,8 +381,8 @@ class CheckpointManager:
             error = future.exception()
         self._pending = None
         if error is not None:
-            return self._failed(step, error, exiting_on)
-        self._publish(step, t0)
+            return self._failed(step, tmp, error, exiting_on)
+        self._publish(step, tmp, t0)
 
     def close(self, exiting_on: BaseException | None = None) -> None:
         """Every way out of a run ends here (the manager is a context manager): an in-flight async save is waited
@@ -354,12 +397,14 @@ class CheckpointManager:
             self._closed = True
             self._trash.wait()
 
-    def _failed(self, step: int, error: BaseException, exiting_on: BaseException | None = None) -> None:
+    def _failed(self, step: int, tmp: str, error: BaseException, exiting_on: BaseException | None = None) -> None:
         """A save that failed on some rank (a full disk, a lost mount), which every rank learns at the same step,
         after every rank stopped writing. Its step-N.tmp goes, so the folder holds the complete checkpoints it held
         before; then the run stops, or with checkpoint.continue_on_save_error goes on and tries again at the next
-        save. A run already ending on another error reports that one."""
-        tmp = os.path.join(self.folder, f"step-{step}.tmp")
+        save. A run already ending on another error reports that one. A replica group that lost its claim on the
+        folder meanwhile (its save in progress discarded by the new writer) stands down instead."""
+        if exiting_on is None and not self.writer.may_write():
+            return
         if dist.get_rank() == 0 and os.path.isdir(tmp):
             with contextlib.suppress(OSError):  # a lost mount: the next save's sweep tries again
                 self._trash.discard(tmp)
@@ -380,7 +425,7 @@ class CheckpointManager:
         else:
             logger.error("%s: training goes on (checkpoint.continue_on_save_error)", message)
 
-    def _publish(self, step: int, t0: float) -> None:
+    def _publish(self, step: int, tmp: str, t0: float) -> None:
         """Renames step-N.tmp to step-N (trash.publish), then applies keep_latest_k; rank 0 only, after DCP's save has
         returned there, which is after every rank has written. DCP alone writes `.metadata` last, so a fresh folder
         is never seen half-written; the temporary name adds that a save over an existing step-N (a run resumed from
@@ -388,7 +433,11 @@ class CheckpointManager:
         see a step-N still being written. What goes is deleted in the background (trash.py)."""
         final = os.path.join(self.folder, f"step-{step}")
         if dist.get_rank() == 0:
-            publish(final + ".tmp", self._trash)
+            if not self.writer.holds():  # a replica group stopped while it saved: the new writer saves instead
+                with contextlib.suppress(OSError):
+                    self._trash.discard(tmp)
+                return
+            publish(tmp, self._trash)
             found = complete_checkpoints(self.folder)
             for s in steps_to_delete(list(found), self.cfg.keep_latest_k, step):
                 self._trash.discard(found[s])

@@ -35,7 +35,7 @@ from torchtitan_lite.checkpoint.folder import complete_checkpoints
 
 logger = logging.getLogger("torchtitan_lite")
 
-_TMP = re.compile(r"step-\d+\.tmp")
+_TMP = re.compile(r"step-\d+(?:\.([A-Za-z0-9]+))?\.tmp")  # TAG: a replica group's save (folder.py)
 _TRASH = re.compile(r"step-\d+(\.[0-9a-f]+)?\.trash")  # the tag keeps the names of two deletions of step-N apart
 
 
@@ -75,17 +75,25 @@ class Trash:
             self._thread.start()
         self._queue.put(trash)
 
-    def sweep(self, folder: str) -> None:
+    def sweep(self, folder: str, tag: str | None = None) -> None:
         """Publishes the complete saves an earlier process left unpublished (finish_publishing), then discards what
         else it left in `folder`: a save that never finished or that a complete step-N supersedes (`.tmp`), a
-        deletion that never finished (`.trash`). Call when no save is in progress."""
-        finish_publishing(folder, self)
+        deletion that never finished (`.trash`). With a `tag` (a replica group's writer), only the saves tagged so:
+        another group's may be in progress. Call when no save of this job is in progress."""
+        finish_publishing(folder, self, tag)
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)
-            if _TMP.fullmatch(name):
+            if (m := _TMP.fullmatch(name)) and tag in (None, m.group(1)):
                 self.discard(path)
             elif _TRASH.fullmatch(name) and path not in self._listed:
                 self.delete(path)
+
+    def discard_tagged(self, folder: str, tag: str) -> None:
+        """Discards the saves tagged `tag` in `folder`, complete or not: those of a replica group that has left the
+        run (its claim was taken over), which it will not publish."""
+        for name in sorted(os.listdir(folder)):
+            if (m := _TMP.fullmatch(name)) and m.group(1) == tag:
+                self.discard(os.path.join(folder, name))
 
     def wait(self) -> None:
         """Returns once every deletion asked for is done."""
@@ -107,10 +115,10 @@ class Trash:
 
 
 def publish(tmp: str, trash: Trash) -> None:
-    """Renames the complete save `tmp` (`step-N.tmp`) to `step-N`; an older `step-N` goes to `trash` first, and is
-    deleted only once the new one is durably in place. A crash between the two renames leaves a folder that
-    complete_checkpoints reads as the new step N and finish_publishing completes."""
-    final = tmp.removesuffix(".tmp")
+    """Renames the complete save `tmp` (`step-N.tmp`, `step-N.TAG.tmp`) to `step-N`; an older `step-N` goes to `trash`
+    first, and is deleted only once the new one is durably in place. A crash between the two renames leaves a
+    folder that complete_checkpoints reads as the new step N and finish_publishing completes."""
+    final = os.path.join(os.path.dirname(tmp), os.path.basename(tmp).split(".")[0])  # step-N.tmp, step-N.TAG.tmp
     old = trash.move_aside(final) if os.path.exists(final) else None
     os.rename(tmp, final)
     fsync_dir(os.path.dirname(final))  # the rename is durable before anything older is deleted
@@ -118,11 +126,13 @@ def publish(tmp: str, trash: Trash) -> None:
         trash.delete(old)
 
 
-def finish_publishing(folder: str, trash: Trash) -> None:
+def finish_publishing(folder: str, trash: Trash, tag: str | None = None) -> None:
     """Publishes each save in `folder` that was complete and never renamed into place (complete_checkpoints counts
-    it under its `step-N.tmp` name). Rank 0, before it chooses what to resume or sweeps the folder."""
+    it under its `step-N.tmp` name); with a `tag`, only those tagged so. Rank 0, before it chooses what to resume or
+    sweeps the folder."""
     for step, path in complete_checkpoints(folder).items():
-        if path.endswith(".tmp"):
+        m = _TMP.fullmatch(os.path.basename(path))
+        if m and tag in (None, m.group(1)):
             logger.warning("checkpoint %s is complete but was never published (its process ended before the "
                            "rename): publishing it as step-%d", path, step)
             publish(path, trash)

@@ -285,9 +285,10 @@ class FaultTolerance:
     enable: bool = opt(False, "this job is one of group_size replica groups: they sum their gradients each step, "
                        "and a group that fails restarts and heals from a live one while the others train on")
     replica_id: int = opt(0, "this group's number, 0 to group_size - 1", rule=at_least(0))
-    group_size: int = opt(1, "replica groups in the run; each trains an equal share of every global batch",
+    group_size: int = opt(1, "replica groups in the run; each trains a share of every global batch",
                           rule=at_least(1))
-    min_replica_size: int = opt(1, "groups that must be alive to commit a step; fewer wait", rule=at_least(1))
+    min_replica_size: int = opt(1, "groups that must be alive to commit a step; fewer wait for more, "
+                                "quorum_timeout_ms at most, then stop", rule=at_least(1))
     mode: str = opt("exact", 'a missing group\'s share of the global batch: "exact" = the live groups train it (the '
                     'uninterrupted curve), "fast" = skipped, and named in metrics.jsonl (skipped_samples)',
                     choices=("exact", "fast"))

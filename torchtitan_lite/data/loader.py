@@ -196,6 +196,9 @@ class DataLoader:
         self.source, self.global_batch, self.local_batch, self.pin = source, global_batch, local_batch, pin
         self.shard = shard or (lambda x: x)
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        # (first window, windows) of each global batch this rank takes, where replica groups share the batch unevenly
+        # (group_share); None: the dp rank's equal slice.
+        self.share: tuple[int, int] | None = None
         self.position = 0  # windows of the global order consumed so far
         self.streaming = getattr(source, "streaming", False) is True  # a mixture's is a list: which parts stream
         # Hugging Face streams, opened at the first batch after a possible load_state_dict: the source's (key None)
@@ -207,11 +210,12 @@ class DataLoader:
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         per_rank = self.global_batch // self.dp_size
+        offset, per_rank = self.share or (self.dp_rank * per_rank, per_rank)
         if self.streaming:
             windows = torch.stack([self._stream(None).next_window() for _ in range(per_rank)])
             self.stream_state = self._states()[None]
         else:
-            first = self.position + self.dp_rank * per_rank
+            first = self.position + offset
             index = torch.arange(first, first + per_rank)
             # A mixture's Hugging Face streams are read in order, each rank its own shard of each.
             if hasattr(self.source, "positions"):
@@ -276,6 +280,19 @@ class DataLoader:
                           for n, r in rank.items()}
         self.streams = {}
         self.stream_state = self.saved.get(None, (0, 0, ""))
+
+
+def group_share(global_batch: int, local_batch: int, group: int, groups: int, dp_rank: int,
+                dp_size: int) -> tuple[int, int]:
+    """Rank `dp_rank`'s (first window, windows) of each global batch when `groups` groups of `dp_size` data-parallel
+    ranks share it, this one being `group` of them. The unit is a row of micro-batches, one on every rank of a group
+    (local_batch * dp_size windows), so that a batch of any whole number of rows splits over any number of groups:
+    each takes rows // groups of them, the first rows % groups one more, in the data's order, and its ranks cut its
+    rows' windows evenly. Equal shares are then the slices of `groups * dp_size` ranks (next_batch's default)."""
+    row = local_batch * dp_size
+    rows, more = divmod(global_batch // row, groups)
+    first, count = group * rows + min(group, more), rows + (group < more)
+    return first * row + dp_rank * count * local_batch, count * local_batch
 
 
 DATASETS = ("synthetic", "python_stdlib", "text", "jsonl", "tokens", "hf")

@@ -13,9 +13,11 @@ The point is a plain attribute the step sets as it goes (`at`): no sync, no allo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -27,6 +29,7 @@ from torchtitan_lite.runtime.errors import gather
 from torchtitan_lite.runtime.process import Env, train_timeout
 
 TRACES, PREFIX = "comm_traces", "rank_"  # torchtitan's comm.save_traces_folder and save_traces_file_prefix
+DUMP_PATH = "TORCH_FR_DUMP_TEMP_FILE"  # where NCCL's watchdog writes (the rank is appended)
 P2P = "a pipeline send/receive"
 # Survivors of one stalled collective time out within moments of each other; ranks stalled behind them (a pipeline
 # stage waiting on a stage that waits) a little later. The speaker waits this long for their posts, at most half a
@@ -52,7 +55,21 @@ def enable(size: int, dump_folder: str) -> None:
     if size > 0:
         os.makedirs(_folder, exist_ok=True)
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(os.path.abspath(_folder), PREFIX)
+        os.environ[DUMP_PATH] = os.path.join(os.path.abspath(_folder), PREFIX)
+
+
+@contextlib.contextmanager
+def unseen_by_torchft() -> Iterator[None]:
+    """Hides the dump path from torchft's Manager, built inside. Given one, it makes a folder beside it for every
+    quorum (`comm_traces/rank__quorum_<id>`) and points the path into the newest: a folder per membership change,
+    empty unless NCCL's watchdog dumps there, away from `comm_traces/rank_<R>`, where this module writes and the error
+    line sends the reader. Without one it leaves the path alone."""
+    path = os.environ.pop(DUMP_PATH, None)
+    try:
+        yield
+    finally:
+        if path is not None:
+            os.environ[DUMP_PATH] = path
 
 
 def mark_blocks(parts: list[nn.Module]) -> None:

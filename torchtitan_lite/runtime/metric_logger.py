@@ -8,6 +8,7 @@ tail a crash leaves (see MetricLogger). W&B, optional too, gets the same records
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from torchtitan_lite.runtime.wandb_run import WandbRun
 
 logger = logging.getLogger("torchtitan_lite")
+
+_UNWRITTEN = 1000  # records a job keeps for the file at most: a replica group that never writes keeps no more
 
 
 def _plain(v):
@@ -67,13 +70,16 @@ def _clock(seconds: float) -> str:
 
 
 def last_step(path: str) -> int | None:
-    """The step of a metrics.jsonl's last complete record (a run's start or resume record included), if any."""
+    """The step of a metrics.jsonl's last complete record (a run's start or resume record included, not another
+    event's: replica groups' claims, runtime/fence.py), if any."""
     with open(path, "rb") as f:
         f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
         for line in reversed(f.read().splitlines()):
             try:
-                return int(json.loads(line)["step"])
-            except (ValueError, KeyError, TypeError):  # a torn first line of the tail, or a line without a step
+                record = json.loads(line)
+                if record.get("event") in (None, "start", "resume"):
+                    return int(record["step"])
+            except (ValueError, KeyError, TypeError, AttributeError):  # a torn first line of the tail, or no step
                 continue
     return None
 
@@ -83,15 +89,17 @@ class MetricLogger:
 
     def __init__(self, dump_folder: str, rank: int, log_freq: int, enable_tensorboard: bool, tb_folder: str, *,
                  start_step: int = 0, total_steps: int = 0, config: str = "", enable_wandb: bool = False,
-                 writes: Callable[[], bool] = lambda: True):
+                 writes: Callable[[], bool] = lambda: True, unwritten: list[dict] | None = None):
         """`start_step`: the step this run resumes after (0 for a fresh run); `total_steps`: training.steps, for the
         console's k/N and ETA; `config`: the resolved config as TOML, shown in TensorBoard's text tab and W&B's;
-        `writes`: whether this job logs the step now (replica groups: the one group that does, replicas.py)."""
+        `writes`: whether this job logs the step now (replica groups: the one group that does, replicas.py);
+        `unwritten`: the records made and not yet in the file, which replica groups keep and send a group that heals
+        (this logger adds to it and empties it in place)."""
         self.log_freq, self.total_steps, self.last, self.writes = log_freq, total_steps, {}, writes
         self._eta = Eta(start_step)
-        self._file = None
         self._path = None
-        self._written_to, self._file_step, self._behind = -1, None, False  # the file as this job last wrote it
+        self._unwritten = [] if unwritten is None else unwritten  # oldest first (_append)
+        self._behind = False
         self._tb = None
         self._wandb = None
         if rank != 0:  # every rank holds the same numbers after the all-reduce; one writer avoids duplicates
@@ -130,7 +138,8 @@ class MetricLogger:
             return
         values = {k: _plain(v) for k, v in values.items()}
         self.last.update(values, step=step)
-        if not self.writes() or not self._append(step, values):
+        self._unwritten[:] = [r for r in self._unwritten if r["step"] != step] + [{"step": step, **values}]
+        if step not in self._append():
             return
         eta = self._eta(step, self.total_steps)
         if "loss" in values:
@@ -149,31 +158,37 @@ class MetricLogger:
         if self._wandb is not None:
             self._wandb.log(step, values)
 
-    def _append(self, step: int, values: dict) -> bool:
-        """Appends the step's record, unless the file holds that step already: written by another job meanwhile
-        (replica groups: a group fallen behind the run, left alone once the others have finished), it would read as
-        a second run spliced in (run_history.read_history). Whether it was written."""
-        if self._file is None:
-            self._file = open(self._path, "a")  # noqa: SIM115 - open for the run
-        size = os.fstat(self._file.fileno()).st_size
-        if size != self._written_to:  # first written, or appended to by another writer since
-            self._file_step = last_step(self._path)
-        if self._file_step is not None and step <= self._file_step:
-            if not self._behind:
-                logger.warning("metrics.jsonl already holds step %d: this job's records up to it are not written "
-                               "(it is behind the run)", self._file_step)
-            self._behind = True
-            return False
-        self._file.write(json.dumps({"step": step, **values}) + "\n")
-        self._file.flush()  # readers (loss_compare, tests, a crashed run's post-mortem) see every step written
-        self._written_to, self._file_step = self._file.tell(), step
-        return True
+    def _append(self) -> list[int]:
+        """Appends the records the file lacks, oldest first, if this job writes now (`writes`); the steps written.
+        With replica groups these may be records of earlier steps beside this one's: every group keeps those it made
+        until the file holds their steps, so a step whose writer left the run between its commit and its record (it
+        died, or was stopped) is logged by the next writer. A record of a step the file holds already is dropped:
+        another writer's, and a second would read as two runs spliced (run_history.read_history). Checked and
+        written under an exclusive flock of the file, which a new writer's claim takes too (runtime/fence.py), so
+        no record lands after a claim made meanwhile."""
+        with open(self._path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when closed
+            file_step = last_step(self._path)
+            if file_step is not None:
+                if self._unwritten[-1]["step"] <= file_step and not self._behind and self.writes():
+                    logger.warning("metrics.jsonl already holds step %d: this job's records up to it are not "
+                                   "written (it is behind the run)", file_step)
+                    self._behind = True
+                self._unwritten[:] = [r for r in self._unwritten if r["step"] > file_step]
+            del self._unwritten[:-_UNWRITTEN]
+            if not self._unwritten or not self.writes():
+                return []
+            f.writelines(json.dumps(r) + "\n" for r in self._unwritten)
+            f.flush()  # readers (loss_compare, tests, a crashed run's post-mortem) see every step written
+        written = [r["step"] for r in self._unwritten]
+        self._unwritten.clear()
+        if len(written) > 1:
+            logger.warning("metrics.jsonl: the records of steps %s written by this job: the replica group that wrote "
+                           "before it left the run before it logged them", ", ".join(map(str, written[:-1])))
+        return written
 
     def close(self) -> None:
         self._path = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

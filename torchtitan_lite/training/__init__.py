@@ -11,6 +11,9 @@
 - replicas.py: replica groups (torchft): who is alive each step, their gradients summed, a step committed or retried,
   a restarted group healed from a live one
 - replica_state.py: what a group that heals is sent (each rank's local shards), and the digest groups compare
+- replica_quorum.py: the quorum ids torchft's Manager is shown, which a restarted lighthouse cannot confuse
+- replica_config.py: what a run of replica groups accepts, checked before any process starts; torchft, imported quiet
+- replica_writer.py: which group writes the run's folder while its claim holds, and when a new writer saves at once
 
 May import every layer below it; only tools, train.py and scripts import it.
 """

@@ -82,10 +82,11 @@ def _data(cfg: JobConfig, dims: ParallelDims, global_batch: int) -> str:
         data = " ".join(filter(None, (t.dataset, t.dataset_path)))
     ft = cfg.fault_tolerance
     groups = ft.group_size if ft.enable else 1  # all alive; fewer take more micro-batches each (replicas.py)
-    micro = global_batch // (t.local_batch_size * dims.dp * groups)
+    rows = global_batch // (t.local_batch_size * dims.dp)  # of a micro-batch on each rank of a group
+    micro, more = divmod(rows, groups)  # uneven shares: the first `more` groups take one more (loader.group_share)
     line = (f"data {data}: {t.steps:,} step{'s' * (t.steps != 1)} of {global_batch} x {t.seq_len} = "
-            f"{global_batch * t.seq_len:,} tokens ({t.local_batch_size} sequences a rank per micro-batch, {micro} "
-            f"micro-batch{'es' * (micro > 1)}")
+            f"{global_batch * t.seq_len:,} tokens ({t.local_batch_size} sequences a rank per micro-batch, "
+            f"{f'{micro} or {micro + 1}' if more else micro} micro-batch{'es' * (rows > groups)}")
     if ft.enable:
         line += (f" each, with all {groups} replica groups alive" if ft.mode == "exact" else
                  f" each in each of the {groups} replica groups; a missing group's are skipped: fault_tolerance.mode "
@@ -169,9 +170,10 @@ def make_plan(cfg: JobConfig, dims: ParallelDims, model_args: Args, global_batch
     return plan
 
 
-def ending(cfg: JobConfig, first_step: int, last_step: int, seconds: float, logged: dict) -> str:
+def ending(cfg: JobConfig, first_step: int, last_step: int, seconds: float, logged: dict, writes: bool = True) -> str:
     """The run's last line: how far it got, its last logged loss (and validation loss), its time, and where each
-    output went. `logged`: the last logged step's values (MetricLogger.last)."""
+    output went. `logged`: the last logged step's values (MetricLogger.last); `writes`: whether this job saves the
+    run's checkpoints (of replica groups, only the writing group does)."""
     t, folder = cfg.training, os.path.abspath(cfg.job.dump_folder)
     trained = last_step - first_step + 1
     line = (f"training {'done' if last_step >= t.steps else 'stopped'} at step {last_step}/{t.steps}: {trained} step"
@@ -180,8 +182,13 @@ def ending(cfg: JobConfig, first_step: int, last_step: int, seconds: float, logg
         line += f"; loss {logged['loss']:.4f} at step {logged['step']}"
         line += f", val_loss {logged['val_loss']:.4f}" if "val_loss" in logged else ""
     outputs = [f"metrics in {os.path.join(folder, 'metrics.jsonl')}"]
-    if cfg.checkpoint.enable and (found := complete_checkpoints(os.path.join(folder, cfg.checkpoint.folder))):
-        outputs.append(f"checkpoint {found[max(found)]}")
+    checkpoints = os.path.join(folder, cfg.checkpoint.folder)
+    if cfg.checkpoint.enable and not writes:
+        # Every ending saves its last step, and the writing group may be saving it still: listed now, the folder's
+        # newest would be an older one.
+        outputs.append(f"checkpoint {os.path.join(checkpoints, f'step-{last_step}')} (the writing replica group's)")
+    elif cfg.checkpoint.enable and (found := complete_checkpoints(checkpoints)):
+        outputs.append(f"checkpoint {found[max(found)]}")  # this job's own save is complete: it closed it
     if cfg.metrics.enable_tensorboard:
         outputs.append(f"TensorBoard in {os.path.join(folder, cfg.metrics.save_tb_folder)}")
     if cfg.profiling.enable_profiling:

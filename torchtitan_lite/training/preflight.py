@@ -20,7 +20,7 @@ from torchtitan_lite.parallel.pipeline import check_pipeline
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.profiling import check_profiling
 from torchtitan_lite.runtime.wandb_run import check_wandb
-from torchtitan_lite.training.replicas import check_replicas
+from torchtitan_lite.training.replica_config import check_replicas
 
 
 def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
