@@ -95,6 +95,7 @@ ran() {  # for a command before torchrun: its exit status, or the job ends if a 
 TORCHTITAN_LITE_PLAN_FILE=$plan WORLD_SIZE=$NGPU TORCHFT_LIGHTHOUSE=$lighthouse "$PYTHON" train.py --check \
   --job.config_file "$CONFIG_FILE" "$@" &
 ran $! || exit $?
+for arg in "$@"; do [ "$arg" != --check ] || exit 0; done  # ./run_train.sh ... --check: the check alone
 checkpoints=$(sed -n 's/^checkpoint_folder=//p' "$plan")
 grep -qx 'nothing_to_do=1' "$plan" && exit 0  # the check said why
 # The folder's lock, held by this script for the whole job (its rank 0 is told so): another run_train.sh that passed

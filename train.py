@@ -6,7 +6,8 @@ Launch (one node, 8 GPUs or 4 CPU processes):
 Multi-node: the same command on every node with a c10d rendezvous (see multinode_trainer.slurm):
     torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 train.py --job.config_file F
 Any config key can be overridden as --section.key value; `python train.py --help` lists them all.
-`WORLD_SIZE=N python train.py --check --job.config_file F [overrides]` only validates a config for N processes.
+`WORLD_SIZE=N python train.py --check --job.config_file F [overrides]` only validates a config for N processes
+(`--check` may come anywhere; `./run_train.sh ... --check` does the same for NGPU).
 """
 
 from __future__ import annotations
@@ -366,7 +367,7 @@ def run(argv: list[str] | None = None, check: bool = False) -> int:
 
 if __name__ == "__main__":
     faulthandler.enable()  # a crash in native code (gloo, a kernel) still names the Python line it came from
-    check = sys.argv[1:2] == ["--check"]
-    code = run(sys.argv[2:] if check else None, check=check)
+    check = "--check" in sys.argv[1:]  # anywhere among the arguments: a user appends it to a command that trains
+    code = run([a for a in sys.argv[1:] if a != "--check"], check=check)
     gc.freeze()  # no final garbage collection over torch's objects at exit: about a second less per rank
     sys.exit(code)

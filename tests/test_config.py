@@ -298,3 +298,14 @@ def test_help_lists_every_option_with_default_and_choices(capsys):
     with pytest.raises(SystemExit) as e:
         load_config(["--training.steps", "3", "--help"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == text
+
+
+
+def test_a_mistyped_choice_gets_a_did_you_mean():
+    """A value outside an option's choices, and a flavor in another case (difflib alone finds none for "8b")."""
+    from torchtitan_lite.models import registry
+
+    assert error(["--moe.score_func", "sigmod"]).endswith("(got 'sigmod'); did you mean sigmoid?")
+    with pytest.raises(ConfigError) as e:
+        registry.get("llama3").args("8b", 128256, 8192)
+    assert str(e.value).endswith("; did you mean 8B?"), e.value

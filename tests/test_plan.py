@@ -94,3 +94,17 @@ def test_the_last_line_names_the_checkpoint_of_the_last_step_in_every_replica_gr
     (folder / "step-40.tmp" / ".metadata").touch()
     (folder / "step-40.tmp").rename(folder / "step-40")
     assert named.findall(ending(cfg, 31, 40, 5.0, {})) == [str(folder / "step-40")]
+
+
+def test_a_warmup_longer_than_the_run_is_said_before_it_starts_and_one_sequence_is_singular(tmp_path):
+    """A TOML that leaves warmup_steps at 200 for a 6-step run warmed up over the whole run, silently."""
+    argv = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder",
+            str(tmp_path / "d"), "--training.steps", "6", "--lr_scheduler.warmup_steps", "200"]
+    plan = plan_of(argv, peak=None)
+    assert plan.warnings == [
+        "lr_scheduler.warmup_steps 200 is more than training.steps 6: the warmup is cut to the run's 6 steps (the lr "
+        "reaches its peak at the last step); set warmup_steps to what the run should warm up over"]
+    assert plan_of([*argv, "--lr_scheduler.warmup_steps", "6"], peak=None).warnings == []
+    one = plan_of([*argv, "--training.local_batch_size", "1", "--parallelism.tensor_parallel_degree", "1"],
+                  world_size=1, peak=None).lines[1]
+    assert "(1 sequence a rank per micro-batch," in one, one

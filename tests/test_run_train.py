@@ -93,6 +93,20 @@ def starts(dump_folder) -> str:
     return f"dump_folder={dump_folder}\\ncheckpoint_folder=\\nnothing_to_do=0\\n"
 
 
+def test_check_anywhere_only_checks_from_the_script_and_from_train_py(tmp_path):
+    """`--check` after the overrides, as a user appends it to a command that trains: the real check's plan, exit 0,
+    no torchrun; and train.py takes it anywhere too (before, only as its first argument: the rest trained)."""
+    overrides = ["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path / "out"), "--training.steps", "2"]
+    proc = subprocess.run([SCRIPT, *overrides, "--check"], env={**launcher_stub(tmp_path), "NGPU": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "torchrun started" not in proc.stdout, proc.stdout + proc.stderr
+    assert "data synthetic: 2 steps" in proc.stdout, proc.stdout
+    proc = subprocess.run([sys.executable, "train.py", *overrides, "--check"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "1"})
+    assert proc.returncode == 0 and "data synthetic: 2 steps" in proc.stdout, proc.stdout + proc.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def test_help_is_printed_once_and_starts_nothing(tmp_path):
     proc = subprocess.run([SCRIPT, "--training.steps", "3", "--help"], env=launcher_stub(tmp_path),
                           capture_output=True, text=True, timeout=120)

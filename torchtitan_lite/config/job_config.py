@@ -80,8 +80,9 @@ _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 def did_you_mean(name: str, candidates: list[str], prefix: str = "") -> str:
     """"; did you mean X?" for the candidates close to a misspelt `name`, or "". Options are its first use; a choice
     the config cannot list itself (model.name, models/registry.py) is its other."""
-    # Also catch a bare key given without its section ("steps" -> "training.steps").
-    close = difflib.get_close_matches(name, candidates, n=3) or [c for c in candidates if c.endswith("." + name)]
+    # Also catch another case ("8b" -> "8B") and a bare key given without its section ("steps" -> "training.steps").
+    close = ([c for c in candidates if c.lower() == name.lower()] or difflib.get_close_matches(name, candidates, n=3)
+             or [c for c in candidates if c.endswith("." + name)])
     return f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
 
 
@@ -236,7 +237,8 @@ def validate(cfg: JobConfig) -> None:
 def _check(o: _Opt, value: Any, where: str = "") -> None:
     _coerce(o, value, where)  # catches configs built in code, which skipped the TOML/CLI checks
     if o.choices and value not in o.choices:
-        raise ConfigError(f"{o.key}{where} must be one of {', '.join(o.choices)} (got {value!r})")
+        raise ConfigError(f"{o.key}{where} must be one of {', '.join(o.choices)} (got {value!r})"
+                          f"{did_you_mean(str(value), list(o.choices))}")
     if o.rule and value is not None and not o.rule.ok(value):
         raise ConfigError(f"{o.key}{where} must be {_allowed(o)} (got {value!r})")
 
@@ -281,9 +283,12 @@ def to_toml(cfg: JobConfig) -> str:
 def help_text() -> str:
     """Every option, grouped by section, with its type, default, choices or rule, and doc."""
     lines = [
-        "usage: train.py [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE ...]",
+        "usage: train.py [--check] [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE ...]",
         "Precedence: command line > TOML file > defaults. Booleans: --section.key, --no-section.key,",
         "or --section.key true|false. Optional numbers accept 'none'.",
+        "--check (anywhere; ./run_train.sh takes it too): check the config for WORLD_SIZE processes (environment",
+        "variable, default 1; run_train.sh: NGPU) and print the run's plan, without training: exit 0, or one",
+        "error line and exit 2.",
     ]
     for sec, cls in SECTIONS.items():
         lines += ["", f"[{sec}]  {cls.__doc__}"]

@@ -85,7 +85,8 @@ def _data(cfg: JobConfig, dims: ParallelDims, global_batch: int) -> str:
     rows = global_batch // (t.local_batch_size * dims.dp)  # of a micro-batch on each rank of a group
     micro, more = divmod(rows, groups)  # uneven shares: the first `more` groups take one more (loader.group_share)
     line = (f"data {data}: {t.steps:,} step{'s' * (t.steps != 1)} of {global_batch} x {t.seq_len} = "
-            f"{global_batch * t.seq_len:,} tokens ({t.local_batch_size} sequences a rank per micro-batch, "
+            f"{global_batch * t.seq_len:,} tokens ({t.local_batch_size} sequence{'s' * (t.local_batch_size != 1)} a "
+            f"rank per micro-batch, "
             f"{f'{micro} or {micro + 1}' if more else micro} micro-batch{'es' * (rows > groups)}")
     if ft.enable:
         line += (f" each, with all {groups} replica groups alive" if ft.mode == "exact" else
@@ -162,6 +163,10 @@ def make_plan(cfg: JobConfig, dims: ParallelDims, model_args: Args, global_batch
     outputs, warnings, done, checkpoints = _outputs(cfg)
     plan = Plan([_model(cfg, n_params, n_params - inactive_params(model), dims), _data(cfg, dims, global_batch),
                  outputs], warnings, done, checkpoints)
+    if (warmup := cfg.lr_scheduler.warmup_steps) > cfg.training.steps:
+        plan.warnings.append(f"lr_scheduler.warmup_steps {warmup} is more than training.steps {cfg.training.steps}: "
+                             f"the warmup is cut to the run's {cfg.training.steps} steps (the lr reaches its peak at "
+                             "the last step); set warmup_steps to what the run should warm up over")
     if peak is not None and not done:
         dtype = Numerics.from_config(cfg, dims).compute_dtype
         token_flops = spec.flops_per_token(model, cfg.training.seq_len)
