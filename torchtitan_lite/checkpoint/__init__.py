@@ -1,5 +1,6 @@
 """Checkpoints: what a resume restores, how a save stays atomic, and the checkpoint a tool is pointed at.
 - manager.py: DCP saves and loads, what a resume restores, atomic publishing, async saves
+- states.py: what a checkpoint holds besides the optimizer and the data: progress, the weights, the RNG
 - folder.py: the folder's rules: which steps are complete, which one a run resumes from, which to delete
 - reader.py: reading DCP files safely, and in one process (scripts, tests, export, generation)
 - trash.py: the renames that publish a save, and deleting old checkpoints off the training path

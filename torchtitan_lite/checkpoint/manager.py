@@ -26,14 +26,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan_lite.checkpoint.folder import (checkpoint_to_load, complete_checkpoints, read_run_files,
                                                steps_to_delete, write_run_files)
 from torchtitan_lite.checkpoint.reader import SafePlanner, SafeReader, check_fits, flatten_state, read_metadata
+from torchtitan_lite.checkpoint.states import FnState, TrainState, get_rng, model_state, set_rng
 from torchtitan_lite.checkpoint.trash import Trash, finish_publishing, publish
 from torchtitan_lite.config import Checkpoint, ConfigError
 
@@ -56,60 +56,6 @@ class _Writer(FileSystemWriter):
             logger.warning("test hook: pausing %.0fs before writing .metadata", _PAUSE_BEFORE_METADATA_S)
             time.sleep(_PAUSE_BEFORE_METADATA_S)
         super().finish(metadata, results)
-
-
-# ---- What is saved: one Stateful per concern.
-
-class TrainState(Stateful):
-    """Progress outside the model and data: steps done, tokens seen, and training time so far, so a resumed run's
-    logs continue where they stopped."""
-
-    def __init__(self):
-        self.step, self.tokens_seen = 0, 0
-        self._elapsed_before, self._start = 0.0, time.perf_counter()
-
-    def elapsed_s(self) -> float:
-        return self._elapsed_before + time.perf_counter() - self._start
-
-    def advance(self, tokens: int) -> None:
-        """One more step done, of `tokens` tokens (the global batch's)."""
-        self.step, self.tokens_seen = self.step + 1, self.tokens_seen + tokens
-
-    def fields(self) -> dict[str, float]:
-        return {"elapsed_s": self.elapsed_s(), "tokens_seen": self.tokens_seen}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self._elapsed_before, self._start = float(state["elapsed_s"]), time.perf_counter()
-
-
-class _Stateful(Stateful):
-    """A Stateful made of its two functions."""
-
-    def __init__(self, get: Callable[[], dict[str, Any]], set: Callable[[dict[str, Any]], None]):
-        self.state_dict, self.load_state_dict = get, set
-
-
-def _model_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> _Stateful:
-    # DTensor shards as they are, keyed by canonical parameter names: each rank saves what it holds, no gathering.
-    def get():
-        return {k: v.to(dtype) if dtype else v for k, v in get_model_state_dict(model).items()}
-    return _Stateful(get, lambda state: set_model_state_dict(model, state))
-
-
-def _get_rng() -> dict[str, torch.Tensor]:
-    # One copy, not one per rank: all ranks seed alike and draw alike (no dropout; data and init are counter-based),
-    # so it also loads on another world size. Per-rank streams would need rank keys, which cannot map onto that.
-    return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
-
-
-def _set_rng(state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:  # on a GPU resuming a CPU checkpoint, this is the template's own state, set back unchanged
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def check_config(cfg: Checkpoint, world_size: int, dump_folder: str = "") -> None:
@@ -201,16 +147,16 @@ class CheckpointManager:
         self.model, self.train_state = model, train_state
         # Everything a resume restores, in one place.
         self.states: dict[str, Stateful] = {
-            "model": _model_state(model),
+            "model": model_state(model),
             # Keyed by parameter name, not index, so it maps onto any mesh and any wrapping; the param groups too, as
             # pipeline stages hold different parameters (a group's list of names would differ by stage).
-            "optimizer": _Stateful(lambda: get_optimizer_state_dict(model, optimizer, options=_FLAT),
+            "optimizer": FnState(lambda: get_optimizer_state_dict(model, optimizer, options=_FLAT),
                                    lambda state: set_optimizer_state_dict(model, optimizer, state, options=_FLAT)),
             "lr_scheduler": lr_scheduler,  # after the optimizer: a changed schedule resets the lr it loads
             "dataloader": dataloader,  # a position in the global sample order: the same on every rank, any dp degree
             "train_state": train_state,
             "update_guard": update_guard,  # fp16's loss scale, skipped steps; empty unless fp16 or skipping
-            "rng": _Stateful(_get_rng, _set_rng),
+            "rng": FnState(get_rng, set_rng),
         }
         self._pending: tuple[Any, int, float] | None = None  # in-flight async save: (future, step, start time)
         # An async save runs its collectives from a background thread while training runs its own: a group of its
@@ -336,7 +282,7 @@ class CheckpointManager:
             os.makedirs(self.folder, exist_ok=True)
             self._trash.sweep(self.folder, tag)  # a crashed save's or deletion's leftovers
         dist.barrier()  # no rank writes into step-N.tmp before rank 0 has moved an old one away
-        states = {"model": _model_state(self.model, dtype)} if model_only else self.states
+        states = {"model": model_state(self.model, dtype)} if model_only else self.states
         t0 = time.perf_counter()
         if self._group is None:
             try:
