@@ -13,9 +13,9 @@ quorums from 1 again, which training/replica_quorum.py keeps from confusing torc
 the new lighthouse before the others' heartbeats do is a quorum of its own for a step, and the others heal from it,
 as after any absence.
 
-So the new one should be up long before the groups' next retry: this module runs the program's Rust main alone (up
-in 0.1 s), where `torchft_lighthouse` imports torchft, and with it torch, first (4 s on the tests' CPU). It is run as
-a file, not with -m: the Rust main parses the process's arguments after the first, which -m would make its own.
+So the new one should be up long before the groups' next retry: this module runs the program's Rust main alone,
+where `torchft_lighthouse` imports torchft, and with it torch, first (seconds: docs/fault_tolerance.md). It is run
+as a file, not with -m: the Rust main parses the process's arguments after the first, which -m would make its own.
 """
 
 from __future__ import annotations
