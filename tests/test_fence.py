@@ -107,3 +107,18 @@ def test_a_restarted_group_is_behind_the_run_only_when_no_group_is_alive_to_heal
     group.live = 1
     with pytest.raises(ConfigError, match="replica group 1 is behind the run: another group logged steps past 4"):
         group._alone_check()
+
+
+def test_a_claim_is_lost_when_another_group_begins_the_history_anew(tmp_path, caplog):
+    """The file replaced (another group's start_history) since the claim: no claim of this group's is in it."""
+    start(tmp_path)
+    fence = Fence(str(tmp_path))
+    fence.claim(1, "g0q1", {"writer": 0})
+    (tmp_path / "new").write_text(json.dumps({"event": "start", "run": "s", "step": 0}) + "\n")
+    (tmp_path / "new").replace(tmp_path / "metrics.jsonl")
+    assert not fence.holds()
+    with caplog.at_level(logging.WARNING, "torchtitan_lite"):
+        fence.stand_down(0)
+    assert caplog.messages == ["replica group 0 stands down as the run's writer: another group began the run's "
+                               "history anew while this one was stopped; it writes no record or checkpoint until it "
+                               "writes for the run again"]

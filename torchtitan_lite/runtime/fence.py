@@ -102,7 +102,7 @@ class Fence:
             with open(self.path, "rb") as f:
                 ino = os.fstat(f.fileno()).st_ino
                 if self._seen is None or ino != self._seen[0]:  # replaced: another group began the history anew
-                    self.superseded = {"writer": "another", "step": "the run's start"}
+                    self.superseded = {}
                     return False
                 f.seek(self._seen[1])
                 read = f.read()
@@ -120,7 +120,9 @@ class Fence:
         """Says, once per claim lost, that this group writes nothing more of the run (until it claims it again)."""
         if self.superseded is None or self.superseded.get("said"):
             return
+        taken = dict(self.superseded)
         self.superseded["said"] = True
-        logger.warning("replica group %d stands down as the run's writer: group %s took over at step %s while this "
-                       "one was stopped; it writes no record or checkpoint until it writes for the run again",
-                       group, self.superseded.get("writer"), self.superseded.get("step"))
+        who = (f"group {taken['writer']} took over at step {taken['step']}" if "writer" in taken else
+               "another group began the run's history anew")
+        logger.warning("replica group %d stands down as the run's writer: %s while this one was stopped; it writes no "
+                       "record or checkpoint until it writes for the run again", group, who)
