@@ -29,11 +29,12 @@ from torchtitan_lite.checkpoint.manager import CheckpointManager, CheckpointSave
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.data.loader import DataLoader, warn_if_validating_on_training_data
 from torchtitan_lite.models import documents, registry
-from torchtitan_lite.models.spec import Args
+from torchtitan_lite.models.spec import Args, ConversionError
 from torchtitan_lite.parallel.context_parallel import sharder
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.parallel.pipeline import merge_stages, split_stages
+from torchtitan_lite.parallel.stage_ties import StageTies
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import flight_recorder, run_lock, startup_interrupt
 from torchtitan_lite.runtime.fence import file_state
@@ -60,6 +61,7 @@ from torchtitan_lite.training.step import Inputs, Numerics, build_step
 from torchtitan_lite.training.steps import Steps
 from torchtitan_lite.training.update import Update
 from torchtitan_lite.training.validation import Validation
+from torchtitan_lite.tools.hf_convert import export_last_save
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -194,7 +196,8 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     history_found = file_state(cfg.job.dump_folder)  # replica groups: whether another group logs meanwhile
     # Closed on every way out: an in-flight async save is published or, failed, cleared; old ones finish deleting.
     checkpoint = exits.enter_context(CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, optimizer,
-                                                       scheduler, data, train_state, guard, training.steps))
+                                                       scheduler, data, train_state, guard, training.steps,
+                                                       cfg.model.name))
     resumed = 0 if cfg.checkpoint.create_seed_checkpoint else checkpoint.load()
     if train_state.step >= training.steps:
         logger.info("the checkpoint is at step %d, training.steps is %d: nothing to do (raise training.steps to "
@@ -233,8 +236,10 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     float8_scales = float8.ScalePrecompute(cfg, dims.fsdp, parts)
     float8_scales()
     memory = MemoryUse(device)
-    update = Update(optimizer, scheduler, guard, partial(clip_grad_norm_, params, training.max_norm, env.world_size),
-                    commit=replicas.commit)
+    # Parameters the first and last pipeline stages share (tied embeddings) get both stages' gradients before the clip.
+    clip = StageTies(parts, mesh).clip if dims.pp > 1 else lambda clip: clip
+    update = Update(optimizer, scheduler, guard, clip(partial(clip_grad_norm_, params, training.max_norm,
+                                                              env.world_size)), commit=replicas.commit)
     stages = mesh["pp"].get_group() if dims.pp > 1 and getattr(model_args, "moe", None) is not None else None
     expert_load = ExpertLoad(model, lambda: dims.token_mesh(mesh).get_group() if dims.dp * dims.cp * dims.tp > 1
                              else None, global_batch, stages, device)
@@ -300,6 +305,14 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     t.replicas.finish()
     t.checkpoint.close()  # waits for an async save still being written
     t.metrics.close()
+    if cfg.checkpoint.last_save_in_hf and env.rank == 0 and t.steps.stopped is None and t.replicas.writer.holds():
+        # Every rank has saved (close's barrier); one process converts while the others end.
+        try:
+            logger.info("saved the last checkpoint as the Hugging Face folder %s",
+                        export_last_save(cfg, t.train_state.step))
+        except (ConversionError, OSError) as e:
+            raise CheckpointSaveError(f"checkpoint.last_save_in_hf: {e} (step-{t.train_state.step} is intact: "
+                                      "scripts/convert_to_hf.py converts it)") from None
     if env.rank == 0:
         logger.info("%s", ending(cfg, t.steps.first, t.steps.done, t.steps.seconds(), t.metrics.last,
                                  t.replicas.writer.holds()))

@@ -63,7 +63,7 @@ def debug_model() -> Transformer:
 
 
 def model_init(model: Transformer, trunc_normal_) -> dict[str, torch.Tensor]:
-    with mock.patch("torchtitan_lite.models.llama3.model.trunc_normal_", trunc_normal_):
+    with mock.patch("torchtitan_lite.models.common.decoder.trunc_normal_", trunc_normal_):
         model.init_weights(seed=0)
     return {n: p.detach() for n, p in model.named_parameters()}
 

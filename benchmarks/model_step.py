@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_lite.models.llama3.model import FLAVORS, ModelArgs, Transformer
-from torchtitan_lite.models.llama3.spec import flops_per_token
+from torchtitan_lite.models.common.decoder import flops_per_token
 from torchtitan_lite.runtime.metrics import peak_flops
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_lite.models import moe
-from torchtitan_lite.models.llama3.model import FeedForward
+from torchtitan_lite.models.common import moe
+from torchtitan_lite.models.common.layers import FeedForward
 
 SHAPES = {"mixtral_8x7b": dict(dim=4096, hidden=14336, num_experts=8, top_k=2),
           "fine_grained": dict(dim=2048, hidden=1408, num_experts=64, top_k=6)}

@@ -1,4 +1,4 @@
-"""Import a Hugging Face Llama folder (e.g. a downloaded Llama 3.x) as a DCP checkpoint to start training from.
+"""Import a Hugging Face folder (a downloaded Llama 3.x; Qwen3 with --model qwen3) as a DCP checkpoint to train from.
 
     python scripts/convert_from_hf.py Llama-3.1-8B llama31_8b [--dtype float32] [--model llama3]
 

@@ -1,4 +1,4 @@
-"""Export a DCP checkpoint of a training run as a Hugging Face Llama folder (config.json, safetensors, tokenizer).
+"""Export a DCP checkpoint of a run as a Hugging Face folder of its model (config.json, safetensors, tokenizer).
 
     python scripts/convert_to_hf.py outputs/checkpoint/step-1000 hf_out [--config FILE] [--dtype bfloat16]
         [--max_shard_size 5GB]
@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from pathlib import Path
 
 from torchtitan_lite.checkpoint.finder import checkpoint_and_config
 from torchtitan_lite.config import ConfigError
-from torchtitan_lite.data.tokenizer import load_tokenizer
-from torchtitan_lite.models import registry
 from torchtitan_lite.models.spec import ConversionError
 from torchtitan_lite.runtime.precision import DTYPES
-from torchtitan_lite.tools.hf_convert import DEFAULT_MAX_SHARD_SIZE, export_to_hf
+from torchtitan_lite.tools.hf_convert import DEFAULT_MAX_SHARD_SIZE, export_run
 
 # transformers' units: GB is 10^9 bytes, GiB 2^30.
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -55,18 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         ckpt, cfg = checkpoint_and_config(args.ckpt, args.config)
-        tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        # The trainer's model.
-        shape = registry.get(cfg.model.name).run_args(cfg, tokenizer.n_words)
-
-        def add_tokenizer(folder: Path) -> None:
-            # Imported here, not at the top: checking and converting the weights need none of it.
-            from torchtitan_lite.data.hf_tokenizer import save_hf_tokenizer
-
-            save_hf_tokenizer(tokenizer, folder, model_max_length=shape.max_seq_len)
-
-        export_to_hf(ckpt, args.out, shape, tokenizer.bos_id, tokenizer.eos_id, DTYPES.get(args.dtype),
-                     args.max_shard_size, add_files=add_tokenizer, model=cfg.model.name)
+        # The trainer's model and tokenizer, written beside.
+        export_run(ckpt, args.out, cfg, DTYPES.get(args.dtype), args.max_shard_size)
     except (ConversionError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,12 +19,26 @@ import os
 import sys
 import time
 
-from torchtitan_lite.config import ConfigError, JobConfig, load_config
+from torchtitan_lite.config import ConfigError, JobConfig, help_text, load_config
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.tools.memory import Estimate, estimate_memory, progress
 
 # torchtitan's usual cluster per flavor; any other flavor: one 8-GPU node.
 DEFAULT_WORLD = {"8B": 8, "70B": 64, "405B": 128}
+
+
+def usage() -> str:
+    """--help: this script's own option, then the trainer's, which it takes as they are."""
+    clusters = ", ".join(f"{flavor} {n}" for flavor, n in DEFAULT_WORLD.items())
+    return "\n".join([
+        "usage: python scripts/estimate_memory.py [--world_size N] [--job.config_file FILE] [--section.key VALUE ...]",
+        "Per-rank memory of a training config on a mesh, without GPUs (torchtitan_lite/tools/memory.py says how).",
+        "  --world_size N  the ranks to estimate for; default: NGPU when set, else the product of the parallelism",
+        f"      degrees when none is -1, else the flavor's usual cluster ({clusters}; any other flavor 8)",
+        "Every other argument is a train.py option (--check aside); train.py's --help:",
+        "",
+        help_text(),
+    ])
 
 
 def split_world_size(argv: list[str]) -> tuple[int | None, list[str]]:
@@ -57,6 +71,8 @@ def default_world_size(cfg: JobConfig) -> int:
 def table(e: Estimate, cfg: JobConfig) -> str:
     unit, scale = ("GiB", 2**30) if e.peak_bytes >= 2**30 else ("MiB", 2**20)
     mesh = " x ".join(f"{name} {size}" for name, size in e.mesh.items())
+    ep = cfg.parallelism.expert_parallel_degree  # not a dim of the mesh: a split of dp_shard x cp x tp (dims.py)
+    experts = f", experts over ep {ep}" if ep > 1 else ""
     t = cfg.training
     compute = t.mixed_precision_param
     if float8.enabled(cfg):  # what tools/memory.py counts for it: its module docstring
@@ -64,10 +80,8 @@ def table(e: Estimate, cfg: JobConfig) -> str:
         compute += f" + float8 {cfg.float8.recipe_name}{' (float8 all-gather)' if gathered else ''}"
     header = (f"{cfg.model.name} {e.flavor} (vocab {e.vocab_size}), {t.local_batch_size} x {t.seq_len} tokens, "
               f"{compute} compute, AC {cfg.activation_checkpoint.mode}, mesh {mesh} "
-              f"({math.prod(e.mesh.values())} ranks); per rank, {unit}")
-    lines = [header]
-    if e.vocab_note:
-        lines.append(f"  ({e.vocab_note})")
+              f"({math.prod(e.mesh.values())} ranks{experts}); per rank, {unit}")
+    lines = [header, f"  ({e.vocab_note})"]
     if len(e.traced) > 1:
         counts = f"{', '.join(map(str, e.traced[:-1]))} and {e.traced[-1]}"
         lines.append(f"  (traced with {counts} of its blocks: every figure exactly affine in the block count)")
@@ -95,6 +109,9 @@ class Elapsed(logging.Formatter):
 
 
 def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:  # before load_config, which would print the trainer's alone
+        print(usage())
+        return 0
     shown = logging.StreamHandler(sys.stderr)
     shown.setFormatter(Elapsed())
     progress.addHandler(shown)

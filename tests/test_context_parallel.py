@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from torchtitan_lite.models import documents
-from torchtitan_lite.models.llama3.model import FLAVORS, apply_rope, attend, rope_table
+from torchtitan_lite.models.common.attention import attend
+from torchtitan_lite.models.common.rope import apply_rope, rope_table
+from torchtitan_lite.models.llama3.model import FLAVORS
 from torchtitan_lite.parallel import context_parallel
 from torchtitan_lite.parallel.context_parallel import Attend, chunks, shard
 
@@ -45,18 +47,21 @@ class FakeMesh:
         return SimpleNamespace(group_name="fake")
 
 
+@pytest.mark.parametrize("v_dim", [8, 4], ids=["values_as_keys", "smaller_values"])
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "block_causal"])
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("balancer", ["headtail", "none"])
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_each_rank_attends_as_its_rows_of_whole_sequence_attention(cp, balancer, device_type, masked, monkeypatch):
+def test_each_rank_attends_as_its_rows_of_whole_sequence_attention(cp, balancer, device_type, masked, v_dim,
+                                                                   monkeypatch):
     """Every rank's output is its tokens' rows of attention over the whole sequence: true positions for the rotary
     embeddings, the gathered keys put back in sequence order, each chunk's causal mask (the GPU's, SDPA's lower-right
     causal bias, run here on the CPU too). Grouped-query heads (8 query, 2 kv) as in Llama 3. block_causal: the
-    documents' mask and each token's position in its document, documents crossing the chunks' borders."""
+    documents' mask and each token's position in its document, documents crossing the chunks' borders. Values of
+    another head size than the keys' (MLA's) come back apart as they went in."""
     seq, args = 48, FLAVORS["debugmodel"].with_(vocab_size=8, max_seq_len=48, dim=64, n_heads=8, n_kv_heads=2)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, seq, heads, args.head_dim, generator=gen) for heads in (8, 2, 2))
+    q, k, v = (torch.randn(2, seq, heads, size, generator=gen) for heads, size in ((8, 8), (2, 8), (2, v_dim)))
     rope, mask = rope_table(args), None
     if masked:
         starts = torch.rand(2, seq, generator=gen) < 0.15  # a document starts at each True

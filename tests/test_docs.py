@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import math
 import re
 import shlex
@@ -21,12 +22,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 import train
+from torchtitan_lite.checkpoint.hf_load import expected_shapes, pieces
 from torchtitan_lite.data import files as datasets
 from torchtitan_lite.config import help_text, load_config
 from torchtitan_lite.config.paths import CALLER_DIR
 from torchtitan_lite.data.tokenizer import build_tokenizer
+from torchtitan_lite.models import registry
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8
 
@@ -42,6 +47,7 @@ NOT_CHECKED = {  # a command's first words -> why this test leaves it alone
     "torchft_lighthouse": "a server, from an optional package (tests/multiprocess/test_replica_groups.py runs one)",
     "export": "only sets a variable for the commands after it",
 }
+TOKENIZER = "assets/tokenizer/original/tokenizer.model"  # where the big configs expect Llama 3's: the sandbox's BPE
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 
 
@@ -73,7 +79,7 @@ def sandbox(tmp_path_factory):
     for name in ("train_configs", "torchtitan_lite", "scripts"):
         (root / name).symlink_to(ROOT / name)
     bpe = ROOT / "torchtitan_lite" / "assets" / "stdlib_bpe_2k.tiktoken"
-    tokenizer_file = root / "assets" / "tokenizer" / "original" / "tokenizer.model"
+    tokenizer_file = root / TOKENIZER
     tokenizer_file.parent.mkdir(parents=True)
     shutil.copy(bpe, tokenizer_file)
     shards = root / "data" / "tokens"
@@ -81,7 +87,35 @@ def sandbox(tmp_path_factory):
     tokenizer = build_tokenizer(str(tokenizer_file))
     document = datasets.tokenize_documents(iter(["def main():\n    pass\n" * 64]), tokenizer)
     datasets.write_shard(shards / "00000000.bin", iter([document * (2**17 // len(document) + 1)]), tokenizer)  # 128k
+    hf_stand_in(root / "hf")
     return root
+
+
+def hf_stand_in(folder: Path, argv: tuple[str, ...] = ("--job.config_file", "train_configs/debug_model.toml")
+                ) -> None:
+    """The Hugging Face folder of the model `argv` configures (default: the debug config's, which
+    `convert_to_hf.py outputs hf/` writes), as far as `--check` reads it: config.json and the safetensors header. The
+    tensors are a sparse file's holes, zeros that take no disk, so a stand-in of an 8B model costs nothing."""
+    cfg = load_config(list(argv))
+    tokenizer = build_tokenizer(str(ROOT / cfg.model.tokenizer_path) if cfg.model.tokenizer_path else "")
+    spec = registry.get(cfg.model.name)
+    args = spec.run_args(cfg, tokenizer.n_words)
+    folder.mkdir()
+    config = spec.hf.config(args, tokenizer.bos_id, tokenizer.eos_id, torch.float32)
+    (folder / "config.json").write_text(json.dumps(config))
+    weight_map = {}
+    for i, (piece, (_, _, shape)) in enumerate(pieces(spec.hf, expected_shapes(spec, args)).items()):
+        # One file a tensor, as safetensors maps a whole file at once: a big model's in one would not map.
+        name, file = spec.hf.hf_name(piece), f"model-{i:05d}.safetensors"
+        size = 2 * math.prod(shape)
+        text = json.dumps({"__metadata__": {"format": "pt"}, name: {"dtype": "BF16", "shape": list(shape),
+                                                                     "data_offsets": [0, size]}}).encode()
+        text += b" " * (-len(text) % 8)
+        with open(folder / file, "wb") as f:
+            f.write(len(text).to_bytes(8, "little") + text)
+            f.truncate(8 + len(text) + size)
+        weight_map[name] = file
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
 @functools.cache
@@ -132,6 +166,12 @@ def check(command: str, monkeypatch, capsys) -> None:
         if words[:len(prefix.split())] == prefix.split():
             return
     config = env.get("CONFIG_FILE", "train_configs/debug_model.toml")
+    if words[0] == "./run_train.sh" and "--checkpoint.initial_load_in_hf" in words and not Path(
+            hf := words[words.index("--checkpoint.initial_load_path") + 1]).exists():  # a published folder: its stand-in
+        # with its tokenizer, the one the sandbox's shards were written with (the stand-in of a user's corpus)
+        hf_stand_in(Path(hf), ("--job.config_file", config, *words[1:], "--model.tokenizer_path", TOKENIZER))
+        (Path(hf) / "original").mkdir()
+        shutil.copy(TOKENIZER, Path(hf) / "original" / "tokenizer.model")
     if words[0] == "./run_train.sh":
         groups = []
         if n := env.get("REPLICA_GROUPS"):  # what run_train.sh adds to every group's arguments

@@ -17,16 +17,16 @@ from torchtitan_lite.checkpoint import reader as checkpoint_reader
 from torchtitan_lite.checkpoint.finder import checkpoint_and_config
 from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import load_config
+from torchtitan_lite.models.common.decoder import TransformerBlock
+from torchtitan_lite.models.common.kv_cache import KVCache
 from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.tools.generation import (
     ContextError,
-    KVCache,
     forward_cached,
     generate,
     load_model,
     sample,
 )
-from torchtitan_lite.models.llama3.model import FLAVORS, Transformer, TransformerBlock
 
 import generate as generate_script  # scripts/generate.py (pytest.ini puts scripts/ on the path)
 

@@ -16,7 +16,7 @@ from torchtitan_lite.models import registry
 from torchtitan_lite.models.llama3.hf import model_args_from_hf
 from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.models.llama3.model import ModelArgs, Transformer
-from torchtitan_lite.models.moe import MoE, MoEArgs
+from torchtitan_lite.models.common.moe import MoE, MoEArgs
 from torchtitan_lite.models.spec import ConversionError
 from torchtitan_lite.tools.hf_convert import export_to_hf, import_from_hf
 
@@ -60,7 +60,9 @@ def test_import_gives_us_mixtrals_logits_and_exports_back_bit_for_bit(tmp_path):
     reference = randomize(transformers.MixtralForCausalLM(config)).eval()
     reference.save_pretrained(tmp_path / "hf")
     args = import_from_hf(tmp_path / "hf", tmp_path / "ckpt")
-    assert args.moe == MoEArgs(num_experts=4, top_k=2, hidden=48)
+    # The auxiliary loss at the folder's router_aux_loss_coef, although output_router_logits is off there.
+    assert not config.output_router_logits
+    assert args.moe == MoEArgs(num_experts=4, top_k=2, hidden=48, aux_loss_coeff=config.router_aux_loss_coef)
     assert model_args_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text())) == args
     diff = max_diff(load_ours(tmp_path / "ckpt", args), reference, random_tokens(48))
     print(f"logits max |ours - transformers' Mixtral|, import: {diff:.3g}")
@@ -69,6 +71,24 @@ def test_import_gives_us_mixtrals_logits_and_exports_back_bit_for_bit(tmp_path):
     saved, back = tensors(tmp_path / "hf"), tensors(tmp_path / "back")
     assert saved.keys() == back.keys() and len(back) == 3 + 2 * (7 + 4 * 3)  # top; per layer: attention, norms, gate, experts
     assert all(torch.equal(saved[k], back[k]) for k in saved)
+
+
+def test_an_export_leaves_transformers_loss_the_language_models_whatever_the_auxiliary_loss(tmp_path):
+    """output_router_logits on would make transformers add the auxiliary loss to `outputs.loss`, which evaluations
+    read as the language model's: the export keeps it off and the coefficient in router_aux_loss_coef, which an
+    import reads back either way."""
+    args = MOE.with_(moe=MoEArgs(num_experts=4, top_k=2, hidden=48, aux_loss_coeff=0.5))
+    export_to_hf(save_run_checkpoint(ours(args), tmp_path / "ckpt"), tmp_path / "hf", args, BOS, EOS)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["output_router_logits"], config["router_aux_loss_coef"]) == (False, 0.5)
+    tokens = random_tokens(32)
+    with torch.no_grad():
+        out = hf_model(tmp_path / "hf")(tokens, labels=tokens)
+    plain = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    print(f"transformers' loss {out.loss.item():.6f}, cross-entropy of its logits {plain.item():.6f}")
+    assert out.loss.item() == pytest.approx(plain.item(), abs=1e-6)
+    for routed in (False, True):
+        assert model_args_from_hf({**config, "output_router_logits": routed}).moe.aux_loss_coeff == 0.5
 
 
 @pytest.mark.parametrize("change, said", [

@@ -1,5 +1,6 @@
 """metrics.held_bytes counts real storages; memory.py's fake-tensor estimate reproduces them on any world size; the
-memory table of docs/performance.md quotes the estimate (scripts/memory_table.py)."""
+memory table of docs/performance.md quotes the estimate (scripts/memory_table.py); scripts/estimate_memory.py's help
+and table."""
 
 import dataclasses
 import logging
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan_lite.config import load_config
+from torchtitan_lite.config import ConfigError, help_text, load_config
 from torchtitan_lite.models import documents, registry
 from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.parallel.dims import ParallelDims
@@ -18,7 +19,8 @@ from torchtitan_lite.tools.memory import LLAMA3_VOCAB, Estimate, estimate_memory
 from torchtitan_lite.tools.memory_extrapolate import Plan, extrapolate
 from torchtitan_lite.training.optim import build_optimizer
 
-import memory_table  # scripts/memory_table.py (pytest.ini puts scripts/ on the path)
+import estimate_memory as script  # scripts/estimate_memory.py (pytest.ini puts scripts/ on the path)
+import memory_table  # scripts/memory_table.py
 from tests.multiprocess.launch import DEBUGMODEL
 
 TINY = ["--job.config_file", "tests/assets/tiny.toml"]
@@ -144,6 +146,50 @@ def test_float8_keeps_the_state_and_gathers_converted_weights_at_one_byte(monkey
     step = [root, *[converted + 4 * norms] * 6, *[converted + 4 * norms] * 5]
     assert gathered == 2 * step
     assert f8.transient_bytes < plain.transient_bytes and f8.peak_bytes < plain.peak_bytes
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_the_scripts_help_gives_its_own_option_then_the_trainers(flag, capsys):
+    assert script.main([*TINY, flag]) == 0
+    out = capsys.readouterr().out
+    own = out[:out.index(help_text())]
+    assert own.startswith("usage: python scripts/estimate_memory.py [--world_size N]")
+    assert "--world_size N" in own and "NGPU" in own and "(8B 8, 70B 64, 405B 128; any other flavor 8)" in own
+    assert own.endswith("train.py option (--check aside); train.py's --help:\n\n")
+    assert out == own + help_text() + "\n"
+
+
+@pytest.mark.parametrize("toml, flavor, vocab", [
+    ("mixtral_8x7b.toml", None, 32_000), ("mixtral_8x22b.toml", None, 32_000),
+    ("llama3_8b.toml", "mixtral_8x7b", 32_000), ("llama3_70b.toml", None, LLAMA3_VOCAB)])
+def test_a_missing_tokenizer_gives_the_flavors_published_vocabulary(tmp_path, toml, flavor, vocab):
+    """The big configs point at a tokenizer an estimate should not need: without its file, the vocabulary the
+    flavor's published model has (Mixtral's 32,000, not Llama 3's 128,256), and the estimate says so."""
+    absent = tmp_path / "tokenizer.model"
+    cfg = load_config(["--job.config_file", f"train_configs/{toml}", "--model.tokenizer_path", str(absent),
+                       *(["--model.flavor", flavor] if flavor else [])])
+    args, note = model_args(cfg)
+    assert args.vocab_size == vocab
+    assert note == f"{absent} not found: {cfg.model.flavor}'s published vocabulary assumed"
+
+
+def test_the_tokenizer_gives_the_vocabulary_and_a_flavor_without_a_published_one_needs_it(tmp_path):
+    args, note = model_args(load_config(["--job.config_file", "train_configs/debug_model.toml"]))
+    assert (args.vocab_size, note) == (2050, "vocabulary of torchtitan_lite/assets/stdlib_bpe_2k.tiktoken")
+    with pytest.raises(ConfigError, match="flavor debugmodel has no published vocabulary to assume"):
+        model_args(load_config(["--job.config_file", "train_configs/debug_model.toml",
+                                "--model.tokenizer_path", str(tmp_path / "tokenizer.model")]))
+
+
+def test_the_scripts_table_names_expert_parallelism_and_where_the_vocabulary_comes_from():
+    base = [*TINY, "--model.flavor", "tiny_moe"]
+    ep2 = load_config([*base, "--parallelism.expert_parallel_degree", "2"])
+    estimate = estimate_memory(ep2, 2)
+    header, vocab = script.table(estimate, ep2).splitlines()[:2]
+    assert header.endswith("mesh pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1 (2 ranks, experts over ep 2); "
+                           "per rank, MiB")
+    assert vocab == '  (byte-level vocabulary: model.tokenizer_path = "")'
+    assert "(2 ranks); per rank" in script.table(estimate, load_config(base))  # EP 1: no experts split
 
 
 SELECTIVE = ("--activation_checkpoint.mode", "selective")  # every 2nd block, the option's default

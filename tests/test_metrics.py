@@ -16,7 +16,9 @@ from torch.utils.flop_counter import (FlopCounterMode, bmm_flop, register_flop_f
                                       sdpa_flop_count)
 
 from tests.multiprocess.launch import TINY
-from torchtitan_lite.models.llama3.model import FLAVORS, Transformer, TransformerBlock, count_params, rope_table
+from torchtitan_lite.models.common.decoder import TransformerBlock, count_params
+from torchtitan_lite.models.common.rope import rope_table
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.parallel.parallelize import apply_ac
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime import metrics

@@ -2,7 +2,9 @@ import math
 
 import torch
 
-from torchtitan_lite.models.llama3.model import FLAVORS, Transformer, count_params, rope_table
+from torchtitan_lite.models.common.decoder import count_params
+from torchtitan_lite.models.common.rope import rope_table
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 
 
 def build(flavor="debugmodel", device="meta", **changes):

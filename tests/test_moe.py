@@ -1,4 +1,4 @@
-"""The mixture-of-experts feed-forward (models/moe.py) in Llama's blocks: routing, dropless expert compute by
+"""The mixture-of-experts feed-forward (models/common/moe.py) in Llama's blocks: routing, dropless expert compute by
 grouped GEMM equal to the per-expert loop, the layers it replaces, its init, its FLOPs, one process training it, and
 what --check refuses while its other parallelisms are not built (tests/multiprocess/test_moe_layouts.py: the
 data-parallel layouts)."""
@@ -8,11 +8,13 @@ import torch
 
 from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import ConfigError, load_config
-from torchtitan_lite.models import moe, registry
+from torchtitan_lite.models import registry
+from torchtitan_lite.models.common import moe
 from torchtitan_lite.models.init import fill_block_, trunc_normal_
-from torchtitan_lite.models.llama3.model import FLAVORS, FeedForward, Transformer
-from torchtitan_lite.models.llama3.spec import flops_per_token
-from torchtitan_lite.models.moe import MoE, MoEArgs
+from torchtitan_lite.models.common.decoder import flops_per_token
+from torchtitan_lite.models.common.layers import FeedForward
+from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
+from torchtitan_lite.models.common.moe import MoE, MoEArgs
 from torchtitan_lite.parallel.expert_parallel import regroup_by_expert
 from torchtitan_lite.training.expert_load import ExpertLoad
 from torchtitan_lite.tools.memory import estimate_memory

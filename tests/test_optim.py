@@ -190,3 +190,16 @@ def test_norm_is_exact_on_large_gradients():
         p.grad = torch.randn_like(p) * 1e-3
     exact = sum(p.grad.double().square().sum() for p in params).sqrt().item()
     assert clip_grad_norm_(params, 0.0, world_size=1).item() == pytest.approx(exact, rel=1e-12, abs=0)
+
+
+def test_an_uncounted_copy_is_clipped_but_not_counted():
+    """A tied table's copy on the last pipeline stage (parallel/stage_ties.py): the norm counts the first stage's
+    alone, and the copy takes the same clip factor, so both stages update alike."""
+    torch.manual_seed(0)
+    counted, copy = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    counted.grad = torch.randn(4) * 3
+    copy.grad = counted.grad.clone()
+    expected = counted.grad.double().norm().item()
+    norm = clip_grad_norm_([counted, copy], 1.0, world_size=1, uncounted=[copy])
+    assert norm.item() == pytest.approx(expected, rel=1e-12)  # counted both: sqrt(2) times as much
+    assert torch.equal(copy.grad, counted.grad) and counted.grad.norm().item() == pytest.approx(1.0, rel=1e-5)

@@ -8,7 +8,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan_lite.config import ConfigError, Parallelism
 from torchtitan_lite.models.llama3.model import FLAVORS
-from torchtitan_lite.models.llama3.parallelize import tp_sizes
+from torchtitan_lite.models.common.parallelize import tp_sizes
 from torchtitan_lite.parallel.dims import DIMS, ParallelDims
 
 

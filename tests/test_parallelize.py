@@ -8,7 +8,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan_lite.config import JobConfig, Parallelism
 from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
-from torchtitan_lite.models.llama3.parallelize import tp_plan
+from torchtitan_lite.models.common.parallelize import tp_plan
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, reshard_after_forward, warn_ignored_options
 

@@ -5,11 +5,15 @@ import pytest
 import torch
 
 from torchtitan_lite.config import load_config
+from torchtitan_lite.models import registry
+from torchtitan_lite.models.common.decoder import Decoder
 from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.parallel.pipeline import merge_stages, split_stages, stage_blocks
+from torchtitan_lite.parallel.stage_ties import pipeline_ends
 from tests.multiprocess.launch import DEBUGMODEL
 
 ARGS = FLAVORS["debugmodel"].with_(vocab_size=64)  # 6 blocks
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 
 
 @pytest.mark.parametrize("schedule, stages", [("1F1B", [[0], [1]]), ("Interleaved1F1B", [[0, 2], [1, 3]])])
@@ -33,6 +37,29 @@ def test_stages_hold_every_parameter_once_under_its_full_model_name(schedule, st
     assert list(last.layers) == (["3", "4", "5"] if schedule == "1F1B" else ["5"])
 
 
+def test_a_tied_table_keeps_its_name_on_the_first_and_last_stages():
+    """Qwen3's tied embeddings: the last stage keeps the embedding module (unused by its forward) so that the table is
+    "tok_embeddings.weight" there too, as on the first stage and in one process (checkpoints, optimizer state); the
+    stages between hold none, and all know the model ties (stage_ties.py makes its groups on every rank)."""
+    args = registry.get("qwen3").args("debugmodel", 64, 32).with_(n_layers=3)
+    p = load_config(["--parallelism.pipeline_parallel_degree", "3"]).parallelism
+    first, middle, last = (split_stages(Decoder, args, rank, p)[0] for rank in range(3))
+    assert first.output is None and middle.tok_embeddings is None and last.output.weight is last.tok_embeddings.weight
+    assert (first.tied, middle.tied, last.tied) == (["tok_embeddings.weight"], [], ["tok_embeddings.weight"])
+    assert first.ties and middle.ties and last.ties
+    untied = split_stages(Decoder, ARGS, 1, load_config(PP2).parallelism)[0]
+    assert untied.tok_embeddings is None and untied.tied == [] and not untied.ties
+    hidden = torch.randn(1, 4, args.dim)  # the last stage takes hidden states, never embeds them
+    with torch.device("meta"):
+        assert last(hidden.to("meta")).shape == (1, 4, 64)
+
+
+def test_the_tied_groups_pair_each_pipelines_first_and_last_ranks():
+    assert pipeline_ends(torch.arange(8).reshape(4, 2), 0) == [[0, 6], [1, 7]]  # pp 4 x dp 2
+    assert pipeline_ends(torch.arange(8).reshape(2, 4), 1) == [[0, 3], [4, 7]]  # dp 2 x pp 4
+    assert pipeline_ends(torch.arange(8).reshape(2, 2, 2), 0) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
 def test_blocks_split_evenly_or_the_way_torchtitan_splits_llama3_405b():
     assert stage_blocks(6, 3) == [2, 2, 2]
     # The embedding and the output count as a block each when only that divides: the end stages hold one block less.
@@ -41,7 +68,6 @@ def test_blocks_split_evenly_or_the_way_torchtitan_splits_llama3_405b():
     assert stage_blocks(6, 5) is None and stage_blocks(6, 8) is None
 
 
-PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 CASES = {  # world size, overrides, what the one line must name: of the debug model's 6 blocks, as ARGS above
     "blocks_not_split_evenly": (5, ["--parallelism.pipeline_parallel_degree", "5"], "6 blocks do not split evenly"),
     "stages_exceed_blocks": (8, ["--parallelism.pipeline_parallel_degree", "8"], "8 pipeline stages exceed"),

@@ -10,7 +10,8 @@ import torch
 
 import train
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama3.model import Transformer, count_params
+from torchtitan_lite.models.common.decoder import count_params
+from torchtitan_lite.models.llama3.model import Transformer
 from torchtitan_lite.tools.memory import model_args
 from tests.multiprocess.launch import ROOT, TINY, read_metrics
 

@@ -48,6 +48,7 @@ PROFILED = ("--profiling.enable_profiling", "--profiling.profile_freq", "4", "--
 TP2_FSDP2 = (*TP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full",
              *CHECKPOINTED)  # the shared run "tp2_fsdp2"
 MOE = ("--model.flavor", "tiny_moe")  # the tests' model with every block a mixture of 8 experts, top 2
+QWEN3, QWEN3_MOE = ("--model.flavor", "debugmodel"), ("--model.flavor", "debugmodel_moe")  # with --model.name qwen3
 # Document masking on short documents (tests/assets/documents.jsonl: 1 to 12 words each, several to a window).
 MASKED = ("--model.attn_mask_type", "block_causal", "--training.dataset", "jsonl", "--training.dataset_path",
           str(ROOT / "tests" / "assets" / "documents.jsonl"))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_lite.data.loader import DataLoader
-from torchtitan_lite.models import moe
+from torchtitan_lite.models.common import moe
 
 
 class RouteRecorder:

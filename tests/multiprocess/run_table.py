@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import pairs
-from launch import CHECKPOINTED, CP2, DEBUGMODEL, FLOAT8, HSDP, MASKED, MOE, PP2, PROFILED, TP2, TP2_FSDP2
+from launch import (CHECKPOINTED, CP2, DEBUGMODEL, FLOAT8, HSDP, MASKED, MOE, PP2, PROFILED, QWEN3, QWEN3_MOE, TP2,
+                    TP2_FSDP2)
 from torchtitan_lite.config import JobConfig
 from torchtitan_lite.parallel.dims import ParallelDims
 
@@ -141,6 +142,15 @@ SHARED_RUNS = {
     "hsdp2_cp2": Run(4, (*HSDP, *CP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
                          "--activation_checkpoint.selective_ac_option", "op", *SHORT)),
     "pp2_cp2": Run(4, (*PP2, *CP2, "--training.local_batch_size", "8", *SHORT)),
+    # Qwen3 (QK-norm, its own head size, grouped-query attention, tied embeddings) on every layout, pairwise: PP 2
+    # (1F1B, 2 micro-batches of 4; the tied table on both stages, their gradients added) x TP 2 with loss parallel,
+    # saving (resumed on the other layout below); HSDP 2 x CP 2 (FSDP over the cp ranks). Against one process of
+    # Qwen3, which accumulates 4 micro-batches of 2.
+    "qwen3_single": Run(1, (*QWEN3, *SHORT), reference=None, model="qwen3"),
+    "pp2_tp2_qwen3": Run(4, (*QWEN3, *PP2, *TP2, "--training.local_batch_size", "8", *CHECKPOINTED, *SHORT),
+                         reference="qwen3_single", model="qwen3"),
+    "hsdp2_cp2_qwen3": Run(4, (*QWEN3, *HSDP, *CP2, "--training.local_batch_size", "4", *SHORT),
+                           reference="qwen3_single", model="qwen3"),
 }
 # The rows that run every pair of options the runs above miss (pairs.py, test_pairs.py), each against the
 # single-process run of its precision and float8 recipe, and the single-process runs of each half precision they are
@@ -203,6 +213,14 @@ MOE_RUNS = {
     "moe_e6_single": Run(1, (*MOE, *E6, *SHORT), reference=None),
     "moe_e6_ep2_tp2": Run(4, (*MOE, *E6, *TP2, *EP2, "--training.local_batch_size", "4", *SHORT),
                           reference="moe_e6_single"),
+    # Qwen3-MoE's kind (16 fine-grained experts, top 4, renormalized, its auxiliary loss) on DDP 2 x TP 2 with EP 2
+    # over the tp ranks, and on PP 2 x CP 2 with EP 2 over the cp ranks (FSDP over them): with Qwen3's dense runs,
+    # the model meets every layout (test_run_table.py).
+    "qwen3_moe_single": Run(1, (*QWEN3_MOE, *SHORT), reference=None, model="qwen3"),
+    "qwen3_moe_ddp2_tp2_ep2": Run(4, (*QWEN3_MOE, *HSDP, *TP2, *EP2, "--training.local_batch_size", "4", *SHORT),
+                                  reference="qwen3_moe_single", model="qwen3"),
+    "qwen3_moe_pp2_cp2_ep2": Run(4, (*QWEN3_MOE, *PP2, *CP2, *EP2, "--training.local_batch_size", "8", *SHORT),
+                                 reference="qwen3_moe_single", model="qwen3"),
     "moe_single_bf16": Run(1, (*MOE, *BF16, "--training.steps", "2"), reference=None, record=False),
     "moe_ep2_bf16": Run(2, (*MOE, *EP2, *BF16, "--training.steps", "2"), reference="moe_single_bf16", record=False),
 }
@@ -276,6 +294,9 @@ RESUMED_RUNS = {
     # Saved on TP 2 x FSDP 2 x EP 2, loaded on EP 4 without TP (1 sequence a micro-batch): with the two above, EP 2
     # -> EP 4 -> no EP.
     "moe_ep2_tp2_on_ep4": Resumed("moe_ep2_tp2", 2, 4, (*MOE, *EP4, "--training.local_batch_size", "1", *SHORT)),
+    # Qwen3's tied table, saved by PP 2 x TP 2 (held by both stages) and loaded on HSDP 2 x CP 2.
+    "pp2_tp2_qwen3_on_hsdp2_cp2": Resumed("pp2_tp2_qwen3", 2, 4, (*SHARED_RUNS["hsdp2_cp2_qwen3"].overrides,
+                                                                  *CHECKPOINTED), model="qwen3"),
     # Float8 weights in FSDP's state: a DTensor of torchao's float8-casting subclass, saved and loaded by DCP.
     "float8_fsdp4_ag_resumed": Resumed("float8_fsdp4_ag", 2, 4, FLOAT8_RUNS["float8_fsdp4_ag"].overrides),
 }

@@ -9,7 +9,7 @@ and its prefix of keys rounds in another order than over the whole sequence, not
 
 import pytest
 
-from run_table import CONTEXT_PARALLEL
+from run_table import CONTEXT_PARALLEL, SHARED_RUNS
 from grad_dump import assert_grads_match, load_grads
 from launch import ckpt, read_metrics
 from test_checkpoint import assert_continues, assert_same_state
@@ -28,7 +28,7 @@ def test_context_parallel_trains_every_weight_as_one_process(runs, eager_grads, 
 
 @pytest.mark.parametrize("layout", CONTEXT_PARALLEL)
 def test_the_logged_norm_is_the_single_process_one(runs, layout):
-    ref = {m["step"]: m["grad_norm"] for m in read_metrics(runs["single"])}
+    ref = {m["step"]: m["grad_norm"] for m in read_metrics(runs[SHARED_RUNS[layout].reference])}
     for m in read_metrics(runs[layout]):
         assert m["grad_norm"] == pytest.approx(ref[m["step"]], rel=TOLERANCE, abs=0)
 

@@ -1,4 +1,4 @@
-"""A mixture of experts (models/moe.py, the tests' model with every block a mixture of 8 experts, top 2) on every
+"""A mixture of experts (models/common/moe.py, the tests' model with every block a mixture of 8 experts, top 2) on every
 kind of layout (data, context, tensor and pipeline parallel), with expert parallelism and without, gives its
 single-process run: first every token's routing decision at step 1, then the curve within 1e-5, the grad norm within
 1e-5 relative, and every parameter's gradient (router, experts) at step 1.

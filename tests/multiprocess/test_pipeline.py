@@ -11,11 +11,14 @@ and the gradient sums over micro-batches round in another order than one batch's
 import os
 
 import pytest
+import torch
 
 from run_table import PIPELINED, SHARED_RUNS
 from grad_dump import assert_grads_match, load_grads
-from launch import ckpt, curve, read_metrics
+from launch import assert_same_curve, ckpt, curve, read_metrics
 from test_checkpoint import assert_continues, assert_same_state
+
+from torchtitan_lite.checkpoint.reader import read_tensors
 
 pytestmark = pytest.mark.reads("resumed_4p", "shared_2p", "resumed_2p")
 
@@ -60,3 +63,15 @@ def test_pipeline_checkpoint_resumes_on_fsdp_and_back(runs, resharded):
     assert_same_state(ckpt(folder, 6), ckpt(fsdp, 6))
     assert_continues(folder, fsdp, first_step=5)
     assert_same_state(ckpt(folder, 8), ckpt(fsdp, 8))
+
+
+def test_a_tied_table_resumes_across_layouts_as_one_parameter(runs):
+    """Qwen3's tied embeddings, held by both end stages of PP 2 x TP 2, saved at step 2 and resumed on HSDP 2 x CP 2:
+    the straight run's steps 3 and 4; and in every checkpoint the table and the output projection are one tensor,
+    bitwise (the stages took the same updates), with one set of AdamW moments under the one-process name."""
+    straight, resumed = runs["pp2_tp2_qwen3"], runs["pp2_tp2_qwen3_on_hsdp2_cp2"]
+    assert_same_curve(resumed, straight, TOLERANCE, steps=range(3, 5))
+    for folder in (ckpt(straight, 2), ckpt(straight, 4), ckpt(resumed, 4)):
+        t = read_tensors(str(folder))
+        assert torch.equal(t["model.tok_embeddings.weight"], t["model.output.weight"]), folder
+        assert "optimizer.state.tok_embeddings.weight.exp_avg" in t and not any("state.output" in k for k in t)

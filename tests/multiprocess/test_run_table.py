@@ -70,3 +70,23 @@ def test_no_name_is_in_two_tables():
                                               "COMPILED_RUNS", "FLOAT8_RUNS", "SINGLES")]
     assert sum(map(len, tables)) == len(ALL_RUNS)  # ALL_RUNS merges them: a second entry would hide the first
     assert not set(ALL_RUNS) & set(RESUMED_RUNS)
+
+
+def test_every_architecture_meets_every_layout():
+    """The model axis, pairwise rather than a cross product (issue 58): each registered architecture the runs train,
+    its dense and mixture-of-experts flavors together, is compared with one process on every kind of layout at least
+    once; expert parallelism where it has a mixture."""
+    def layouts(run: Run) -> set[str]:
+        d = run.dims
+        kinds = {"pp": d.pp > 1, "cp": d.cp > 1, "tp": d.tp > 1, "fsdp": d.dp_shard * d.cp > 1,
+                 "hsdp": d.dp_replicate > 1 and d.dp_shard * d.cp > 1, "ep": d.ep > 1}
+        return {kind for kind, used in kinds.items() if used}
+
+    met: dict[str, set[str]] = {}
+    for run in ALL_RUNS.values():
+        if run.reference is not None and run.record:  # compared with one process, gradients too
+            met.setdefault(run.model, set()).update(layouts(run))
+    assert set(met) >= {"llama3", "qwen3"}
+    every = {"pp", "cp", "tp", "fsdp", "hsdp", "ep"}
+    for model, kinds in met.items():
+        assert kinds == every, f"{model} never meets {sorted(every - kinds)}"

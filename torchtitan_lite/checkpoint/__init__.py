@@ -5,6 +5,8 @@
 - reader.py: reading DCP files safely, and in one process (scripts, tests, export, generation)
 - trash.py: the renames that publish a save, and deleting old checkpoints off the training path
 - finder.py: the checkpoint and config a tool is pointed at
+- hf_load.py: a run's start from a Hugging Face folder (each rank its own pieces, one tensor at a time), and
+  reading such a folder, for the converters too
 
-Imports config and runtime; training and tools build on it.
+Imports config, runtime and models (a model's Hugging Face adapter); training and tools build on it.
 """

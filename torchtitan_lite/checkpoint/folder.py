@@ -72,8 +72,14 @@ def checkpoint_to_load(cfg: Checkpoint, folder: str) -> tuple[int | None, dict[i
         raise ConfigError(f"checkpoint.load_step {cfg.load_step}: {folder}/step-{cfg.load_step} is not a complete "
                           f"checkpoint (complete ones: {', '.join(f'step-{s}' for s in found) or 'none'})")
     path = "" if found else cfg.initial_load_path
-    if path and not os.path.isfile(os.path.join(path, ".metadata")):
-        why = "does not exist" if not os.path.exists(path) else "has no .metadata (not a complete DCP checkpoint)"
+    # A DCP checkpoint, or with initial_load_in_hf a Hugging Face folder (checkpoint/hf_load.py checks the rest).
+    marker = "config.json" if cfg.initial_load_in_hf else ".metadata"
+    if path and not os.path.isfile(os.path.join(path, marker)):
+        why = ("does not exist" if not os.path.exists(path) else
+               "has no config.json (not a Hugging Face folder)" if cfg.initial_load_in_hf else
+               "has no .metadata (not a complete DCP checkpoint)" + (
+                   ": it holds config.json, so set checkpoint.initial_load_in_hf if it is a Hugging Face folder"
+                   if os.path.isfile(os.path.join(path, "config.json")) else ""))
         raise ConfigError(f"checkpoint.initial_load_path {path} {why}")
     return (cfg.load_step if cfg.load_step >= 0 else max(found, default=None)), found, path
 

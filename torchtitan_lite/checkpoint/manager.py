@@ -32,10 +32,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan_lite.checkpoint.folder import (checkpoint_to_load, complete_checkpoints, read_run_files,
                                                steps_to_delete, write_run_files)
+from torchtitan_lite.checkpoint.hf_load import load_hf
 from torchtitan_lite.checkpoint.reader import SafePlanner, SafeReader, check_fits, flatten_state, read_metadata
 from torchtitan_lite.checkpoint.states import FnState, TrainState, get_rng, model_state, set_rng
 from torchtitan_lite.checkpoint.trash import Trash, finish_publishing, publish
-from torchtitan_lite.config import Checkpoint, ConfigError
+from torchtitan_lite.config import Checkpoint, ConfigError, Model
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -142,9 +143,9 @@ class CheckpointManager:
 
     def __init__(self, cfg: Checkpoint, dump_folder: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Stateful, dataloader: Stateful, train_state: TrainState, update_guard: Stateful,
-                 total_steps: int):
+                 total_steps: int, model_name: str = Model.name):
         self.cfg, self.folder, self.total_steps = cfg, os.path.join(dump_folder, cfg.folder), total_steps
-        self.model, self.train_state = model, train_state
+        self.model, self.train_state, self.model_name = model, train_state, model_name  # model.name: its HF adapter
         # Everything a resume restores, in one place.
         self.states: dict[str, Stateful] = {
             "model": model_state(model),
@@ -185,10 +186,14 @@ class CheckpointManager:
 
     def load(self) -> int:
         """Resumes from the newest complete checkpoint in the folder (or checkpoint.load_step); when the folder holds
-        none, starts from checkpoint.initial_load_path if set, never writing there. Sets train_state.step. Returns
-        the step resumed from this folder's own checkpoint, 0 for a fresh start (run_history.py)."""
+        none, starts from checkpoint.initial_load_path if set (a Hugging Face folder's weights with
+        initial_load_in_hf: hf_load.py), never writing there. Sets train_state.step. Returns the step resumed from this
+        folder's own checkpoint, 0 for a fresh start (run_history.py)."""
         plan = _on_rank0(self._plan)
         if plan is None:
+            return 0
+        if plan[1] == "hf":
+            load_hf(self.model, plan[0], self.model_name)
             return 0
         path, what, step, metadata = plan
         resumed = step if os.path.dirname(path) == self.folder else 0  # not checkpoint.initial_load_path's
@@ -213,8 +218,8 @@ class CheckpointManager:
         return resumed
 
     def _plan(self) -> tuple[str, str, int, Metadata | None] | None:
-        """(path, "all" | "model" | "skip", step, its metadata) of what to load, or None for a fresh start; rank 0
-        only."""
+        """(path, "all" | "model" | "skip" | "hf", step, its metadata) of what to load, or None for a fresh start;
+        rank 0 only."""
         cfg = self.cfg
         if cfg.enable and os.path.isdir(self.folder):
             finish_publishing(self.folder, self._trash)  # a publish a crash cut short: step-N before it is listed
@@ -233,6 +238,8 @@ class CheckpointManager:
                               f"resumed: start a new run from it with checkpoint.initial_load_path")
         if not path:
             return None
+        if cfg.initial_load_in_hf:
+            return path, "hf", 0, None
         if not _is_full(metadata := read_metadata(path)) and not cfg.initial_load_model_only:
             raise ConfigError(f"checkpoint.initial_load_path {path} holds weights only: set "
                               "checkpoint.initial_load_model_only = true")

@@ -45,7 +45,7 @@ class Model:
 
 @dataclass
 class Moe:
-    """mixture of experts (models/moe.py): each setting overrides the flavor's; on a dense flavor, num_experts makes
+    """mixture of experts (models/common/moe.py): each setting overrides the flavor's; on a dense flavor, num_experts makes
     its blocks mixtures"""
     num_experts: Optional[int] = opt(None, "routed experts of an MoE block; none = the flavor's", rule=at_least(1))
     top_k: Optional[int] = opt(None, "routed experts a token goes to (at most num_experts); none = the flavor's",
@@ -178,6 +178,10 @@ class Checkpoint:
                          rule=or_auto(at_least(0), "the newest complete checkpoint"))
     initial_load_path: str = opt("", "checkpoint to start from when the folder holds none", path=ONE)
     initial_load_model_only: bool = opt(True, "load only weights from initial_load_path")
+    initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face folder (config.json + safetensors); "
+                                   "its tokenizer too unless model.tokenizer_path names one")
+    last_save_in_hf: bool = opt(False, "the final save also written as a Hugging Face folder, step-N-hf beside "
+                                "step-N")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Data: where text comes from, how it becomes tokens, and the order in which each rank gets its windows.
 - files.py: files, documents, token shards and Hugging Face streams, and how each becomes tokens
 - tokenizer.py: the tiktoken BPE plus BOS/EOS: byte level, the project's BPE, or Llama 3's
-- hf_tokenizer.py: our tokenizer to and from Hugging Face's format, as plain JSON
+- hf_tokenizer.py: our tokenizer to and from Hugging Face's format, as plain JSON; the run's, maybe a folder's
 - loader.py: sources of windows in one global order, packing, and the loader that hands each rank its slice
 - mixture.py: several sources in one order, each with an exact quota of every global batch, phase by phase
 - synthetic.py: the default data, windows with learnable structure from hashing alone, no files to read

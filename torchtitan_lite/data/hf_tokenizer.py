@@ -27,6 +27,7 @@ import warnings
 from itertools import pairwise, zip_longest
 from pathlib import Path
 
+from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.tokenizer import (
     BOS,
     EOS,
@@ -35,6 +36,7 @@ from torchtitan_lite.data.tokenizer import (
     LLAMA3_SPECIALS,
     Tokenizer,
     build_tokenizer,
+    load_tokenizer,
 )
 
 
@@ -198,6 +200,32 @@ def load_hf_tokenizer(hf_dir: str | Path, out_path: str | Path) -> Tokenizer:
     else:
         raise FileNotFoundError(f"{hf_dir} has neither tokenizer.json nor original/tokenizer.model")
     return build_tokenizer(str(out_path))
+
+
+def folder_tokenizer(hf_dir: str | Path) -> Tokenizer | None:
+    """The tokenizer of a Hugging Face folder, by load_hf_tokenizer's rules but read in memory; None when the folder
+    has none."""
+    meta_file, hf_file = Path(hf_dir) / "original" / "tokenizer.model", Path(hf_dir) / "tokenizer.json"
+    if meta_file.is_file():
+        return Tokenizer.from_file(meta_file)
+    if not hf_file.is_file():
+        return None
+    ranks = _ranks_from_tokenizer_json(hf_file)
+    return Tokenizer(Path(hf_dir).name, ranks, LLAMA3_SPECIALS if len(ranks) == LLAMA3_N_RANKS else [BOS, EOS])
+
+
+def run_tokenizer(cfg: JobConfig) -> Tokenizer:
+    """The tokenizer of the run `cfg` configures: model.tokenizer_path's; for a run that starts from a Hugging Face
+    folder (checkpoint.initial_load_in_hf) and names none, the folder's own (byte level if it has none). Decided by
+    the config alone, so a resume, generate.py and the export all get the one the run started with."""
+    ck = cfg.checkpoint
+    if cfg.model.tokenizer_path or not (ck.initial_load_in_hf and ck.initial_load_path):
+        return load_tokenizer(cfg.model.tokenizer_path)
+    try:
+        return folder_tokenizer(ck.initial_load_path) or load_tokenizer("")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"the tokenizer of checkpoint.initial_load_path: {e}: set model.tokenizer_path to a "
+                          "tiktoken file of the same ids") from None
 
 
 def _ranks_from_tokenizer_json(path: Path) -> dict[bytes, int]:

@@ -1,10 +1,13 @@
 """The tokenizer: a tiktoken BPE plus BOS/EOS, loaded from a tiktoken-format file or built over raw bytes.
 
-Three vocabularies, all split into pre-tokens by Llama 3's regex:
+Three vocabularies from tiktoken files (or none), all split into pre-tokens by Llama 3's regex:
 - byte level (`tokenizer_path = ""`): the 256 bytes + BOS/EOS, 258 ids; needs no file, good for tests.
 - the project's own BPE (`torchtitan_lite/assets/stdlib_bpe_2k.tiktoken`, from `scripts/train_tokenizer.py`):
   its ranks, then BOS/EOS.
 - Llama 3's `original/tokenizer.model` (`scripts/download_tokenizer.py`): 128000 ranks + Meta's 256 special tokens.
+A Hugging Face folder's tokenizer.json (data/hf_tokenizer.py) may bring what a tiktoken file cannot say: its own
+regex, NFC normalization, special tokens with their own ids (gaps allowed), no BOS (Qwen's), and added tokens that
+text holds as tokens (Qwen's `<think>`). Each is a constructor argument whose default is the tiktoken files' way.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+import unicodedata
 from functools import cached_property
 from pathlib import Path
 
@@ -94,7 +98,7 @@ def _pieces(text: str):
     """Yields consecutive pieces of `text` that tiktoken encodes safely; for normal text the tokens don't change."""
     start = 0
     while len(text) - start > MAX_CHARS:
-        # Cutting just after a newline that starts a non-blank line is exact: no Llama 3 pre-token crosses it.
+        # Cutting just after a newline that starts a non-blank line is exact: no Llama 3 (or Qwen) pre-token crosses it.
         end = text.rfind("\n", start, start + MAX_CHARS - 1)
         while end >= start and text[end + 1].isspace():
             end = text.rfind("\n", start, end)
@@ -117,22 +121,41 @@ def _split_long_runs(text: str):
 
 
 class Tokenizer:
-    """tiktoken BPE with BOS/EOS; ids are in [0, n_words)."""
+    """tiktoken BPE with special tokens; ids are in [0, n_words).
 
-    def __init__(self, name: str, ranks: dict[bytes, int], specials: list[str]):
+    specials: names numbered right after the ranks, or {name: id} with ids above them (gaps allowed). bos None: the
+    vocabulary has none, and a document is its text + EOS, as Qwen pretrains (the EOS before it separates it).
+    in_text: added tokens that are tokens in text too (Hugging Face's non-special ones): encode gives their ids."""
+
+    def __init__(self, name: str, ranks: dict[bytes, int], specials: list[str] | dict[str, int], *,
+                 pattern: str = LLAMA3_PAT, nfc: bool = False, bos: str | None = BOS, eos: str = EOS,
+                 in_text: frozenset[str] = frozenset()):
         n = len(ranks)
-        self.special_tokens = {s: n + i for i, s in enumerate(specials)}
+        if isinstance(specials, list):
+            specials = {s: n + i for i, s in enumerate(specials)}
+        ids = sorted(specials.values())
+        if (ids and ids[0] < n) or len(set(ids)) < len(ids):
+            raise ValueError(f"special token ids {ids[:3]}... are not distinct ids above the {n} ranks")
+        for token in (bos, eos, *in_text):
+            if token is not None and token not in specials:
+                raise ValueError(f"{token!r} is not one of the special tokens {list(specials)[:5]}...")
+        self.special_tokens = dict(sorted(specials.items(), key=lambda kv: kv[1]))
+        self.n_words: int = ids[-1] + 1 if ids else n
         self.model = tiktoken.Encoding(
             name=name,
-            pat_str=LLAMA3_PAT,
+            pat_str=pattern,
             mergeable_ranks=ranks,
             special_tokens=self.special_tokens,
-            explicit_n_vocab=n + len(specials),
+            # The check only holds without gaps; with them, n_words still counts every id below the last.
+            explicit_n_vocab=self.n_words if self.n_words == n + len(ids) else None,
         )
-        self.n_words: int = n + len(specials)
-        self.bos_id: int = self.special_tokens[BOS]
-        self.eos_id: int = self.special_tokens[EOS]
+        self.bos_id: int | None = None if bos is None else self.special_tokens[bos]
+        self.eos_id: int = self.special_tokens[eos]
         self.ranks = ranks  # token bytes -> id, below the special tokens
+        self.pattern, self.nfc, self.bos, self.eos, self.in_text = pattern, nfc, bos, eos, frozenset(in_text)
+        # Hugging Face finds added tokens leftmost-longest: longest first in the alternation does the same.
+        longest_first = sorted(self.in_text, key=lambda s: (-len(s), s))
+        self._in_text = re.compile("|".join(map(re.escape, longest_first))) if in_text else None
 
     @classmethod
     def byte_level(cls) -> "Tokenizer":
@@ -145,26 +168,46 @@ class Tokenizer:
         return cls(Path(path).stem, ranks, specials)
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
-        ids = [self.bos_id] if bos else []
-        for piece in _pieces(text):
-            # Special-token names in training text are ordinary text: never raise on them, never emit their ids.
-            ids += self.model.encode(piece, allowed_special=set(), disallowed_special=())
+        ids = [self.bos_id] if bos and self.bos_id is not None else []
+        start = 0
+        for token in self._in_text.finditer(text) if self._in_text else ():
+            ids += self._encode_plain(text[start:token.start()])
+            ids.append(self.special_tokens[token.group()])
+            start = token.end()
+        ids += self._encode_plain(text[start:])
         if eos:
             ids.append(self.eos_id)
         return ids
 
+    def _encode_plain(self, text: str) -> list[int]:
+        # After the added tokens are cut out, as Hugging Face normalizes: NFC cannot join text across one of them.
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
+        ids = []
+        for piece in _pieces(text):
+            # Special-token names in training text are ordinary text: never raise on them, never emit their ids.
+            ids += self.model.encode(piece, allowed_special=set(), disallowed_special=())
+        return ids
+
     def decode(self, ids: list[int]) -> str:
         # "replace": a slice of ids may end in the middle of a multi-byte character.
-        return self.model.decode(list(ids), errors="replace")
+        try:
+            return self.model.decode(list(ids), errors="replace")
+        except KeyError:  # an id of no token (a gap between special ids, a padded embedding's row): nothing, as HF
+            known = set(self.special_tokens.values())
+            return self.model.decode([i for i in ids if 0 <= i < len(self.ranks) or i in known], errors="replace")
 
     @cached_property
     def identity(self) -> str:
         """A fingerprint of what the ids mean (ranks, specials, split pattern), e.g. to match pre-tokenized shards."""
-        h = hashlib.sha256(LLAMA3_PAT.encode())
+        h = hashlib.sha256(self.pattern.encode())
         for token, rank in sorted(self.ranks.items(), key=lambda kv: kv[1]):
             h.update(b"%d %s\n" % (rank, base64.b64encode(token)))
         for name, i in self.special_tokens.items():
             h.update(b"%d %s\n" % (i, name.encode()))
+        # Only what a tiktoken file cannot say is added, so the identities its shards recorded stay valid.
+        if self.nfc or self.in_text or (self.bos, self.eos) != (BOS, EOS):
+            h.update(f"nfc {self.nfc} bos {self.bos} eos {self.eos} in text {sorted(self.in_text)}\n".encode())
         return h.hexdigest()[:16]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torchtitan_lite.config import ConfigError, did_you_mean
 from torchtitan_lite.models.llama3 import spec as llama3
+from torchtitan_lite.models.qwen3 import spec as qwen3
 from torchtitan_lite.models.spec import ModelSpec
 
 SPECS: dict[str, ModelSpec] = {}  # name -> spec, in registration order
@@ -31,3 +32,4 @@ def get(name: str) -> ModelSpec:
 
 
 register(llama3.SPEC)
+register(qwen3.SPEC)

@@ -2,6 +2,7 @@
 - dims.py: the layout: degrees, their validation, and the device mesh
 - parallelize.py: the plan that applies TP, CP, EP, activation checkpointing, compile and FSDP in one order
 - pipeline.py: pipeline stages of whole blocks, and the schedules that run them
+- stage_ties.py: a parameter the first and last stages share (tied embeddings): their gradients added
 - context_parallel.py: each sequence split across the cp ranks, keys and values all-gathered per block
 - expert_parallel.py: a mixture of experts' routed experts split across ranks, tokens sent to them by all-to-all
 

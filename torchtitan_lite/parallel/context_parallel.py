@@ -97,8 +97,9 @@ class Attend:
                  mask: torch.Tensor | None = None) -> torch.Tensor:
         """`q`, `k`: rotated at this rank's tokens' true positions (the rows `rows` cut). `mask` (block_causal): the
         explicit mask of the whole window, of which each chunk attends with its rows."""
-        kv = self.gather(torch.cat([k, v], dim=-1))  # one collective for both
-        k, v = kv.transpose(1, 2).chunk(2, dim=-1)
+        # One collective for both, which may differ in head size (MLA's keys carry a rotary part its values lack).
+        kv = self.gather(torch.cat([k, v], dim=-1))
+        k, v = kv.transpose(1, 2).split([k.shape[-1], v.shape[-1]], dim=-1)
         q = q.transpose(1, 2)
         outs, start = [], 0
         for (first, stop), size, causal in zip(self.ranges, self.local, self.masks):

@@ -7,7 +7,7 @@ unchanged; the experts' forward becomes:
 1. dispatch: the per-expert counts are exchanged (all-to-all), so each rank learns how many slots every rank sends it
    for each of its experts; one host read of the split sizes (all_to_all_single takes them as integers); the slots
    travel by an uneven all-to-all, arriving grouped by source rank, and are regrouped by expert;
-2. the experts' computation of models/moe.py (swiglu_experts), on this rank's experts and their slots;
+2. the experts' computation of models/common/moe.py (swiglu_experts), on this rank's experts and their slots;
 3. combine: the inverse regrouping and all-to-all bring every slot back to the rank and position it came from.
 Every slot meets the same expert weights in a group of the same expert as on one process, so its arithmetic is the
 same; its gradient returns by the autograd of the same all-to-alls. The loss is normalized by the global token count
@@ -26,7 +26,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan_lite.models.moe import GroupedExperts, swiglu_experts
+from torchtitan_lite.models.common.moe import GroupedExperts, swiglu_experts
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan_lite.config import JobConfig, Parallelism, Training
-from torchtitan_lite.models.moe import MoE
+from torchtitan_lite.models.common.moe import MoE
 from torchtitan_lite.models.spec import TPStyles
 from torchtitan_lite.parallel.context_parallel import apply_cp
 from torchtitan_lite.parallel.dims import ParallelDims
@@ -109,6 +109,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable, loss_para
         plan = tp_plan(styles._replace(colwise=colwise, rowwise=rowwise, prepare_input=prepare), loss_parallel)
         plan = {k.removeprefix(BLOCKS): v for k, v in plan.items() if k.startswith(BLOCKS)}
         parallelize_module(block, tp_mesh, {k: v for k, v in plan.items() if _held(block, k)})
+    if hasattr(model, "tie_weights"):  # each module holds a DTensor of its own now: tied ones become one again
+        model.tie_weights()
 
 
 def _held(module: nn.Module, name: str) -> bool:

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_lite.config import ConfigError, JobConfig, Parallelism
 from torchtitan_lite.data.loader import to_device
-from torchtitan_lite.models.moe import MoE
+from torchtitan_lite.models.common.moe import MoE
 from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.process import wait
 
@@ -130,13 +130,31 @@ def split_stages(model_class: Callable[..., nn.Module], model_args, pp_rank: int
             part = model_class(model_args)
         names = [name for name, _ in part.named_children()]
         before, after = names[:names.index("layers")], names[names.index("layers") + 1:]
+        ties = _ties(part, before, after)
         first = sum(blocks[:stage])
         part.layers = nn.ModuleDict({str(i): part.layers[str(i)] for i in range(first, first + blocks[stage])})
+        # The last stage keeps a module before the blocks that holds a parameter tied to one after them (tied
+        # embeddings), unused by its forward, so that the parameter keeps the name it has on the first stage and in
+        # one process (named_parameters names a tied parameter by its first module): in checkpoints and the optimizer.
+        kept = {name for name in before if stage == n_stages - 1 and ties & _ids(getattr(part, name))}
         for name in (before if stage > 0 else []) + (after if stage < n_stages - 1 else []):
-            setattr(part, name, None)
+            if name not in kept:
+                setattr(part, name, None)
         part.stage = stage
+        # For parallel/stage_ties.py: whether the model ties parameters across the stages, and this stage's of them.
+        part.ties, part.tied = bool(ties), [name for name, p in part.named_parameters() if id(p) in ties]
         parts.append(part)
     return parts
+
+
+def _ids(module: nn.Module | None) -> set[int]:
+    return {id(p) for p in module.parameters()} if module is not None else set()
+
+
+def _ties(model: nn.Module, before: list[str], after: list[str]) -> set[int]:
+    """The parameters (their ids) held both before and after the blocks: those the first and the last stage share."""
+    return (set().union(*(_ids(getattr(model, n)) for n in before)) &
+            set().union(*(_ids(getattr(model, n)) for n in after)))
 
 
 def merge_stages(parts: list[nn.Module]) -> nn.Module:

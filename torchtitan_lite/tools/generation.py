@@ -1,6 +1,6 @@
-"""Text generation from a trained model (Llama's shape: its args' kv_heads, head_dim and n_layers size the cache),
-decoded with a KV cache: the prompt runs through the model once (prefill), then each new token costs one position's
-forward instead of the whole sequence's.
+"""Text generation from a trained model of any registered architecture, decoded with the KV cache the model makes
+(`model.kv_cache(batch, max_len)`: models/common/kv_cache.py for the decoder): the prompt runs through the model once
+(prefill), then each new token costs one position's forward instead of the whole sequence's.
 
 The forward is the model's own: `model(tokens, cache=cache)` runs every block as training does, and each block's
 attention hands its rotated queries and keys, and its values, to its layer of the cache instead of `model.attend`.
@@ -28,7 +28,8 @@ from torch import nn
 from torchtitan_lite.checkpoint.finder import find_checkpoint
 from torchtitan_lite.checkpoint.reader import check_fits, load_local, read_metadata
 from torchtitan_lite.config import JobConfig
-from torchtitan_lite.data.tokenizer import Tokenizer, load_tokenizer
+from torchtitan_lite.data.hf_tokenizer import run_tokenizer
+from torchtitan_lite.data.tokenizer import Tokenizer
 from torchtitan_lite.models import registry
 
 
@@ -36,40 +37,8 @@ class ContextError(ValueError):
     """The prompt and the tokens asked for do not fit in the model's context."""
 
 
-class KVCache:
-    """Every layer's keys and values for positions [0, length), preallocated for `max_len` positions, stored as
-    (batch, kv_heads, position, head_dim): the layout SDPA takes, so a step does not transpose the whole cache."""
-
-    def __init__(self, model: nn.Module, batch: int, max_len: int):
-        a, weight = model.args, model.tok_embeddings.weight
-        shape = (batch, a.kv_heads, max_len, a.head_dim)
-        self.layers = [LayerCache(self, torch.zeros(shape, dtype=weight.dtype, device=weight.device),
-                                  torch.zeros(shape, dtype=weight.dtype, device=weight.device))
-                       for _ in range(a.n_layers)]
-        self.length = 0
-        self.mask = None  # of the chunk being decoded: which cached and new positions each new query sees
-
-    def layer(self, index: int) -> LayerCache:
-        return self.layers[index]
-
-
-class LayerCache:
-    """One layer's keys and values; attends like model.attend, at the positions after the cached ones."""
-
-    def __init__(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor):
-        self.cache, self.k, self.v = cache, k, v
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        pos, end = self.cache.length, self.cache.length + q.shape[1]
-        self.k[:, :, pos:end] = k.transpose(1, 2)
-        self.v[:, :, pos:end] = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[:, :, :end], self.v[:, :, :end],
-                                             attn_mask=self.cache.mask, enable_gqa=q.shape[2] != k.shape[2])
-        return out.transpose(1, 2)
-
-
 @torch.no_grad()
-def forward_cached(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward_cached(model: nn.Module, tokens: torch.Tensor, cache) -> torch.Tensor:
     """Logits (batch, seq, vocab) of `tokens`, the positions right after the cached ones; appends their keys and
     values to the cache. The whole prompt at once (prefill), then one token at a time."""
     pos, seq = cache.length, tokens.shape[1]
@@ -110,7 +79,7 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, temperatu
                            f"tokens (training.seq_len); ask for at most {max(context - len(prompt), 0)} new tokens "
                            "or shorten the prompt")
     tokens = torch.tensor([prompt], device=model.tok_embeddings.weight.device)
-    cache = KVCache(model, 1, len(prompt) + max_new_tokens) if use_cache else None
+    cache = model.kv_cache(1, len(prompt) + max_new_tokens) if use_cache else None
     new, chunk = [], tokens
     for _ in range(max_new_tokens):
         logits = (forward_cached(model, chunk, cache) if cache else model(tokens))[:, -1]
@@ -139,7 +108,7 @@ def load_model(cfg: JobConfig, checkpoint: str, device: torch.device,
     """The model of `cfg` built as train.py builds it (model.name's spec, flavor, the tokenizer's vocabulary,
     training.seq_len), on meta then materialized, with the weights of `checkpoint`: a step-N folder, or a checkpoint
     or dump folder (its newest complete step; checkpoint_finder.find_checkpoint)."""
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    tokenizer = run_tokenizer(cfg)  # the run's: model.tokenizer_path's, or its Hugging Face folder's
     spec = registry.get(cfg.model.name)
     args = spec.run_args(cfg, tokenizer.n_words)
     path, _ = find_checkpoint(checkpoint, cfg.checkpoint.folder)

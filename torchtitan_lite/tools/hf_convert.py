@@ -7,8 +7,10 @@ dtype is known from the DCP metadata before any data is read, so the header goes
 are read. (The safetensors library wants every tensor of a file in memory at once.) Import hands DCP a state dict
 of meta tensors, which plan the save, and a planner that reads each real tensor from safetensors only when DCP's
 writer asks for it; one file per tensor, since DCP's writer keeps a file's tensors until the file is closed.
-Names, layouts and configs are the model's (its spec's HFAdapter: Llama's in models/llama3/hf.py); a conversion
-that fails leaves no output folder behind.
+Names, layouts and configs are the model's (its spec's HFAdapter: Llama's in models/llama3/hf.py, Qwen3's in
+models/qwen3/hf.py); a conversion that fails leaves no output folder behind. Reading a folder is shared with the
+trainer, which starts from one without a conversion (checkpoint/hf_load.py); its last save becomes one here
+(`checkpoint.last_save_in_hf`: export_last_save).
 """
 
 from __future__ import annotations
@@ -27,41 +29,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torchtitan_lite.checkpoint.folder import complete_checkpoints
+from torchtitan_lite.checkpoint.hf_load import (adapter, expected_shapes, pieces, read_config, read_tensor,
+                                                safetensors_index, sources)
 from torchtitan_lite.checkpoint.reader import load_local, read_metadata
-from torchtitan_lite.config import Model
+from torchtitan_lite.config import JobConfig, Model
+from torchtitan_lite.data.hf_tokenizer import run_tokenizer, save_hf_tokenizer
 from torchtitan_lite.models import registry
-from torchtitan_lite.models.spec import Args, ConversionError, HFAdapter, ModelSpec
+from torchtitan_lite.models.spec import Args, ConversionError, ModelSpec
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' save_pretrained default, "5GB"
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 DEFAULT_MODEL = Model().name  # the config's default model.name
 
-
-def adapter(model: str) -> tuple[ModelSpec, HFAdapter]:
-    """The spec registered as `model` and its Hugging Face adapter, or ConversionError when it has none."""
-    spec = registry.get(model)
-    if spec.hf is None:
-        raise ConversionError(f"model {model} has no Hugging Face adapter (its spec's hf)")
-    return spec, spec.hf
-
-
-def expected_shapes(spec: ModelSpec, args: Args) -> dict[str, tuple[int, ...]]:
-    """Our parameter names and shapes, in the model's order, without allocating anything."""
-    with torch.device("meta"):
-        return {name: tuple(p.shape) for name, p in spec.model_class(args).state_dict().items()}
-
-
-def pieces(hf: HFAdapter, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, int | None, tuple]]:
-    """Each of our tensors as Hugging Face holds it: one piece, or one per index of its first dim where the adapter
-    splits it (hf.split: "name.i", a routed expert's): piece -> (our name, index or None, the piece's shape)."""
-    return {piece: entry for name, shape in expected.items()
-            for piece, entry in ({f"{name}.{i}": (name, i, shape[1:]) for i in range(shape[0])} if hf.split(name)
-                                 else {name: (name, None, shape)}).items()}
 
 # ---- Files
 
@@ -147,6 +131,14 @@ class _Progress:
 
 # ---- Export: DCP checkpoint -> Hugging Face folder
 
+def tied_names(spec: ModelSpec, args: Args) -> set[str]:
+    """Our tensor names that are a parameter already named earlier in the model (tied embeddings' output.weight): a
+    checkpoint holds it under both, a Hugging Face folder once (config.json's tie_word_embeddings says so)."""
+    with torch.device("meta"):
+        model = spec.model_class(args)
+    return {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+
+
 def export_to_hf(ckpt: str | Path, out: str | Path, args: Args, bos_id: int, eos_id: int,
                  dtype: torch.dtype | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
                  add_files: Callable[[Path], None] | None = None, model: str = DEFAULT_MODEL) -> None:
@@ -171,7 +163,8 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: Args, bos_id: int, eos
         raise ConversionError(f"checkpoint {ckpt} holds model.{extra[0]}, which the config's model lacks")
     dtype = dtype or saved["tok_embeddings.weight"].properties.dtype
     config = hf.config(args, bos_id, eos_id, dtype)  # first: a model their layout cannot hold is refused unread
-    ours_of = {hf.hf_name(piece): entry for piece, entry in pieces(hf, expected).items()}
+    tied = tied_names(spec, args)  # written once, as transformers' save_pretrained writes tied embeddings
+    ours_of = {hf.hf_name(piece): entry for piece, entry in pieces(hf, expected).items() if entry[0] not in tied}
     entries = [(name, shape, dtype) for name, (_, _, shape) in ours_of.items()]
     shards = plan_shards(entries, max_shard_size)
     files = (["model.safetensors"] if len(shards) == 1 else
@@ -205,6 +198,28 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: Args, bos_id: int, eos
         progress.close()
 
 
+def export_run(ckpt: str | Path, out: str | Path, cfg: JobConfig, dtype: torch.dtype | None = None,
+               max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """export_to_hf of a checkpoint of the run `cfg` configures: its model, and its tokenizer written beside."""
+    tokenizer = run_tokenizer(cfg)
+    args = registry.get(cfg.model.name).run_args(cfg, tokenizer.n_words)
+    export_to_hf(ckpt, out, args, tokenizer.bos_id, tokenizer.eos_id, dtype, max_shard_size, model=cfg.model.name,
+                 add_files=lambda folder: save_hf_tokenizer(tokenizer, folder, model_max_length=args.max_seq_len))
+
+
+def export_last_save(cfg: JobConfig, step: int) -> Path:
+    """checkpoint.last_save_in_hf: the run's step-N, just saved, as the Hugging Face folder step-N-hf beside it
+    (one process, once every rank has saved). A step-N-hf already there was made from the step-N this save
+    replaced, and goes first. Returns the folder."""
+    ckpt = complete_checkpoints(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)).get(step)
+    if ckpt is None:  # a save that failed under checkpoint.continue_on_save_error
+        raise ConversionError(f"no checkpoint step-{step} to convert (its save failed)")
+    out = Path(f"{ckpt}-hf")
+    shutil.rmtree(out, ignore_errors=True)
+    export_run(ckpt, out, cfg)
+    return out
+
+
 # ---- Import: Hugging Face folder -> DCP checkpoint
 
 class _LazySavePlanner(DefaultSavePlanner):
@@ -218,67 +233,24 @@ class _LazySavePlanner(DefaultSavePlanner):
         return self.make(write_item.index.fqn.removeprefix("model."))
 
 
-def _weights(hf_dir: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Hugging Face tensor name -> (the safetensors file holding it, its shape), from the files' headers."""
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({hf_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
-    elif (hf_dir / "model.safetensors").is_file():
-        files = [hf_dir / "model.safetensors"]
-    else:
-        raise ConversionError(f"{hf_dir} has no model.safetensors nor model.safetensors.index.json (pickled "
-                              "pytorch_model.bin files are not read: they can run code)")
-    found = {}
-    for file in files:
-        with safe_open(file, "pt") as f:
-            found.update({n: (file, tuple(f.get_slice(n).get_shape())) for n in f.keys()})  # noqa: SIM118 - no __iter__
-    return found
-
-
-def _read(file: Path, name: str) -> torch.Tensor:
-    # Opened for each tensor: safetensors maps the whole file, and the pages read would stay in this process's
-    # resident memory (a 5GB shard's worth) for as long as the file stayed open.
-    with safe_open(file, "pt") as f:
-        return f.get_tensor(name)
-
-
 def import_from_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype = torch.float32,
                    add_files: Callable[[Path, Args], None] | None = None, model: str = DEFAULT_MODEL) -> Args:
     """Writes the weights of the Hugging Face folder `hf_dir` of the model `model` (model.name) as a weights-only DCP
     checkpoint `out` (keys `model.*`, loadable on any mesh, e.g. as checkpoint.initial_load_path) in `dtype`;
-    add_files(folder, args) runs first. Returns our args for it. Tied embeddings are untied: the output projection
-    starts as a copy."""
+    add_files(folder, args) runs first. Returns our args for it. Tied embeddings (no lm_head.weight): the output
+    projection is read from the embedding, the same parameter again where our model ties them too (Qwen3's small
+    sizes), else a copy that trains apart (Llama's)."""
     hf_dir = Path(hf_dir)
     spec, hf = adapter(model)
     check_free(out)
-    try:
-        config = json.loads((hf_dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConversionError(f"{hf_dir}/config.json cannot be read: {e}") from None
+    config = read_config(hf_dir)
     args = hf.args_from_config(config)
-    weights, expected = _weights(hf_dir), expected_shapes(spec, args)
-    wanted = pieces(hf, expected)
-    source: dict[str, str] = {}  # our piece -> Hugging Face name
-    for name in weights:
-        ours = hf.our_name(name)
-        if ours is None and not name.endswith("rotary_emb.inv_freq"):  # old folders saved RoPE's buffer: derived
-            raise ConversionError(f"{hf_dir} holds {name}, which our {model} model has no place for")
-        if ours is not None:
-            source[ours] = name
-    if "output.weight" not in source and config.get("tie_word_embeddings"):
-        source["output.weight"] = "model.embed_tokens.weight"
-    if missing := [n for n in wanted if n not in source]:
-        raise ConversionError(f"{hf_dir} has no {hf.hf_name(missing[0])} ({len(missing)} tensors missing)")
-    for ours, name in source.items():
-        if ours not in wanted:  # an expert beyond num_local_experts
-            raise ConversionError(f"{hf_dir} holds {name}, which config.json's model has no place for")
-        if weights[name][1] != wanted[ours][2]:
-            raise ConversionError(f"{hf_dir}: {name} has shape {weights[name][1]} but config.json makes it "
-                                  f"{wanted[ours][2]}")
+    weights, expected = safetensors_index(hf_dir), expected_shapes(spec, args)
+    source = sources(hf_dir, hf, config, pieces(hf, expected), weights, model)  # our piece -> Hugging Face name
     progress = _Progress(sum(math.prod(s) for s in expected.values()) * dtype.itemsize, "import")
 
     def piece(ours: str, name: str) -> torch.Tensor:
-        tensor = _read(weights[source[name]][0], source[name])
+        tensor = read_tensor(weights[source[name]][0], source[name])
         progress.update(tensor.numel() * dtype.itemsize)
         return hf.to_hf_tensor(ours, tensor, args, True).to(dtype)
 

@@ -58,7 +58,7 @@ casts (1 byte an element: input, weight, output gradient), and with `enable_fsdp
 holds the converted weights unsharded at 1 byte an element (plus their scale), the other parameters at their own
 size (tests/test_memory.py counts the gathered bytes).
 
-A mixture of experts (models/moe.py) is traced as its routing is balanced, which fake tensors cannot decide: each
+A mixture of experts (models/common/moe.py) is traced as its routing is balanced, which fake tensors cannot decide: each
 expert gets an equal share of the slots, so under expert parallelism each rank sends and receives its own slot count
 through the all-to-alls, the largest buffers the dispatch holds (an imbalanced step holds more on the busy experts'
 ranks); the grouped GEMM runs as one matmul of the same output and saved operands. The state (the experts' weights,
@@ -80,7 +80,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
-from torchtitan_lite.models import documents, moe, registry
+from torchtitan_lite.models import documents, registry
+from torchtitan_lite.models.common import moe
 from torchtitan_lite.models.spec import Args
 from torchtitan_lite.parallel import context_parallel, expert_parallel
 from torchtitan_lite.parallel.dims import ParallelDims
@@ -104,7 +105,7 @@ class Estimate:
     """Bytes of one rank (rank 0); `host_bytes` is what CPU offload keeps in host memory instead of the device."""
     flavor: str
     vocab_size: int
-    vocab_note: str
+    vocab_note: str  # where the vocabulary comes from (model_args)
     mesh: dict[str, int]
     param_bytes: int
     grad_bytes: int
@@ -118,15 +119,21 @@ class Estimate:
 
 
 def model_args(cfg: JobConfig) -> tuple[Args, str]:
-    """The trainer's model args for `cfg`, and a note when the tokenizer file is missing and Llama 3's vocabulary
-    is assumed (the big configs point at Meta's tokenizer, which an estimate should not need)."""
+    """The trainer's model args for `cfg`, and where their vocabulary comes from: the config's tokenizer, or where its
+    file is missing, the flavor's published vocabulary (its spec's published_vocab: the big configs point at their
+    makers' tokenizers, which an estimate should not need)."""
+    spec, path, flavor = registry.get(cfg.model.name), cfg.model.tokenizer_path, cfg.model.flavor
     try:
-        vocab, note = build_tokenizer(cfg.model.tokenizer_path).n_words, ""
+        vocab = build_tokenizer(path).n_words
+        note = f"vocabulary of {path}" if path else 'byte-level vocabulary: model.tokenizer_path = ""'
     except FileNotFoundError:
-        vocab, note = LLAMA3_VOCAB, f"{cfg.model.tokenizer_path} not found: Llama 3's vocabulary assumed"
+        if flavor in spec.flavors and flavor not in spec.published_vocab:  # an unknown one: run_args names the flavors
+            raise ConfigError(f"model.tokenizer_path {path} not found, and flavor {flavor} has no published "
+                              'vocabulary to assume: give a tokenizer file, or "" for bytes') from None
+        vocab, note = spec.published_vocab.get(flavor, 0), f"{path} not found: {flavor}'s published vocabulary assumed"
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.tokenizer_path: {e}") from None
-    return registry.get(cfg.model.name).run_args(cfg, vocab), note
+    return spec.run_args(cfg, vocab), note
 
 
 def estimate_memory(cfg: JobConfig, world_size: int, extrapolate: bool | None = None) -> Estimate:

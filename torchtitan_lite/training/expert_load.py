@@ -1,7 +1,7 @@
 """A mixture of experts' load, once a step: what each MoE layer's experts received, and DeepSeek-V3's
 auxiliary-loss-free balancing, as torchtitan does it.
 
-Each router counts the slots it sends to each expert in the step's forward passes (models/moe.py: its training
+Each router counts the slots it sends to each expert in the step's forward passes (models/common/moe.py: its training
 forward only, not validation's or activation checkpointing's recompute). After every update, applied or skipped
 (Update.after_step), the counts of all layers are summed over the ranks that saw different tokens, in one all-reduce
 of layers x experts, so every rank holds the step's global load. With moe.load_balance_coeff > 0 each layer's bias then
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_lite.models.init import canonical_name
-from torchtitan_lite.models.moe import MoE
+from torchtitan_lite.models.common.moe import MoE
 
 
 class ExpertLoad:

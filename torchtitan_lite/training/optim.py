@@ -132,13 +132,16 @@ class LRSchedule(LambdaLR):
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int) -> torch.Tensor:
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int,
+                    uncounted: list[torch.Tensor] = ()) -> torch.Tensor:
     """Clip the global gradient norm of parameters that may live on different meshes (or be plain tensors).
 
     torch.nn.utils.clip_grad_norm_ cannot mix meshes, so each rank sums the squares of its local gradient shards,
     weighted by 1 / (number of ranks holding that same shard), and one all-reduce over the world adds them up (over
     pipeline stages too, whose parameters are disjoint: a plain tensor is held by its stage's rank alone).
-    Returns the total norm (before clipping), in float64. max_norm = 0 only measures.
+    Returns the total norm (before clipping), in float64. max_norm = 0 only measures. `uncounted`: parameters of
+    `params` that another rank counts (a tied parameter's copy on the last pipeline stage: parallel/stage_ties.py),
+    clipped but not counted here.
 
     Each tensor's norm is accumulated in float64: the CPU's float32 norm sums a tensor in long sequential runs, whose
     rounding error grows with its size, so two layouts that split the same gradients differently would log (and
@@ -155,8 +158,10 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int
     # Summed on the process group's device: under CPU offload the gradients live on the host, NCCL does not.
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float64, device=device)
+    skip = {id(p.grad) for p in uncounted}
     for g, norm in zip(grads, torch._foreach_norm(local, 2.0, dtype=torch.float64) if local else []):
-        sq += norm.to(device) ** 2 * _share(g)
+        if id(g) not in skip:
+            sq += norm.to(device) ** 2 * _share(g)
     if world_size > 1:
         dist.all_reduce(sq)
     total = sq.sqrt()

@@ -23,7 +23,7 @@ from torchtitan_lite.checkpoint.folder import checkpoint_to_load, complete_check
 from torchtitan_lite.config import JobConfig
 from torchtitan_lite.data.mixture import mixture_phases
 from torchtitan_lite.models import registry
-from torchtitan_lite.models.moe import inactive_params
+from torchtitan_lite.models.common.moe import inactive_params
 from torchtitan_lite.models.spec import Args
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8
@@ -113,10 +113,12 @@ def _outputs(cfg: JobConfig) -> tuple[str, list[str], str, str]:
             f"leaves them as they are (with --checkpoint.enable it would resume step-{newest})"], "", ""
     if ck.create_seed_checkpoint:
         return line + f"; a seed checkpoint (step-0) in {checkpoints}", [], "", checkpoints
-    line += f"; checkpoints every {ck.interval} steps in {checkpoints}"
+    line += f"; checkpoints every {ck.interval} steps in {checkpoints}" + (
+        " (the last also as a Hugging Face folder, step-N-hf)" if ck.last_save_in_hf else "")
     step, found, initial = checkpoint_to_load(ck, checkpoints)
     if step is None:
-        return line + (f", starting from {initial}" if initial else ", starting afresh"), [], "", checkpoints
+        hf = " (a Hugging Face folder)" if ck.initial_load_in_hf else ""
+        return line + (f", starting from {initial}{hf}" if initial else ", starting afresh"), [], "", checkpoints
     run = f" of run {r}" if (r := read_run_files(found[step])[0]) else ""
     if step >= cfg.training.steps:
         return line, [], (f"the checkpoint {found[step]} is at step {step} and training.steps is "

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from torchtitan_lite.checkpoint.hf_load import check_hf
 from torchtitan_lite.checkpoint.manager import check_config
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.mixture import build_data
-from torchtitan_lite.data.tokenizer import load_tokenizer
+from torchtitan_lite.data.hf_tokenizer import run_tokenizer
 from torchtitan_lite.models import registry
 from torchtitan_lite.models.spec import Args
 from torchtitan_lite.parallel.context_parallel import check_cp
@@ -92,10 +93,11 @@ def preflight(cfg: JobConfig, world_size: int):
     with validation off), or a ConfigError that names the problem and the fix."""
     spec = registry.get(cfg.model.name)  # first: the rest of the checks are the model's
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    tokenizer = run_tokenizer(cfg)  # model.tokenizer_path's, or the Hugging Face folder's the run starts from
     model_args = spec.run_args(cfg, tokenizer.n_words)
     check_layout(cfg, dims, model_args)
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
+    check_hf(cfg, model_args)
     check_profiling(cfg.profiling, world_size)
     check_wandb(cfg.metrics.enable_wandb)
     bos_id = document_start(cfg, tokenizer)

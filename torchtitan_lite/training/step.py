@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan_lite.config import JobConfig
 from torchtitan_lite.data.loader import to_device
 from torchtitan_lite.models.documents import document_ids
-from torchtitan_lite.models.moe import MoE
+from torchtitan_lite.models.common.moe import MoE
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import Pipeline
 from torchtitan_lite.runtime import flight_recorder

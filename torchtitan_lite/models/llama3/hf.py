@@ -4,7 +4,8 @@ spec's HFAdapter, models/spec.py).
 The files themselves are read and written by tools/hf_convert.py. Two decisions shape this file:
 - Our attention rotates consecutive pairs of a head's dimensions (Meta's layout, model.apply_rope); Hugging Face's
   rotates the first half against the second (rotate_half). The same model in both is a permutation of the rows of
-  wq and wk within each head, applied on export and undone on import, so both compute the same logits.
+  wq and wk within each head, applied on export and undone on import, so both compute the same logits (the shared
+  decoder's names and this permutation are models/common/hf.py's, which Qwen3's adapter uses too).
 - Anything we cannot represent exactly (biases, another activation or RoPE variant, a head_dim of its own) is refused
   with one line naming it, never approximated. transformers is not imported here: the tests check against it.
 A mixture of experts is Mixtral's layout (MixtralForCausalLM, as its published folders hold it): the router as
@@ -17,76 +18,25 @@ export must never route otherwise than training did.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import replace
 
 import torch
 
-from torchtitan_lite.models.llama3.model import FLAVORS, ROPE_SCALING, ModelArgs
-from torchtitan_lite.models.moe import MoEArgs
+# split and to_hf_tensor are this adapter's as they are the shared decoder's (llama3/spec.py names them here).
+from torchtitan_lite.models.common.hf import DECODER_LAYER, Names, rope_settings, split, to_hf_tensor  # noqa: F401
+from torchtitan_lite.models.common.moe import MoEArgs
+from torchtitan_lite.models.common.rope import ROPE_SCALING
+from torchtitan_lite.models.llama3.model import FLAVORS, ModelArgs
 from torchtitan_lite.models.spec import ConversionError
 
 LLAMA31_ROPE_SCALING = {"rope_type": "llama3", **ROPE_SCALING}  # model.rope_table's
 
-# ---- Names and layouts
+# ---- Names and layouts (the shared decoder's, models/common/hf.py)
 
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-_IN_LAYER = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-             "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-             "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
-             "ffn_norm": "post_attention_layernorm", "moe.router.gate": "block_sparse_moe.gate"}
-_OURS_LAYER, _HF_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight"), re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
-# One routed expert's piece of our 3-D weight (its name + "." + the expert), and Mixtral's tensor of it.
-_EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])\.(\d+|\*)")
-_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
-
-
-def split(name: str) -> bool:
-    """Whether our tensor `name` is one Hugging Face tensor per index of its first dim (the routed experts')."""
-    return ".moe.experts." in name
-
-
-def hf_name(name: str) -> str:
-    """Our parameter name (an expert's piece: the 3-D weight's name + ".e") -> transformers' name; the whole 3-D
-    weight's is its experts' names with "*" for the expert."""
-    if m := _EXPERT.fullmatch(name if not split(name) or name[-1].isdigit() else name + ".*"):
-        i, w, e = m.groups()
-        return f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
-    if name in _TOP:
-        return _TOP[name]
-    m = _OURS_LAYER.fullmatch(name)
-    if m is None or m.group(2) not in _IN_LAYER:
-        raise ConversionError(f"{name} has no place in a Hugging Face Llama or Mixtral")
-    return f"model.layers.{m.group(1)}.{_IN_LAYER[m.group(2)]}.weight"
-
-
-def our_name(name: str) -> str | None:
-    """transformers' name -> ours (an expert's piece for Mixtral's experts), or None for a tensor our model has no
-    place for."""
-    if name in _TOP.values():
-        return next(ours for ours, hf in _TOP.items() if hf == name)
-    if m := _HF_EXPERT.fullmatch(name):
-        i, e, w = m.groups()
-        return f"layers.{i}.moe.experts.{w}.{e}"
-    m = _HF_LAYER.fullmatch(name)
-    part = next((ours for ours, hf in _IN_LAYER.items() if m and hf == m.group(2)), None)
-    return f"layers.{m.group(1)}.{part}.weight" if part else None
-
-
-def _rotated_heads(name: str, args: ModelArgs) -> int:
-    """How many heads' rows RoPE rotates in this weight (0: none)."""
-    m = _OURS_LAYER.fullmatch(name)
-    return {"attention.wq": args.n_heads, "attention.wk": args.kv_heads}.get(m.group(2) if m else "", 0)
-
-
-def to_hf_tensor(name: str, w: torch.Tensor, args: ModelArgs, inverse: bool = False) -> torch.Tensor:
-    """Our weight `name` as transformers wants it (inverse: back to ours): the rows of wq and wk reordered per head
-    from RoPE's pairs (x0, x1), (x2, x3) ... to halves (x0, x2, ...), (x1, x3, ...)."""
-    if heads := _rotated_heads(name, args):
-        rows, cols = w.shape
-        w = w.view((heads, 2, -1, cols) if inverse else (heads, -1, 2, cols)).transpose(1, 2).reshape(rows, cols)
-    return w
+NAMES = Names("Llama or Mixtral", {**DECODER_LAYER, "moe.router.gate": "block_sparse_moe.gate"},
+              expert="model.layers.{i}.block_sparse_moe.experts.{e}.{part}.weight",
+              expert_parts={"w1": "w1", "w2": "w2", "w3": "w3"})
+hf_name, our_name = NAMES.hf_name, NAMES.our_name
 
 
 # ---- Configs
@@ -107,7 +57,9 @@ def mixtral(args: ModelArgs) -> dict:
         raise ConversionError("Mixtral's layout has no Llama 3.1 RoPE scaling: export an MoE model without it")
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
             "intermediate_size": moe.hidden or args.ffn_hidden, "num_local_experts": moe.num_experts,
-            "num_experts_per_tok": moe.top_k, "output_router_logits": moe.aux_loss_coeff > 0,
+            # The coefficient travels in router_aux_loss_coef; output_router_logits stays off, as in Mixtral's own
+            # folders: on, transformers adds the auxiliary loss to `outputs.loss`, which evaluations read as the LM's.
+            "num_experts_per_tok": moe.top_k, "output_router_logits": False,
             "router_aux_loss_coef": moe.aux_loss_coeff,
             "sliding_window": None}
 
@@ -153,9 +105,9 @@ def model_args_from_hf(config: dict) -> ModelArgs:
                 "max_position_embeddings", 0):
             raise refuse(f"sliding_window {config['sliding_window']} (ours attends to the whole context)")
         moe = MoEArgs(num_experts=config.get("num_local_experts", 8), top_k=config.get("num_experts_per_tok", 2),
-                      hidden=config["intermediate_size"],  # its auxiliary loss where transformers would train with it
-                      aux_loss_coeff=config.get("router_aux_loss_coef", 0.0) if config.get("output_router_logits")
-                      else 0.0)
+                      # the folder's auxiliary-loss coefficient, whatever output_router_logits says: that only
+                      # decides whether transformers adds the loss to its outputs.loss
+                      hidden=config["intermediate_size"], aux_loss_coeff=config.get("router_aux_loss_coef", 0.0))
     for key, ours in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
                       ("partial_rotary_factor", 1.0), ("quantization_config", None)):
         if config.get(key, ours) != ours:
@@ -168,9 +120,7 @@ def model_args_from_hf(config: dict) -> ModelArgs:
     if dim % heads or config.get("head_dim") not in (None, dim // heads):
         raise refuse(f"head_dim {config.get('head_dim')} with hidden_size {dim} and {heads} heads (ours: "
                      "hidden_size / num_attention_heads)")
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})  # transformers 5, or 4 and Meta
-    theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
-    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    theta, rope_type, rope = rope_settings(config)  # transformers 5's rope_parameters, or 4's and Meta's keys
     if rope_type == "llama3":
         for key, ours in ROPE_SCALING.items():
             if rope.get(key) != ours:

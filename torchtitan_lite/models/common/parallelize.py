@@ -1,9 +1,10 @@
-"""Llama's tensor-parallel plan: Megatron-style TP with sequence parallelism, as one dict from module name to style.
+"""The decoder's tensor-parallel plan (decoder.py): Megatron-style TP with sequence parallelism, as one dict from
+module name to style; every architecture built on the decoder takes it (a module it does not hold is passed over).
 
 Activations between blocks are sharded on the sequence dim (Shard(1)), gathered before attention and the FFN, and
 reduce-scattered after their output projections; the norms run on the sequence shards. Which classes implement each
 style is the parallel layer's choice (models/spec.TPStyles: float8's for a converted block), so this file holds only
-what is Llama's: which module is split which way.
+which module is split which way.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from typing import Any
 
 from torch.distributed.tensor import Replicate, Shard
 
-from torchtitan_lite.models.llama3.model import ModelArgs
 from torchtitan_lite.models.spec import TPStyles
 
 
@@ -32,6 +32,10 @@ def tp_plan(s: TPStyles, loss_parallel: bool) -> dict[str, Any]:
         "layers.*.attention.wk": s.colwise(),
         "layers.*.attention.wv": s.colwise(),
         "layers.*.attention.wo": s.rowwise(output_layouts=Shard(1)),
+        # QK-norm normalizes each head's queries and keys, which TP splits by head (dim 2): its weight is every
+        # head's, so its gradient sums over the tp ranks' heads.
+        "layers.*.attention.q_norm": s.sequence(sequence_dim=2, use_local_output=True),
+        "layers.*.attention.k_norm": s.sequence(sequence_dim=2, use_local_output=True),
         "layers.*.ffn_norm": s.sequence(),
         "layers.*.feed_forward": s.prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "layers.*.feed_forward.w1": s.colwise(),
@@ -46,6 +50,6 @@ def tp_plan(s: TPStyles, loss_parallel: bool) -> dict[str, Any]:
     }
 
 
-def tp_sizes(args: ModelArgs) -> dict[str, int]:
+def tp_sizes(args) -> dict[str, int]:
     """What the plan splits across TP ranks: heads (query and key/value) and the FFN's hidden size."""
     return {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads, "FFN hidden size": args.ffn_hidden}
