@@ -29,7 +29,7 @@ from torchtitan_lite.checkpoint.manager import CheckpointManager, CheckpointSave
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.data.loader import DataLoader, warn_if_validating_on_training_data
 from torchtitan_lite.models import documents, registry
-from torchtitan_lite.models.spec import Args, ConversionError
+from torchtitan_lite.models.spec import Args, ConversionError, ModelSpec
 from torchtitan_lite.parallel.context_parallel import sharder
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
@@ -240,7 +240,7 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     clip = StageTies(parts, mesh).clip if dims.pp > 1 else lambda clip: clip
     update = Update(optimizer, scheduler, guard, clip(partial(clip_grad_norm_, params, training.max_norm,
                                                               env.world_size)), commit=replicas.commit)
-    stages = mesh["pp"].get_group() if dims.pp > 1 and getattr(model_args, "moe", None) is not None else None
+    stages = mesh["pp"].get_group() if dims.pp > 1 and ModelSpec.moe(model_args) is not None else None
     expert_load = ExpertLoad(model, lambda: dims.token_mesh(mesh).get_group() if dims.dp * dims.cp * dims.tp > 1
                              else None, global_batch, stages, device)
     update.after_step += [float8_scales, expert_load, partial(train_state.advance, global_tokens)]

@@ -104,6 +104,13 @@ def test_documents_are_packed_with_bos_and_eos_in_file_order(corpus):
     assert source.chunks[0].tolist() == stream(DOCS, BPE)
 
 
+def test_without_a_bos_documents_are_packed_as_text_and_eos(corpus):
+    """Qwen's tokenizer has no BOS: each document is its text + EOS, which also separates it from the next."""
+    no_bos = Tokenizer("no_bos", BYTES.ranks, ["<|endoftext|>"], bos=None, eos="<|endoftext|>")
+    tokens = build_source("jsonl", corpus, 15, no_bos, seed=0).chunks[0].tolist()
+    assert tokens == [t for d in DOCS if d for t in [*d.encode(), 256]]
+
+
 def test_permutation_is_a_bijection():
     for n in (1, 2, 3, 5, 64, 1000, 4099):
         perm = Permutation(n, "k")

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.multiprocess.launch import ckpt, tiny_model, train_in_process
 from tests.test_hf import TOLERANCE, hf_model, load_ours, max_diff, random_tokens, randomize
-from torchtitan_lite.data.hf_tokenizer import save_hf_tokenizer
+from tests.test_tokenizer_json import qwen_style_folder
+from torchtitan_lite.data.hf_tokenizer import folder_tokenizer, save_hf_tokenizer
 from torchtitan_lite.data.tokenizer import STDLIB_BPE, Tokenizer
 from torchtitan_lite.models import registry
 
@@ -27,12 +28,14 @@ FROZEN = ("--training.steps", "1", "--optimizer.lr", "1e-30")
 LAST_IN_HF = ("--checkpoint.enable", "--checkpoint.last_save_in_hf")
 
 
-def hf_folder(path, tokenizer=None, flavor="tiny"):
-    """A random model of tests/assets/tiny.toml's shape (or `flavor`'s) made by transformers from the config.json our
-    adapter writes, saved with save_pretrained, with the tokenizer (default byte level) as tokenizer.json."""
+def hf_folder(path, tokenizer=None, flavor="tiny", model="llama3", vocab_size=None):
+    """A random model of tests/assets/tiny.toml's shape (or `model`'s `flavor`'s) made by transformers from the
+    config.json our adapter writes, saved with save_pretrained, with the tokenizer (default byte level) as
+    tokenizer.json; its embedding has the tokenizer's rows, or vocab_size's (padded, as Qwen's)."""
     tokenizer = tokenizer or Tokenizer.byte_level()
-    spec = registry.get("llama3")
-    args = dataclasses.replace(spec.flavors[flavor], vocab_size=tokenizer.n_words, max_seq_len=tiny_model().max_seq_len)
+    spec = registry.get(model)
+    args = dataclasses.replace(spec.flavors[flavor], vocab_size=vocab_size or tokenizer.n_words,
+                               max_seq_len=tiny_model().max_seq_len)
     config = spec.hf.config(args, tokenizer.bos_id, tokenizer.eos_id, torch.float32)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
     randomize(model).save_pretrained(path)
@@ -60,6 +63,41 @@ def test_a_run_starts_from_the_folders_weights_and_tokenizer_and_its_last_save_g
     run = train_in_process(tmp_path / "run", *START, str(folder), *LAST_IN_HF, "--training.steps", "2")
     assert f"loaded full state from {ckpt(tmp_path / 'run', 1)}" in run.stdout and "Hugging Face folder:" not in run.stdout
     assert json.loads((out.with_name("step-2-hf") / "config.json").read_text())["vocab_size"] == 2050
+
+
+@pytest.fixture(scope="module")
+def qwen_style(tmp_path_factory):
+    """A folder as Qwen's: tokenizer.json with its own regex, NFC, added tokens and no BOS (1005 ids here), which
+    `tokenizers` made, and config.json's vocab_size beyond them (1024 rows; Qwen3's: 151936 for 151669 ids)."""
+    path = tmp_path_factory.mktemp("qwen_style")
+    tokenizer = qwen_style_folder(path / "tokenizer")
+    folder = hf_folder(path / "hf", folder_tokenizer(tokenizer), vocab_size=1024)
+    (folder / "special_tokens_map.json").unlink()
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the files as `tokenizers` wrote them, not our export
+        shutil.copy(tokenizer / name, folder / name)
+    (path / "doc.txt").write_text("".join(f"<|im_start|>user\nQ{i}: 12345 + café?<|im_end|>\n" for i in range(300)))
+    return folder, path / "doc.txt"
+
+
+def test_a_folder_that_pads_its_vocabulary_starts_a_run_of_its_size_with_its_tokenizer(tmp_path, qwen_style):
+    folder, text = qwen_style
+    run = train_in_process(tmp_path / "run", *START, str(folder), *FROZEN, *LAST_IN_HF, "--training.dataset", "text",
+                           "--training.dataset_path", str(text))
+    assert f"loaded weights from {folder} (a Hugging Face folder: all 21 tensors of the model)" in run.stdout
+    out = ckpt(tmp_path / "run", 1).with_name("step-1-hf")
+    theirs, back = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
+    assert back["model.embed_tokens.weight"].shape[0] == 1024
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 1024
+    for name in theirs:
+        assert torch.equal(theirs[name], back[name]), name
+    assert folder_tokenizer(out).identity == folder_tokenizer(folder).identity
+
+
+def test_block_causal_is_refused_without_a_bos(error_line, qwen_style):
+    folder, text = qwen_style
+    assert "block_causal masks at document starts (BOS), and the tokenizer has no BOS" in error_line(1, [
+        *START, str(folder), "--model.attn_mask_type", "block_causal", "--training.dataset", "text",
+        "--training.dataset_path", str(text)])
 
 
 def test_the_last_save_in_hf_is_the_trained_model_in_transformers(tmp_path):
@@ -113,8 +151,8 @@ def test_check_refuses_a_model_without_a_hugging_face_adapter(error_line, folder
     ("tiny", {"rms_norm_eps": 1e-6}, None, "rms_norm_eps is 1e-06 there, 1e-05 here"),
     ("tiny", None, "model.layers.1.mlp.down_proj.weight", "has no model.layers.1.mlp.down_proj.weight (1 tensors "
      "missing)"),
-    ("tiny", {"vocab_size": 300}, None, "config.json's vocab_size is 300 but the folder's tokenizer (byte level where "
-     "it has none) has 258 ids: set model.tokenizer_path to a tokenizer of 300 ids"),
+    ("tiny", {"vocab_size": 200}, None, "config.json's vocab_size is 200 but the folder's tokenizer (byte level where "
+     "it has none) has 258 ids: set model.tokenizer_path to a tokenizer of at most 200 ids"),
 ])
 def test_check_refuses_a_folder_of_another_model(error_line, folder, tmp_path, flavor, config, drop, expected):
     line = error_line(1, ["--model.flavor", flavor, *START, str(changed(folder, tmp_path, config, drop))])
@@ -123,7 +161,7 @@ def test_check_refuses_a_folder_of_another_model(error_line, folder, tmp_path, f
 
 def test_check_names_the_tokenizer_when_the_vocabularies_differ(error_line, folder):
     assert "vocab_size is 258 but model.tokenizer_path's tokenizer has 2050 ids: set it to \"\" to use the folder's " \
-           "own, or to a tokenizer of 258 ids" in error_line(
+           "own, or to a tokenizer of at most 258 ids" in error_line(
         1, ["--model.tokenizer_path", str(STDLIB_BPE), *START, str(folder)])
 
 

@@ -22,6 +22,8 @@ from torchtitan_lite.training.optim import build_optimizer
 import estimate_memory as script  # scripts/estimate_memory.py (pytest.ini puts scripts/ on the path)
 import memory_table  # scripts/memory_table.py
 from tests.multiprocess.launch import DEBUGMODEL
+from tests.test_hf_load import hf_folder
+from torchtitan_lite.data.tokenizer import STDLIB_BPE, Tokenizer
 
 TINY = ["--job.config_file", "tests/assets/tiny.toml"]
 DEBUG = [*TINY, *DEBUGMODEL]  # 6 blocks: the tests below that count per block
@@ -179,6 +181,16 @@ def test_the_tokenizer_gives_the_vocabulary_and_a_flavor_without_a_published_one
     with pytest.raises(ConfigError, match="flavor debugmodel has no published vocabulary to assume"):
         model_args(load_config(["--job.config_file", "train_configs/debug_model.toml",
                                 "--model.tokenizer_path", str(tmp_path / "tokenizer.model")]))
+
+
+def test_a_run_from_a_hugging_face_folder_is_estimated_with_the_folders_vocabulary(tmp_path):
+    """As train.py builds it: the folder's tokenizer (the project's BPE, 2050 ids, where none is named: not the
+    byte-level 258) sizes the table, Qwen3's tied one here."""
+    folder = hf_folder(tmp_path / "hf", Tokenizer.from_file(STDLIB_BPE), flavor="debugmodel", model="qwen3")
+    args, note = model_args(load_config([*TINY, "--model.name", "qwen3", "--model.flavor", "debugmodel",
+                                         "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
+                                         str(folder)]))
+    assert (args.vocab_size, note) == (2050, f"vocabulary of {folder}")
 
 
 def test_the_scripts_table_names_expert_parallelism_and_where_the_vocabulary_comes_from():

@@ -2,7 +2,9 @@ import math
 
 import torch
 
+from torchtitan_lite.models import registry
 from torchtitan_lite.models.common.decoder import count_params
+from torchtitan_lite.models.common.moe import inactive_params
 from torchtitan_lite.models.common.rope import rope_table
 from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 
@@ -17,6 +19,23 @@ def test_published_flavors_parameter_counts():
     expected = {"8B": 8_030_261_248, "70B": 70_553_706_496, "405B": 405_853_388_800}
     for flavor, n in expected.items():
         assert count_params(build(flavor, vocab_size=128256))[0] == n, flavor
+
+
+def test_qwen3_sizes_are_the_published_ones():
+    """Qwen's model cards: total parameters and non-embedding ones (the table and an untied output projection left
+    out), each to the card's precision (its last digit, rounded or cut); a mixture's activated ones (its top 8 of 128 experts). An independent check
+    of the flavors, tied embeddings (a table counted once) and the explicit head size."""
+    cards = {"0.6B": (0.6, 0.44), "1.7B": (1.7, 1.4), "4B": (4.0, 3.6), "8B": (8.2, 6.95), "14B": (14.8, 13.2),
+             "32B": (32.8, 31.2), "30B-A3B": (30.5, 3.3), "235B-A22B": (235, 22)}
+    spec = registry.get("qwen3")
+    for flavor, (total, second) in cards.items():
+        with torch.device("meta"):
+            model = spec.model_class(spec.args(flavor, 151_936, 64))
+        n, table = count_params(model)
+        outside = n - table * (1 if model.args.tie_embeddings else 2)
+        figure = outside if model.args.moe is None else n - inactive_params(model)  # the card's second figure
+        for got, card in ((n, total), (figure, second)):  # within 0.6 of the card's last digit (3.35B reads 3.3B)
+            assert abs(got / 1e9 - card) <= 0.6 * 10 ** -len(str(card).partition(".")[2]), (flavor, got, card)
 
 
 def test_forward_shapes_and_gqa():

@@ -20,6 +20,9 @@ def test_an_unknown_model_or_flavor_is_one_line_with_the_choices(error_line, mon
     monkeypatch.setitem(registry.SPECS, "toy", toy)  # the choices are the registry's, whoever registered them
     assert "choose one of llama3, qwen3, toy" in error_line(1, ["--model.name", "tyo"])
     assert "not a flavor of model toy: choose one of small" in error_line(1, ["--model.name", "toy"])
+    # A spec that takes no settings refuses the [moe] keys rather than train a model other than the one asked for.
+    assert error_line(1, ["--model.name", "toy", "--model.flavor", "small", "--moe.top_k", "2"]) == (
+        "error: moe.top_k is set but model toy takes no [moe] settings: remove it")
 
 
 def test_a_name_is_registered_once():

@@ -202,3 +202,30 @@ def test_llama3_sized_file_gets_llama3_special_tokens(tmp_path):
     assert specials["<|eot_id|>"] == 128_009 and specials["<|start_header_id|>"] == 128_006
     assert specials["<|reserved_special_token_250|>"] == 128_255 and len(specials) == 256
     assert tok.decode(tok.encode("Hi 🙂", bos=True, eos=False)) == "<|begin_of_text|>Hi 🙂"
+
+
+BYTE_RANKS = {bytes([i]): i for i in range(256)}
+
+
+def test_a_tokenizer_of_a_folder_may_have_no_bos_nfc_added_tokens_and_id_gaps():
+    """What a Hugging Face tokenizer.json can say and a tiktoken file cannot (tests/test_tokenizer_json.py checks a
+    Qwen-style one against Hugging Face): a document without BOS is its text + EOS."""
+    tok = Tokenizer("qwen_like", BYTE_RANKS, {"<|endoftext|>": 256, "<think>": 257, "<|im_end|>": 260},
+                    pattern=LLAMA3_PAT.replace(r"\p{N}{1,3}", r"\p{N}"), nfc=True, bos=None, eos="<|im_end|>",
+                    in_text=frozenset({"<think>"}))
+    assert (tok.n_words, tok.bos_id, tok.eos_id) == (261, None, 260)
+    assert tok.encode("e\u0301", bos=True, eos=True) == [*"é".encode(), 260]
+    assert tok.encode("<think><|im_end|>", bos=False, eos=False) == [257, *b"<|im_end|>"]
+    assert tok.decode([104, 258, 105, 257, 9999]) == "hi<think>"  # ids of no token decode to nothing
+    assert tok.identity != Tokenizer("qwen_like", BYTE_RANKS, ["<|endoftext|>", "<think>", "<|im_end|>"],
+                                     bos=None, eos="<|im_end|>").identity
+
+
+@pytest.mark.parametrize("specials, bos, problem", [
+    ({"<a>": 255, "<b>": 256}, None, "not distinct ids above the 256 ranks"),
+    ({"<a>": 256, "<b>": 256}, None, "not distinct ids above the 256 ranks"),
+    ({"<a>": 256, "<b>": 257}, "<s>", "'<s>' is not one of the special tokens"),
+])
+def test_special_tokens_a_tokenizer_cannot_hold_are_refused(specials, bos, problem):
+    with pytest.raises(ValueError, match=problem):
+        Tokenizer("bad", BYTE_RANKS, specials, bos=bos, eos="<b>")

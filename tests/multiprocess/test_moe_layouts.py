@@ -1,5 +1,5 @@
-"""A mixture of experts (models/common/moe.py, the tests' model with every block a mixture of 8 experts, top 2) on every
-kind of layout (data, context, tensor and pipeline parallel), with expert parallelism and without, gives its
+"""A mixture of experts (models/common/moe.py: the tests' model with every block a mixture of 8 experts, top 2, and
+Qwen3-MoE's kind, 16 experts, top 4) on every kind of layout (data, context, tensor and pipeline parallel), with expert parallelism and without, gives its
 single-process run: first every token's routing decision at step 1, then the curve within 1e-5, the grad norm within
 1e-5 relative, and every parameter's gradient (router, experts) at step 1.
 
@@ -18,7 +18,7 @@ from run_table import MOE_RUNS
 
 from torchtitan_lite.checkpoint.reader import read_metadata, read_tensors
 from torchtitan_lite.config import load_config
-from torchtitan_lite.models.llama3.model import FLAVORS
+from torchtitan_lite.models import registry
 
 # moe_ep2, moe_tp2 and the resumed runs; the 4-process runs are in the job that starts with the session
 pytestmark = pytest.mark.reads("shared_2p", "resumed_2p", "resumed_4p")
@@ -85,8 +85,8 @@ def test_every_layout_balances_the_experts_by_the_same_bias_bit_for_bit(runs):
 def test_every_routed_slot_is_counted_once_on_every_layout(runs, layout):
     """The load logged at each step counts each token's k slots in each MoE layer once: recomputed blocks (full AC on
     HSDP 2 x 2, every other block on EP 2) count nothing twice."""
-    cfg = load_config(["--job.config_file", str(TINY), *COMMON, *MOE_RUNS[layout].overrides])
-    args = FLAVORS[cfg.model.flavor]
+    cfg = load_config(["--job.config_file", str(TINY), *COMMON, *MOE_RUNS[layout].argv])
+    args = registry.get(cfg.model.name).flavors[cfg.model.flavor]
     moe_layers = sum(args.moe.is_moe(i) for i in range(args.n_layers))
     top_k = cfg.moe.top_k or args.moe.top_k  # the config's [moe] over the flavor's
     slots = cfg.training.global_batch_size * cfg.training.seq_len * top_k * moe_layers
@@ -98,8 +98,9 @@ def test_every_routed_slot_is_counted_once_on_every_layout(runs, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_auxiliary_loss_is_the_single_processs_on_every_layout(runs, layout):
-    """tiny_moe's Switch/Mixtral loss (at 0.02), each sequence's from its own tokens: the same mean over the global
-    batch however the ranks and micro-batches cut it (its gradient is among those compared above)."""
+    """The Switch/Mixtral loss (tiny_moe's at 0.02, Qwen3-MoE's at 0.001), each sequence's from its own tokens: the
+    same mean over the global batch however the ranks and micro-batches cut it (its gradient is among those compared
+    above)."""
     got, ref = metric(runs[layout], "aux_loss"), metric(runs[MOE_RUNS[layout].reference], "aux_loss")
     assert got.keys() == ref.keys() == {1, 2, 3, 4}
     worst = max(abs(got[s] - ref[s]) / ref[s] for s in ref)

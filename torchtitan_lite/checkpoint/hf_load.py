@@ -12,7 +12,7 @@ start as a fresh run starts them. A parameter under two names (tied embeddings) 
 model has no lm_head.weight, and a stage that holds only the output projection reads the embedding for it.
 
 Before any process talks, `check_hf` refuses what cannot work in one line (training/preflight.py): no folder, a model
-without an adapter, a config.json of another shape than model.name/flavor (the vocabulary must be the tokenizer's;
+without an adapter, a config.json of another shape than model.name/flavor (the vocabulary must hold the tokenizer's;
 the context is training.seq_len's, whatever max_position_embeddings says), a tensor missing or of another shape.
 """
 
@@ -132,7 +132,7 @@ def sources(hf_dir: Path, hf: HFAdapter, config: dict, wanted: dict[str, tuple],
 
 def check_hf(cfg: JobConfig, args: Args) -> None:
     """The Hugging Face options' refusals, each one line (ConfigError), before any process talks: `args` are the
-    run's model args, its vocabulary the tokenizer's."""
+    run's model args, its vocabulary the tokenizer's or the folder's padded one (data/hf_tokenizer.run_vocab_size)."""
     ck = cfg.checkpoint
     if ck.initial_load_in_hf and not ck.initial_load_path:
         raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path: the Hugging Face folder "
@@ -169,7 +169,7 @@ def check_folder(hf_dir: Path, cfg: JobConfig, args: Args) -> None:
                  "the folder's tokenizer (byte level where it has none)")
         fix = "set it to \"\" to use the folder's own, or" if cfg.model.tokenizer_path else "set model.tokenizer_path"
         raise ConversionError(f"{hf_dir}/config.json's vocab_size is {theirs.vocab_size} but {whose} has "
-                              f"{args.vocab_size} ids: {fix} to a tokenizer of {theirs.vocab_size} ids")
+                              f"{args.vocab_size} ids: {fix} to a tokenizer of at most {theirs.vocab_size} ids")
     theirs = dataclasses.replace(theirs, vocab_size=args.vocab_size, max_seq_len=args.max_seq_len)
     run = f"model.name {cfg.model.name}, model.flavor {cfg.model.flavor}"
     flavor = hf.flavor_of(theirs)

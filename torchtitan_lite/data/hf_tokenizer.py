@@ -13,9 +13,15 @@ at every step, for any ranks, trained or not. A token the run never reaches (it 
 no merge: tiktoken only makes it by the look-up, and so does `ignore_merges`. (transformers' converter lists every
 split of t into two tokens instead: over twice as many merges for Llama 3.)
 
+Reading (tokenizer_json.py says what tiktoken reproduces): a tiktoken file cannot say a regex, a normalizer or
+special tokens of its own, so load_hf_tokenizer writes one only for the tokenizer.json it stands for; a run that
+starts from a folder takes any reproducible one in memory (folder_tokenizer: Qwen's too), and its model's
+vocabulary is config.json's where that pads the embedding (run_vocab_size).
+
 What cannot match, on purpose or by engine: a special token's name inside text is a special token for Hugging Face
-but plain text for `Tokenizer.encode`; `Tokenizer.encode` cuts runs of over MAX_RUN characters, Hugging Face does not;
-the regex engines (fancy-regex, Oniguruma) may disagree on characters newer than their Unicode tables.
+but plain text for `Tokenizer.encode` (a non-special added token, such as Qwen3's `<think>`, is a token for both);
+`Tokenizer.encode` cuts runs of over MAX_RUN characters, Hugging Face does not; the regex engines (fancy-regex,
+Oniguruma) may disagree on characters newer than their Unicode tables.
 """
 
 from __future__ import annotations
@@ -23,114 +29,84 @@ from __future__ import annotations
 import base64
 import json
 import shutil
-import warnings
-from itertools import pairwise, zip_longest
 from pathlib import Path
 
 from torchtitan_lite.config import ConfigError, JobConfig
-from torchtitan_lite.data.tokenizer import (
-    BOS,
-    EOS,
-    LLAMA3_N_RANKS,
-    LLAMA3_PAT,
-    LLAMA3_SPECIALS,
-    Tokenizer,
-    build_tokenizer,
-    load_tokenizer,
+from torchtitan_lite.data.tokenizer import BOS, EOS, Tokenizer, build_tokenizer, load_tokenizer
+from torchtitan_lite.data.tokenizer_json import (
+    hf_chars,
+    last_merge,
+    ranks_for_tiktoken_file,
+    read_tokenizer_json,
+    tiktoken_file_problem,
+    tiktoken_file_specials,
 )
 
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for chars from U+0100 up, so
-    every token is a printable string that JSON and the merge list (space separated in old files) carry safely."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-
-
-BYTE_TO_CHAR = _bytes_to_unicode()
-CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
 # Hugging Face's "no limit" (transformers' VERY_LARGE_INTEGER), written when the caller knows no context length.
 NO_MAX_LENGTH = int(1e30)
-
-
-def _hf(token: bytes) -> str:
-    return "".join(BYTE_TO_CHAR[b] for b in token)
-
-
-def _last_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
-    """The two parts tiktoken's BPE joins into `token` when run on its bytes alone, None if it never gets there."""
-    get, never = ranks.get, len(ranks)
-    parts = list(map(int.to_bytes, token))
-    pair_ranks = [get(a + b, never) for a, b in pairwise(parts)]  # pair_ranks[i]: parts i and i + 1 joined
-    while len(parts) > 2:
-        best = min(pair_ranks)
-        if best == never:
-            return None
-        i = pair_ranks.index(best)  # the leftmost, as tiktoken
-        parts[i] = merged = parts[i] + parts.pop(i + 1)
-        del pair_ranks[i]
-        if i > 0:
-            pair_ranks[i - 1] = get(parts[i - 1] + merged, never)
-        if i < len(parts) - 1:
-            pair_ranks[i] = get(merged + parts[i + 1], never)
-    return parts[0], parts[1]
 
 
 def _derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     """One merge per reachable token, in rank order (see the module docstring for why this reproduces tiktoken)."""
     merges = []
     for token in sorted(ranks, key=ranks.__getitem__):
-        if len(token) > 1 and (pair := _last_merge(token, ranks)) is not None:
+        if len(token) > 1 and (pair := last_merge(token, ranks)) is not None:
             merges.append(pair)
     return merges
 
 
-def _pre_tokenizer() -> dict:
+def _pre_tokenizer(pattern: str) -> dict:
     return {
         "type": "Sequence",
         "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": LLAMA3_PAT}, "behavior": "Isolated", "invert": False},
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
             # The regex has already split the text: ByteLevel only maps bytes to GPT-2's alphabet.
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         ],
     }
 
 
-def _added_token(name: str) -> dict:
-    # normalized False: matched in the text as written; special: dropped by decode(skip_special_tokens=True).
+def _added_token(name: str, special: bool = True) -> dict:
+    # normalized False: matched in the text as written; special: dropped by decode(skip_special_tokens=True), and
+    # not a token in text under split_special_tokens (a non-special one always is: Tokenizer's in_text).
     return {
         "content": name,
         "single_word": False,
         "lstrip": False,
         "rstrip": False,
         "normalized": False,
-        "special": True,
+        "special": special,
+    }
+
+
+def _added_tokens(tokenizer: Tokenizer) -> dict[int, dict]:
+    return {i: _added_token(name, name not in tokenizer.in_text) for name, i in tokenizer.special_tokens.items()}
+
+
+def _bos_template(tokenizer: Tokenizer) -> dict | None:
+    """Like our encode(bos=True, eos=False), which is how training documents start; None without a BOS."""
+    if tokenizer.bos is None:
+        return None
+    bos = {"SpecialToken": {"id": tokenizer.bos, "type_id": 0}}
+    return {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": tokenizer.bos, "type_id": 1}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {tokenizer.bos: {"id": tokenizer.bos, "ids": [tokenizer.bos_id], "tokens": [tokenizer.bos]}},
     }
 
 
 def _tokenizer_json(tokenizer: Tokenizer) -> dict:
     ranks = tokenizer.ranks
-    bos = {"id": BOS, "ids": [tokenizer.bos_id], "tokens": [BOS]}
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [{"id": i, **_added_token(name)} for name, i in tokenizer.special_tokens.items()],
-        "normalizer": None,
-        "pre_tokenizer": _pre_tokenizer(),
-        # Like our encode(bos=True, eos=False), which is how training documents start.
-        "post_processor": {
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": BOS, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [
-                {"SpecialToken": {"id": BOS, "type_id": 0}},
-                {"Sequence": {"id": "A", "type_id": 0}},
-                {"SpecialToken": {"id": BOS, "type_id": 1}},
-                {"Sequence": {"id": "B", "type_id": 1}},
-            ],
-            "special_tokens": {BOS: bos},
-        },
+        "added_tokens": [{"id": i, **token} for i, token in _added_tokens(tokenizer).items()],
+        "normalizer": {"type": "NFC"} if tokenizer.nfc else None,
+        "pre_tokenizer": _pre_tokenizer(tokenizer.pattern),
+        "post_processor": _bos_template(tokenizer),
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         "model": {
             "type": "BPE",
@@ -141,8 +117,8 @@ def _tokenizer_json(tokenizer: Tokenizer) -> dict:
             "fuse_unk": False,
             "byte_fallback": False,
             "ignore_merges": True,  # tiktoken's whole-word look-up
-            "vocab": {_hf(token): rank for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])},
-            "merges": [[_hf(a), _hf(b)] for a, b in _derive_merges(ranks)],
+            "vocab": {hf_chars(token): rank for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])},
+            "merges": [[hf_chars(a), hf_chars(b)] for a, b in _derive_merges(ranks)],
         },
     }
 
@@ -154,21 +130,19 @@ def save_hf_tokenizer(tokenizer: Tokenizer, out_dir: str | Path, *, model_max_le
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # special_tokens_map.json's entries have no "special" field: every one of them is.
-    special = {
-        key: {k: v for k, v in _added_token(name).items() if k != "special"}
-        for key, name in [("bos_token", BOS), ("eos_token", EOS)]
-    }
+    named = [("bos_token", tokenizer.bos), ("eos_token", tokenizer.eos)]
+    special = {key: {k: v for k, v in _added_token(name).items() if k != "special"} for key, name in named if name}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",  # the generic class: reads tokenizer.json as it is
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "add_bos_token": True,
+        "bos_token": tokenizer.bos,
+        "eos_token": tokenizer.eos,
+        "add_bos_token": tokenizer.bos is not None,
         "add_eos_token": False,
         # True (transformers 4's default) edits decoded text (" ," -> ","): decode would not give back the text.
         "clean_up_tokenization_spaces": False,
         "model_input_names": ["input_ids", "attention_mask"],
         "model_max_length": model_max_length or NO_MAX_LENGTH,
-        "added_tokens_decoder": {str(i): _added_token(name) for name, i in tokenizer.special_tokens.items()},
+        "added_tokens_decoder": {str(i): token for i, token in _added_tokens(tokenizer).items()},
     }
     files = {
         "tokenizer.json": _tokenizer_json(tokenizer),
@@ -184,16 +158,16 @@ def load_hf_tokenizer(hf_dir: str | Path, out_path: str | Path) -> Tokenizer:
 
     Meta's `original/tokenizer.model` is preferred when present: it already is the tiktoken file that
     `Tokenizer.from_file` reads (with Llama 3's special tokens, also for 3.1's file, whose tokenizer.json renames
-    some reserved ones). Otherwise `tokenizer.json` must be a byte-level BPE that our Tokenizer reproduces exactly:
-    Llama 3's pre-tokenizer, ranks 0..n-1, then the special tokens that `Tokenizer.from_file` numbers after them.
-    Anything else is a ValueError naming the first difference."""
+    some reserved ones). Otherwise `tokenizer.json` must be a byte-level BPE that a tiktoken file stands for exactly:
+    Llama 3's pre-tokenizer, no normalizer, ranks 0..n-1, then the special tokens that `Tokenizer.from_file` numbers
+    after them (not Qwen's: folder_tokenizer reads it). Anything else is a ValueError naming the first difference."""
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     meta_file, hf_file = hf_dir / "original" / "tokenizer.model", hf_dir / "tokenizer.json"
     if meta_file.is_file():
         out_path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(meta_file, out_path)
     elif hf_file.is_file():
-        ranks = _ranks_from_tokenizer_json(hf_file)
+        ranks = ranks_for_tiktoken_file(hf_file)
         lines = [b"%s %d\n" % (base64.b64encode(t), r) for t, r in sorted(ranks.items(), key=lambda kv: kv[1])]
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_bytes(b"".join(lines))
@@ -203,15 +177,20 @@ def load_hf_tokenizer(hf_dir: str | Path, out_path: str | Path) -> Tokenizer:
 
 
 def folder_tokenizer(hf_dir: str | Path) -> Tokenizer | None:
-    """The tokenizer of a Hugging Face folder, by load_hf_tokenizer's rules but read in memory; None when the folder
-    has none."""
+    """The tokenizer of a Hugging Face folder, read in memory; None when the folder has none. What a tiktoken file
+    holds loads by load_hf_tokenizer's rules; any other tokenizer.json we reproduce exactly (Qwen's: its regex, NFC,
+    its added tokens with their ids) with BOS and EOS from tokenizer_config.json (_bos_eos)."""
     meta_file, hf_file = Path(hf_dir) / "original" / "tokenizer.model", Path(hf_dir) / "tokenizer.json"
     if meta_file.is_file():
         return Tokenizer.from_file(meta_file)
     if not hf_file.is_file():
         return None
-    ranks = _ranks_from_tokenizer_json(hf_file)
-    return Tokenizer(Path(hf_dir).name, ranks, LLAMA3_SPECIALS if len(ranks) == LLAMA3_N_RANKS else [BOS, EOS])
+    read = read_tokenizer_json(hf_file)
+    if tiktoken_file_problem(read) is None:
+        return Tokenizer(Path(hf_dir).name, read.ranks, tiktoken_file_specials(read.ranks))
+    bos, eos = _bos_eos(Path(hf_dir), read.added)
+    return Tokenizer(Path(hf_dir).name, read.ranks, read.added, pattern=read.pattern, nfc=read.nfc, bos=bos, eos=eos,
+                     in_text=read.in_text)
 
 
 def run_tokenizer(cfg: JobConfig) -> Tokenizer:
@@ -228,95 +207,44 @@ def run_tokenizer(cfg: JobConfig) -> Tokenizer:
                           "tiktoken file of the same ids") from None
 
 
-def _ranks_from_tokenizer_json(path: Path) -> dict[bytes, int]:
-    def refuse(what: str) -> ValueError:
-        return ValueError(f"{path}: cannot convert to our tiktoken tokenizer: {what}")
-
+def run_vocab_size(cfg: JobConfig, tokenizer: Tokenizer) -> int:
+    """The model's vocabulary in the run `cfg` configures: the tokenizer's ids, or where the Hugging Face folder the
+    run starts from pads its embedding beyond them (config.json's vocab_size: Qwen3's 151936 rows for 151669 ids),
+    the folder's, so that its weights load; a smaller one is refused by check_hf. By the config alone, as above."""
+    ck = cfg.checkpoint
+    if not (ck.initial_load_in_hf and ck.initial_load_path):
+        return tokenizer.n_words
     try:
-        spec = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise refuse(f"not JSON ({e})") from None
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE":
-        raise refuse(f"its model is {model.get('type')}, not a byte-level BPE")
-    if spec.get("normalizer"):
-        raise refuse(f"it normalizes text first ({spec['normalizer'].get('type')}), ours does not")
-    if problem := _pre_tokenizer_problem(spec.get("pre_tokenizer")):
-        raise refuse(problem)
-    for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
-        if model.get(key):
-            raise refuse(f"its BPE has {key}={model[key]!r}, tiktoken has no such option")
-
-    added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
-    vocab: dict[str, int] = model.get("vocab") or {}
-    ranks: dict[bytes, int] = {}
-    for text, i in vocab.items():
-        if text in added:
-            if added[text] != i:
-                raise refuse(f"{text!r} is id {i} in the vocab but {added[text]} as an added token")
-            continue
-        if any(c not in CHAR_TO_BYTE for c in text):
-            raise refuse(f"vocab token {text!r} (id {i}) is not in GPT-2's byte-level alphabet")
-        ranks[bytes(CHAR_TO_BYTE[c] for c in text)] = i
-    n = len(ranks)
-    if sorted(ranks.values()) != list(range(n)):
-        ids = set(ranks.values())
-        gap = next((f"no token has id {i}" for i in range(n) if i not in ids), "two tokens share an id")
-        raise refuse(f"its vocab ids (special tokens aside) are not 0..{n - 1}, each once: {gap}")
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:
-        raise refuse(f"{len(missing)} of the 256 single bytes have no token, e.g. byte {missing[0]}")
-
-    # The same rule as Tokenizer.from_file, so that the tiktoken file we write gets these specials back.
-    expected = LLAMA3_SPECIALS if n == LLAMA3_N_RANKS else [BOS, EOS]
-    found = sorted((i, name) for name, i in added.items())
-    for k, (got, want) in enumerate(zip_longest(found, [(n + k, name) for k, name in enumerate(expected)])):
-        if got != want:
-            raise refuse(f"special token #{k} is {_named(got)}; after {n} ranks, ours is {_named(want)}")
-
-    if problem := _merges_problem(model, ranks, vocab):
-        warnings.warn(f"{path}: some texts may encode differently than in Hugging Face: {problem}", stacklevel=3)
-    return ranks
+        padded = json.loads((Path(ck.initial_load_path) / "config.json").read_text())["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError):  # check_hf names what is wrong with the folder
+        return tokenizer.n_words
+    return padded if isinstance(padded, int) and padded > tokenizer.n_words else tokenizer.n_words
 
 
-def _named(token: tuple[int, str] | None) -> str:
-    return f"{token[1]!r} with id {token[0]}" if token else "none"
+def _bos_eos(hf_dir: Path, added: dict[str, int]) -> tuple[str | None, str]:
+    """BOS and EOS by name: tokenizer_config.json's bos_token and eos_token (Qwen3: no BOS, EOS <|im_end|> or, for a
+    base model, <|endoftext|>); without the file or key, <|begin_of_text|> if present, and the first of
+    <|endoftext|> and <|end_of_text|> present."""
+    try:
+        config = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        config = {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{hf_dir}/tokenizer_config.json cannot be read: {e}") from None
+
+    def named(key: str) -> str | None:
+        value = config.get(key)
+        return value.get("content") if isinstance(value, dict) else value  # older files: an AddedToken's fields
+
+    bos = named("bos_token") if "bos_token" in config else (BOS if BOS in added else None)
+    eos = named("eos_token") or next((name for name in ("<|endoftext|>", EOS) if name in added), None)
+    if eos is None:
+        raise ValueError(f"{hf_dir}: no EOS: tokenizer_config.json names no eos_token, and neither <|endoftext|> nor "
+                         f"{EOS} is among its added tokens")
+    for key, name in (("bos_token", bos), ("eos_token", eos)):
+        if name is not None and name not in added:
+            raise ValueError(f"{hf_dir}/tokenizer_config.json: {key} {name!r} is not one of tokenizer.json's added "
+                             "tokens")
+    return bos, eos
 
 
-def _pre_tokenizer_problem(pre: dict | None) -> str | None:
-    steps = ((pre or {}).get("pretokenizers") or []) if (pre or {}).get("type") == "Sequence" else [pre]
-    kinds = [(s or {}).get("type") for s in steps]
-    if kinds != ["Split", "ByteLevel"]:
-        return f"its pre-tokenizer is {kinds}, ours is ['Split' by Llama 3's regex, 'ByteLevel']"
-    split, byte_level = steps
-    pattern = (split.get("pattern") or {}).get("Regex")
-    if pattern != LLAMA3_PAT:
-        return f"its pre-tokenizer regex {str(pattern)[:80]!r}... is not Llama 3's"
-    # Our regex matches every character, so keeping the matches and dropping the rest is the same split.
-    if (split.get("behavior"), bool(split.get("invert"))) not in [("Isolated", False), ("Removed", True)]:
-        return f"its Split keeps {split.get('behavior')} (invert={split.get('invert')}), tiktoken isolates matches"
-    if byte_level.get("add_prefix_space") or byte_level.get("use_regex", True):
-        return "its ByteLevel step adds a prefix space or splits again by GPT-2's regex"
-    return None
-
-
-def _merges_problem(model: dict, ranks: dict[bytes, int], vocab: dict[str, int]) -> str | None:
-    """Why Hugging Face's BPE may differ from tiktoken on these ranks (the ranks are the ids: the embedding rows
-    follow them), or None. It matches when its merges are in id order and hold each token's last merge (every-split
-    lists such as transformers' also do)."""
-    listed = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
-    merges, last_id = set(listed), -1
-    for a, b in listed:
-        made = vocab.get(a + b)
-        if made is None:
-            return f"merge {a!r} + {b!r} makes no token"
-        if made < last_id:
-            return f"merge {a!r} + {b!r} makes id {made} after id {last_id}, so it is applied later than its rank"
-        last_id = made
-    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(token) > 1 and (pair := _last_merge(token, ranks)) is not None:
-            if (_hf(pair[0]), _hf(pair[1])) not in merges:
-                return f"it has no merge {_hf(pair[0])!r} + {_hf(pair[1])!r} for id {rank}, tiktoken's way to it"
-        elif len(token) > 1 and not model.get("ignore_merges"):
-            return f"id {rank} ({_hf(token)!r}) is reached by whole-word look-up only, and ignore_merges is off"
-    return None

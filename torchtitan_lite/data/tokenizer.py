@@ -5,9 +5,9 @@ Three vocabularies from tiktoken files (or none), all split into pre-tokens by L
 - the project's own BPE (`torchtitan_lite/assets/stdlib_bpe_2k.tiktoken`, from `scripts/train_tokenizer.py`):
   its ranks, then BOS/EOS.
 - Llama 3's `original/tokenizer.model` (`scripts/download_tokenizer.py`): 128000 ranks + Meta's 256 special tokens.
-A Hugging Face folder's tokenizer.json (data/hf_tokenizer.py) may bring what a tiktoken file cannot say: its own
-regex, NFC normalization, special tokens with their own ids (gaps allowed), no BOS (Qwen's), and added tokens that
-text holds as tokens (Qwen's `<think>`). Each is a constructor argument whose default is the tiktoken files' way.
+A Hugging Face folder's tokenizer.json (data/tokenizer_json.py) may bring what a tiktoken file cannot say: its own
+regex, NFC normalization, its own special tokens and ids, no BOS (Qwen's), and added tokens that text holds as tokens
+(Qwen3's `<think>`). Each is a constructor argument whose default is the tiktoken files' way.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """What the rest of the package knows of a model: its spec, the one object `model.name` selects (registry.py).
 
-torchtitan's shape, in our words: an architecture is a folder (llama3/) holding the model, its flavors, its tensor-
-parallel plan, its Hugging Face adapter and its FLOP count, and one `ModelSpec` naming them for the layers that use
-them. The parallel layer, the trainer and the tools never import a model class: they call the spec, so a second
-architecture is a new folder and a registration, not edits across the layers.
+torchtitan's shape, in our words: an architecture is a folder (llama3/, qwen3/) holding its args and flavors, its
+Hugging Face adapter and one `ModelSpec` naming them with its model class, TP plan and FLOP count, most of which are
+the shared decoder's (common/). The parallel layer, the trainer and the tools never import an architecture: they call
+the spec, so a new architecture is a new folder and a registration, not edits across the layers (docs/extension.md).
 
 Besides the spec's functions, the layers rely on a few things of the model itself, each the least they can:
 - `model_class(args)` builds the whole model (train.py builds it on meta); its `args` attribute is those args, which
@@ -12,10 +12,12 @@ Besides the spec's functions, the layers rely on a few things of the model itsel
   pipeline stages work on; `init_weights(seed, buffer_device)` initializes every parameter identically on any mesh
   (models/init.py) and recomputes the buffers.
 - A pipeline stage is the whole model with the blocks it does not own dropped, and the modules registered before
-  `layers` set to None on every stage but the first, those after it on every stage but the last; the forward takes
-  hidden states where its first modules are None, and gives them where its last are.
-- Context parallelism needs the model's `attend_with(attend, held_rows)` (llama3/model.py says what it swaps); a
-  model without one refuses a context-parallel layout at preflight.
+  `layers` set to None on every stage but the first, those after it on every stage but the last (the last keeps one
+  that holds a parameter tied to one after the blocks); the forward takes hidden states, floating point where tokens
+  are integers, and gives them where its last modules are None.
+- Tied parameters: `tie_weights()`, called after TP replaces the parameters (a model that ties none lacks it).
+- Context parallelism needs the model's `attend_with(attend, held_rows)` (common/decoder.py says what it swaps); a
+  model without one refuses a context-parallel layout at preflight. Generation needs `kv_cache(batch, max_len)`.
 """
 
 from __future__ import annotations
@@ -103,6 +105,17 @@ class ModelSpec:
         return dataclasses.replace(self.flavors[flavor], vocab_size=vocab_size, max_seq_len=seq_len)
 
     def run_args(self, cfg, vocab_size: int) -> Any:
-        """The args of the run `cfg` configures: its flavor's (args), with what the config sets over them."""
+        """The args of the run `cfg` configures: its flavor's (args), with what the config sets over them. A model
+        whose spec takes no settings (no `configure`) refuses the [moe] keys rather than ignore them."""
         args = self.args(cfg.model.flavor, vocab_size, cfg.training.seq_len)
-        return self.configure(args, cfg) if self.configure else args
+        if self.configure:
+            return self.configure(args, cfg)
+        if set_keys := [f.name for f in dataclasses.fields(cfg.moe) if getattr(cfg.moe, f.name) not in (None, "")]:
+            raise ConfigError(f"moe.{set_keys[0]} is set but model {self.name} takes no [moe] settings: remove it")
+        return args
+
+    @staticmethod
+    def moe(args) -> Any:
+        """The mixture of experts of a model's args (models/common/moe.MoEArgs), None for a dense one: the one
+        question the layers ask of it, for the refusals and the groups expert parallelism and balancing need."""
+        return getattr(args, "moe", None)

@@ -28,7 +28,7 @@ from torch import nn
 from torchtitan_lite.checkpoint.finder import find_checkpoint
 from torchtitan_lite.checkpoint.reader import check_fits, load_local, read_metadata
 from torchtitan_lite.config import JobConfig
-from torchtitan_lite.data.hf_tokenizer import run_tokenizer
+from torchtitan_lite.data.hf_tokenizer import run_tokenizer, run_vocab_size
 from torchtitan_lite.data.tokenizer import Tokenizer
 from torchtitan_lite.models import registry
 
@@ -110,7 +110,7 @@ def load_model(cfg: JobConfig, checkpoint: str, device: torch.device,
     or dump folder (its newest complete step; checkpoint_finder.find_checkpoint)."""
     tokenizer = run_tokenizer(cfg)  # the run's: model.tokenizer_path's, or its Hugging Face folder's
     spec = registry.get(cfg.model.name)
-    args = spec.run_args(cfg, tokenizer.n_words)
+    args = spec.run_args(cfg, run_vocab_size(cfg, tokenizer))
     path, _ = find_checkpoint(checkpoint, cfg.checkpoint.folder)
     with torch.device("meta"):
         model = spec.model_class(args)

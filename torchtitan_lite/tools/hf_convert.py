@@ -38,7 +38,7 @@ from torchtitan_lite.checkpoint.hf_load import (adapter, expected_shapes, pieces
                                                 safetensors_index, sources)
 from torchtitan_lite.checkpoint.reader import load_local, read_metadata
 from torchtitan_lite.config import JobConfig, Model
-from torchtitan_lite.data.hf_tokenizer import run_tokenizer, save_hf_tokenizer
+from torchtitan_lite.data.hf_tokenizer import run_tokenizer, run_vocab_size, save_hf_tokenizer
 from torchtitan_lite.models import registry
 from torchtitan_lite.models.spec import Args, ConversionError, ModelSpec
 
@@ -202,7 +202,7 @@ def export_run(ckpt: str | Path, out: str | Path, cfg: JobConfig, dtype: torch.d
                max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> None:
     """export_to_hf of a checkpoint of the run `cfg` configures: its model, and its tokenizer written beside."""
     tokenizer = run_tokenizer(cfg)
-    args = registry.get(cfg.model.name).run_args(cfg, tokenizer.n_words)
+    args = registry.get(cfg.model.name).run_args(cfg, run_vocab_size(cfg, tokenizer))
     export_to_hf(ckpt, out, args, tokenizer.bos_id, tokenizer.eos_id, dtype, max_shard_size, model=cfg.model.name,
                  add_files=lambda folder: save_hf_tokenizer(tokenizer, folder, model_max_length=args.max_seq_len))
 

@@ -79,6 +79,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from torchtitan_lite.config import ConfigError, JobConfig
+from torchtitan_lite.data.hf_tokenizer import run_tokenizer, run_vocab_size
 from torchtitan_lite.data.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
 from torchtitan_lite.models import documents, registry
 from torchtitan_lite.models.common import moe
@@ -123,6 +124,9 @@ def model_args(cfg: JobConfig) -> tuple[Args, str]:
     file is missing, the flavor's published vocabulary (its spec's published_vocab: the big configs point at their
     makers' tokenizers, which an estimate should not need)."""
     spec, path, flavor = registry.get(cfg.model.name), cfg.model.tokenizer_path, cfg.model.flavor
+    if cfg.checkpoint.initial_load_in_hf and not path:  # the Hugging Face folder's, as the run's (train.py)
+        folder = cfg.checkpoint.initial_load_path
+        return spec.run_args(cfg, run_vocab_size(cfg, run_tokenizer(cfg))), f"vocabulary of {folder}"
     try:
         vocab = build_tokenizer(path).n_words
         note = f"vocabulary of {path}" if path else 'byte-level vocabulary: model.tokenizer_path = ""'

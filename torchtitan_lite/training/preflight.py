@@ -12,7 +12,7 @@ from torchtitan_lite.checkpoint.hf_load import check_hf
 from torchtitan_lite.checkpoint.manager import check_config
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.mixture import build_data
-from torchtitan_lite.data.hf_tokenizer import run_tokenizer
+from torchtitan_lite.data.hf_tokenizer import run_tokenizer, run_vocab_size
 from torchtitan_lite.models import registry
 from torchtitan_lite.models.spec import Args
 from torchtitan_lite.parallel.context_parallel import check_cp
@@ -35,7 +35,7 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
         if not hasattr(spec.model_class, "attend_with"):
             raise ConfigError(f"model {spec.name} has no swappable attention (attend_with), which context parallelism "
                               "swaps: set parallelism.context_parallel_degree = 1")
-    moe = getattr(model_args, "moe", None)
+    moe = spec.moe(model_args)
     if moe is not None:
         check_moe(cfg, dims, moe)
     elif dims.ep > 1:
@@ -84,6 +84,9 @@ def document_start(cfg: JobConfig, tokenizer) -> int | None:
     if set(mixed or [cfg.training.dataset]) == {"synthetic"}:  # in a mixture beside text, its windows are causal
         raise ConfigError("model.attn_mask_type block_causal masks at document starts (BOS), and synthetic data has "
                           "no documents: train on text (e.g. training.dataset python_stdlib) or use causal")
+    if tokenizer.bos_id is None:  # Qwen's: documents are text + EOS, and where one starts is not a token
+        raise ConfigError("model.attn_mask_type block_causal masks at document starts (BOS), and the tokenizer has "
+                          "no BOS (its documents are text + EOS): use causal")
     return tokenizer.bos_id
 
 
@@ -94,7 +97,7 @@ def preflight(cfg: JobConfig, world_size: int):
     spec = registry.get(cfg.model.name)  # first: the rest of the checks are the model's
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     tokenizer = run_tokenizer(cfg)  # model.tokenizer_path's, or the Hugging Face folder's the run starts from
-    model_args = spec.run_args(cfg, tokenizer.n_words)
+    model_args = spec.run_args(cfg, run_vocab_size(cfg, tokenizer))  # the tokenizer's, or a folder's padded one
     check_layout(cfg, dims, model_args)
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
     check_hf(cfg, model_args)
@@ -103,6 +106,6 @@ def preflight(cfg: JobConfig, world_size: int):
     bos_id = document_start(cfg, tokenizer)
     training = cfg.training
     global_batch = dims.global_batch(training.local_batch_size, training.global_batch_size)
-    global_batch = check_replicas(cfg, dims, global_batch, getattr(model_args, "moe", None) is not None)
+    global_batch = check_replicas(cfg, dims, global_batch, spec.moe(model_args) is not None)
     source, val_sources = build_data(cfg, tokenizer, global_batch, dims.dp)
     return dims, model_args, bos_id, global_batch, source, val_sources

@@ -17,7 +17,8 @@ stage holds it under the one name its modules keep, and the pipeline sums the fi
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -26,9 +27,11 @@ from torchtitan_lite.models import documents as docs
 from torchtitan_lite.models.common.attention import Attention
 from torchtitan_lite.models.common.kv_cache import KVCache
 from torchtitan_lite.models.common.layers import FeedForward, RMSNorm
-from torchtitan_lite.models.common.moe import MoE, MoEArgs, inactive_params
+from torchtitan_lite.models.common.moe import MoE, MoEArgs, configured, inactive_params
+from torchtitan_lite.models.common.parallelize import tp_plan, tp_sizes
 from torchtitan_lite.models.common.rope import all_rows, rope_table
 from torchtitan_lite.models.init import canonical_name, trunc_normal_
+from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 from torchtitan_lite.runtime import metrics
 
 
@@ -201,3 +204,19 @@ def param_group(name: str) -> str:
     if name.endswith("norm.weight"):
         return "norm"
     return "bias" if name.endswith(".bias") else "matrix"
+
+
+def configure(args, cfg):
+    """The config's [moe] settings over the flavor's mixture (moe.configured): the decoder's configure."""
+    return args.with_(moe=configured(args.moe, cfg.moe, cfg.model.flavor))
+
+
+def decoder_spec(name: str, flavors: Mapping[str, Any], hf: HFAdapter | None,
+                 published_vocab: Mapping[str, int]) -> ModelSpec:
+    """The spec of an architecture that is this decoder on args of its own (Llama 3, Qwen3): the decoder's class, TP
+    plan, FLOP count, parameter groups and [moe] settings, with the architecture's flavors, Hugging Face adapter and
+    published vocabularies. Every block the same module on the same shapes (only its initialization depends on its
+    index: depth_init), so the memory estimate may extrapolate from a few."""
+    return ModelSpec(name=name, model_class=Decoder, flavors=flavors, tp_plan=tp_plan, tp_sizes=tp_sizes,
+                     flops_per_token=flops_per_token, param_group=param_group, configure=configure, hf=hf,
+                     blocks_alike=True, published_vocab=published_vocab)

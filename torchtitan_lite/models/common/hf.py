@@ -13,6 +13,7 @@ decoder's parameter names in transformers' Llama-family terms, the RoPE row perm
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -104,3 +105,26 @@ def rope_settings(config: dict, default_theta: float = 10000.0) -> tuple[float, 
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", config.get("rope_theta", default_theta))
     return float(theta), rope.pop("rope_type", rope.pop("type", "default")), rope
+
+
+def check_routing(moe, routing: dict, layout: str) -> None:
+    """ConversionError unless the mixture `moe` (MoEArgs) routes as `routing` says, `layout`'s routing in our terms:
+    an export must never route otherwise than training did."""
+    for key, theirs in routing.items():
+        if getattr(moe, key) != theirs:
+            raise ConversionError(f"{layout}'s layout cannot hold moe.{key} = {getattr(moe, key)} ({layout}'s: "
+                                  f"{theirs}): a mixture of experts exports only with {layout}'s routing")
+
+
+def decoder_sizes(config: dict, fixed: tuple[tuple[str, object], ...]) -> tuple[int, int, int, int, int]:
+    """(hidden_size, num_attention_heads, num_hidden_layers, intermediate_size, vocab_size) of a config.json, once the
+    keys whose value ours fixes (`fixed`: (key, ours) pairs; an absent key counts as ours) hold it; else
+    ConversionError naming the first that differs, or the first size missing."""
+    for key, ours in fixed:
+        if config.get(key, ours) != ours:
+            raise ConversionError(f"not a model ours can represent: {key} = {json.dumps(config[key])} (ours: "
+                                  f"{json.dumps(ours)})")
+    needed = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+    if missing := [key for key in needed if key not in config]:
+        raise ConversionError(f"config.json has no {missing[0]}")
+    return tuple(config[key] for key in needed)

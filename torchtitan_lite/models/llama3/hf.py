@@ -17,13 +17,12 @@ export must never route otherwise than training did.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import torch
 
-# split and to_hf_tensor are this adapter's as they are the shared decoder's (llama3/spec.py names them here).
-from torchtitan_lite.models.common.hf import DECODER_LAYER, Names, rope_settings, split, to_hf_tensor  # noqa: F401
+from torchtitan_lite.models.common.hf import (  # noqa: F401 - split, to_hf_tensor: the spec names them here
+    DECODER_LAYER, Names, check_routing, decoder_sizes, rope_settings, split, to_hf_tensor)
 from torchtitan_lite.models.common.moe import MoEArgs
 from torchtitan_lite.models.common.rope import ROPE_SCALING
 from torchtitan_lite.models.llama3.model import FLAVORS, ModelArgs
@@ -49,10 +48,7 @@ MIXTRAL_ROUTING = {"shared_experts": 0, "score_func": "softmax", "renormalize": 
 def mixtral(args: ModelArgs) -> dict:
     """config.json's Mixtral keys for an MoE model, or ConversionError naming what Mixtral's layout cannot hold."""
     moe = args.moe
-    for key, theirs in MIXTRAL_ROUTING.items():
-        if getattr(moe, key) != theirs:
-            raise ConversionError(f"Mixtral's layout cannot hold moe.{key} = {getattr(moe, key)} (Mixtral's: "
-                                  f"{theirs}): a mixture of experts exports only with Mixtral's routing")
+    check_routing(moe, MIXTRAL_ROUTING, "Mixtral")
     if args.rope_scaling:
         raise ConversionError("Mixtral's layout has no Llama 3.1 RoPE scaling: export an MoE model without it")
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
@@ -108,14 +104,9 @@ def model_args_from_hf(config: dict) -> ModelArgs:
                       # the folder's auxiliary-loss coefficient, whatever output_router_logits says: that only
                       # decides whether transformers adds the loss to its outputs.loss
                       hidden=config["intermediate_size"], aux_loss_coeff=config.get("router_aux_loss_coef", 0.0))
-    for key, ours in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                      ("partial_rotary_factor", 1.0), ("quantization_config", None)):
-        if config.get(key, ours) != ours:
-            raise refuse(f"{key} = {json.dumps(config[key])} (ours: {json.dumps(ours)})")
-    needed = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
-    if missing := [key for key in needed if key not in config]:
-        raise ConversionError(f"config.json has no {missing[0]}")
-    dim, heads, layers, hidden, vocab = (config[key] for key in needed)
+    dim, heads, layers, hidden, vocab = decoder_sizes(config, (
+        ("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("partial_rotary_factor", 1.0),
+        ("quantization_config", None)))
     kv_heads = config.get("num_key_value_heads") or heads
     if dim % heads or config.get("head_dim") not in (None, dim // heads):
         raise refuse(f"head_dim {config.get('head_dim')} with hidden_size {dim} and {heads} heads (ours: "

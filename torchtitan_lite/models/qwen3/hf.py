@@ -18,12 +18,11 @@ against it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import torch
 
-from torchtitan_lite.models.common.hf import DECODER_LAYER, Names, rope_settings
+from torchtitan_lite.models.common.hf import DECODER_LAYER, Names, check_routing, decoder_sizes, rope_settings
 from torchtitan_lite.models.common.moe import MoEArgs
 from torchtitan_lite.models.qwen3.model import FLAVORS, ModelArgs
 from torchtitan_lite.models.spec import ConversionError
@@ -43,10 +42,7 @@ QWEN3_MOE_ROUTING = {"shared_experts": 0, "score_func": "softmax", "route_scale"
 def qwen3_moe(args: ModelArgs) -> dict:
     """config.json's Qwen3-MoE keys, or ConversionError naming what its routing cannot hold."""
     moe = args.moe
-    for key, theirs in QWEN3_MOE_ROUTING.items():
-        if getattr(moe, key) != theirs:
-            raise ConversionError(f"Qwen3-MoE's layout cannot hold moe.{key} = {getattr(moe, key)} (Qwen3-MoE's: "
-                                  f"{theirs}): a mixture of experts exports only with Qwen3-MoE's routing")
+    check_routing(moe, QWEN3_MOE_ROUTING, "Qwen3-MoE")
     return {"architectures": _ARCHITECTURES["qwen3_moe"], "model_type": "qwen3_moe",
             "moe_intermediate_size": moe.hidden or args.ffn_hidden, "num_experts": moe.num_experts,
             "num_experts_per_tok": moe.top_k, "norm_topk_prob": moe.renormalize,
@@ -112,13 +108,8 @@ def model_args_from_hf(config: dict) -> ModelArgs:
     if _ARCHITECTURES.get(kind) != arch:
         raise refuse(f"architectures {arch}, model_type {kind!r} (expected ['Qwen3ForCausalLM'], 'qwen3' or "
                      "['Qwen3MoeForCausalLM'], 'qwen3_moe')")
-    for key, ours in (("hidden_act", "silu"), ("attention_bias", False), ("quantization_config", None)):
-        if config.get(key, ours) != ours:
-            raise refuse(f"{key} = {json.dumps(config[key])} (ours: {json.dumps(ours)})")
-    needed = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
-    if missing := [key for key in needed if key not in config]:
-        raise ConversionError(f"config.json has no {missing[0]}")
-    dim, heads, layers, hidden, vocab = (config[key] for key in needed)
+    dim, heads, layers, hidden, vocab = decoder_sizes(config, (("hidden_act", "silu"), ("attention_bias", False),
+                                                               ("quantization_config", None)))
     if sliding := _sliding_blocks(config, layers):
         raise refuse(f"a sliding window of {config.get('sliding_window')} in blocks {sliding} (ours attends to the "
                      "whole context in every block)")
