@@ -29,7 +29,7 @@ from torchtitan_lite.checkpoint.manager import CheckpointManager, CheckpointSave
 from torchtitan_lite.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_lite.data.loader import DataLoader, warn_if_validating_on_training_data
 from torchtitan_lite.models import documents, registry
-from torchtitan_lite.models.spec import Args, ConversionError, ModelSpec
+from torchtitan_lite.models.spec import Args, ModelSpec
 from torchtitan_lite.parallel.context_parallel import sharder
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
@@ -306,13 +306,7 @@ def main(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> str | None:
     t.checkpoint.close()  # waits for an async save still being written
     t.metrics.close()
     if cfg.checkpoint.last_save_in_hf and env.rank == 0 and t.steps.stopped is None and t.replicas.writer.holds():
-        # Every rank has saved (close's barrier); one process converts while the others end.
-        try:
-            logger.info("saved the last checkpoint as the Hugging Face folder %s",
-                        export_last_save(cfg, t.train_state.step))
-        except (ConversionError, OSError) as e:
-            raise CheckpointSaveError(f"checkpoint.last_save_in_hf: {e} (step-{t.train_state.step} is intact: "
-                                      "scripts/convert_to_hf.py converts it)") from None
+        export_last_save(cfg, t.train_state.step)  # every rank has saved (close's barrier): one process converts
     if env.rank == 0:
         logger.info("%s", ending(cfg, t.steps.first, t.steps.done, t.steps.seconds(), t.metrics.last,
                                  t.replicas.writer.holds()))

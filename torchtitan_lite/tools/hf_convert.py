@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 import os
 import shutil
@@ -36,12 +37,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchtitan_lite.checkpoint.folder import complete_checkpoints
 from torchtitan_lite.checkpoint.hf_load import (adapter, expected_shapes, pieces, read_config, read_tensor,
                                                 safetensors_index, sources)
+from torchtitan_lite.checkpoint.manager import CheckpointSaveError
 from torchtitan_lite.checkpoint.reader import load_local, read_metadata
 from torchtitan_lite.config import JobConfig, Model
 from torchtitan_lite.data.hf_tokenizer import run_tokenizer, run_vocab_size, save_hf_tokenizer
 from torchtitan_lite.models import registry
 from torchtitan_lite.models.spec import Args, ConversionError, ModelSpec
 
+logger = logging.getLogger("torchtitan_lite")
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' save_pretrained default, "5GB"
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 DEFAULT_MODEL = Model().name  # the config's default model.name
@@ -209,14 +212,20 @@ def export_run(ckpt: str | Path, out: str | Path, cfg: JobConfig, dtype: torch.d
 
 def export_last_save(cfg: JobConfig, step: int) -> Path:
     """checkpoint.last_save_in_hf: the run's step-N, just saved, as the Hugging Face folder step-N-hf beside it
-    (one process, once every rank has saved). A step-N-hf already there was made from the step-N this save
-    replaced, and goes first. Returns the folder."""
+    (one process, once every rank has saved), said in one line; a failure is a CheckpointSaveError line that leaves
+    step-N as it is. A step-N-hf already there was made from the step-N this save replaced, and goes first. Returns
+    the folder."""
     ckpt = complete_checkpoints(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)).get(step)
-    if ckpt is None:  # a save that failed under checkpoint.continue_on_save_error
-        raise ConversionError(f"no checkpoint step-{step} to convert (its save failed)")
-    out = Path(f"{ckpt}-hf")
-    shutil.rmtree(out, ignore_errors=True)
-    export_run(ckpt, out, cfg)
+    try:
+        if ckpt is None:  # a save that failed under checkpoint.continue_on_save_error
+            raise ConversionError(f"no checkpoint step-{step} to convert (its save failed)")
+        out = Path(f"{ckpt}-hf")
+        shutil.rmtree(out, ignore_errors=True)
+        export_run(ckpt, out, cfg)
+    except (ConversionError, OSError) as e:
+        raise CheckpointSaveError(f"checkpoint.last_save_in_hf: {e} (step-{step} is intact: scripts/convert_to_hf.py "
+                                  "converts it)") from None
+    logger.info("saved the last checkpoint as the Hugging Face folder %s", out)
     return out
 
 
