@@ -1,15 +1,21 @@
 """Our model's training step against a plain reference implementation of the same architecture, on the CPU.
 
-    python benchmarks/model_step.py [--reference hf|meta] [--reps 7] [--seq_len 256] [--batch 4]
+    python benchmarks/model_step.py [--model llama3|qwen3] [--reference hf|meta] [--reps 7] [--seq_len 256] [--batch 4]
     python benchmarks/model_step.py --masking [--doc_len 64]     # block_causal against causal, both ours
 
-One step is zero_grad, forward, F.cross_entropy, backward and a foreach AdamW step, in fp32. At three sizes (the
-debug model 256x6, 512x4 with grouped-query attention, 1024x2 with GQA) it times our Transformer and a reference of
-identical shapes (the parameter counts are asserted equal; the weights differ, which changes no timing):
-- hf: Hugging Face `LlamaForCausalLM` with the same LlamaConfig (untied embeddings, no bias, SDPA attention), the
+One step is zero_grad, forward, F.cross_entropy, backward and a foreach AdamW step, in fp32. At three sizes it times
+our model (the registry's `--model`, built by its spec) and a reference of identical shapes (the parameter counts are
+asserted equal; the weights differ, which changes no timing). The sizes, each its model's debugmodel flavor changed:
+- llama3 (the default): the debug model 256x6, 512x4 with grouped-query attention 8/2, 1024x2 with GQA 16/4;
+- qwen3: its debugmodel (QK-norm, head_dim 64, GQA 8/4, tied embeddings) in 6 blocks, 512x4 with GQA 8/2, 1024x2
+  with GQA 16/4 and head_dim 128 (queries 2048 wide on dim 1024, as Qwen3-0.6B's), the feed-forward 3x dim as
+  Qwen3's, embeddings tied at every size.
+The references:
+- hf: Hugging Face's model of the spec's own config.json (`spec.hf.config`, what our exports write: for llama3
+  `LlamaForCausalLM`, untied embeddings, no bias; for qwen3 `Qwen3ForCausalLM`), SDPA attention, no KV cache; the
   default when `transformers` is installed (`pip install transformers`; it is not a requirement of the trainer);
-- meta: a few lines in the style of Meta's llama3 reference, llama/model.py (complex-number rotary, repeat_kv, SDPA,
-  SwiGLU).
+- meta (llama3 only): a few lines in the style of Meta's llama3 reference, llama/model.py (complex-number rotary,
+  repeat_kv, SDPA, SwiGLU).
 Each repetition times one step of ours, then one of the reference, so drift on a shared machine hits both alike;
 after warm-up steps, the figures are medians. GFLOP/s and MFU use the spec's flops_per_token and the CPU's measured
 matmul peak (metrics.peak_flops), as the trainer logs them.
@@ -25,6 +31,7 @@ ours does worst. Higher is better; >= 1.0 means ours is nowhere slower.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import statistics
 import time
@@ -33,21 +40,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_lite.models.llama3.model import FLAVORS, ModelArgs, Transformer
-from torchtitan_lite.models.common.decoder import flops_per_token
+from torchtitan_lite.models import registry
+from torchtitan_lite.models.llama3.model import ModelArgs
+from torchtitan_lite.models.spec import ModelSpec
 from torchtitan_lite.runtime.metrics import peak_flops
 
+# --model -> {size: the changes to the model's debugmodel flavor}
+SIZES = {
+    "llama3": {
+        "256x6 (debugmodel)": {},
+        "512x4 gqa 8/2": dict(dim=512, n_layers=4, n_heads=8, n_kv_heads=2),
+        "1024x2 gqa 16/4": dict(dim=1024, n_layers=2, n_heads=16, n_kv_heads=4),
+    },
+    "qwen3": {  # tied embeddings throughout (the flavor's, as the small published sizes); ffn_hidden 3x dim as theirs
+        "256x6 gqa 8/4 hd64": dict(n_layers=6),
+        "512x4 gqa 8/2 hd64": dict(dim=512, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=1536),
+        "1024x2 gqa 16/4 hd128": dict(dim=1024, n_layers=2, n_heads=16, n_kv_heads=4, head_dim=128, ffn_hidden=3072),
+    },
+}
 
-def hf_reference(a: ModelArgs) -> nn.Module:
+
+def hf_reference(spec: ModelSpec, a) -> nn.Module:
+    """Hugging Face's model of the config.json our export of `a` writes (LlamaForCausalLM, Qwen3ForCausalLM)."""
     # Imported here: transformers is optional, for benchmarking only.
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.ffn_hidden, num_hidden_layers=a.n_layers,
-        num_attention_heads=a.n_heads, num_key_value_heads=a.kv_heads, max_position_embeddings=a.max_seq_len,
-        rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta, tie_word_embeddings=False, attention_bias=False,
-        mlp_bias=False, hidden_act="silu", use_cache=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config)
+    config = spec.hf.config(a, a.vocab_size - 2, a.vocab_size - 1, torch.float32)  # BOS, EOS: the BPE's last two
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config, use_cache=False),
+                                             attn_implementation="sdpa")
     return _LogitsOnly(model)
 
 
@@ -132,13 +152,23 @@ class MetaTransformer(nn.Module):
         return self.output(self.norm(h))
 
 
+def meta_reference(spec: ModelSpec, a: ModelArgs) -> nn.Module:
+    assert spec.name == "llama3", "the Meta-style reference is Llama's"
+    return MetaTransformer(a)
+
+
+def ours(spec: ModelSpec, a) -> nn.Module:
+    model = spec.model_class(a)
+    model.init_weights(seed=0)
+    return model
+
+
 class Masked(nn.Module):
     """Our model under block_causal with documents of `doc_len` tokens: the step's document ids, made once."""
 
-    def __init__(self, a: ModelArgs, doc_len: int):
+    def __init__(self, spec: ModelSpec, a, doc_len: int):
         super().__init__()
-        self.model = Transformer(a)
-        self.model.init_weights(seed=0)
+        self.model = ours(spec, a)
         self.doc_len = doc_len
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -146,7 +176,7 @@ class Masked(nn.Module):
         return self.model(tokens, documents=(positions // self.doc_len).expand_as(tokens))
 
 
-REFERENCES = {"hf": hf_reference, "meta": MetaTransformer}
+REFERENCES = {"hf": hf_reference, "meta": meta_reference}  # name -> (spec, args) -> the reference model
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs, labels) -> float:
@@ -160,16 +190,17 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs, label
     return time.perf_counter() - start
 
 
-def bench(args: ModelArgs, reference: str, batch: int, reps: int, warmup: int, doc_len: int = 0) -> dict[str, float]:
+def bench(spec: ModelSpec, args, reference: str, batch: int, reps: int, warmup: int,
+          doc_len: int = 0) -> dict[str, float]:
     """`doc_len`: the reference is our model masked at documents of that many tokens (--masking)."""
-    ours, ref = Transformer(args), Masked(args, doc_len) if doc_len else REFERENCES[reference](args)
-    ours.init_weights(seed=0)
-    n_params = sum(p.numel() for p in ours.parameters())
+    mine = ours(spec, args)
+    ref = Masked(spec, args, doc_len) if doc_len else REFERENCES[reference](spec, args)
+    n_params = sum(p.numel() for p in mine.parameters())  # a tied table counts once, in either model
     n_ref = sum(p.numel() for p in ref.parameters())
     assert n_ref == n_params, f"the reference has {n_ref} parameters, ours {n_params}: the shapes differ"
     tokens = torch.randint(args.vocab_size, (batch, args.max_seq_len + 1), generator=torch.Generator().manual_seed(0))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    sides = [(m, torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)) for m in (ours, ref)]
+    sides = [(m, torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)) for m in (mine, ref)]
     times: list[list[float]] = [[], []]
     for rep in range(warmup + reps):
         for i, (model, optimizer) in enumerate(sides):  # one step each, alternating
@@ -177,7 +208,7 @@ def bench(args: ModelArgs, reference: str, batch: int, reps: int, warmup: int, d
             if rep >= warmup:
                 times[i].append(dt)
     ours_s, ref_s = statistics.median(times[0]), statistics.median(times[1])
-    token_flops = flops_per_token(ours, args.max_seq_len)
+    token_flops = spec.flops_per_token(mine, args.max_seq_len)
     flops = token_flops * batch * args.max_seq_len / ours_s
     return {"params": n_params, "ours_s": ours_s, "ref_s": ref_s, "flops": flops,
             "mfu": flops / peak_flops(torch.device("cpu"), torch.float32)}
@@ -186,6 +217,7 @@ def bench(args: ModelArgs, reference: str, batch: int, reps: int, warmup: int, d
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_ref = "hf" if importlib.util.find_spec("transformers") else "meta"
+    p.add_argument("--model", choices=tuple(SIZES), default="llama3", help="the registry's architecture")
     p.add_argument("--reference", choices=tuple(REFERENCES), default=default_ref)
     p.add_argument("--reps", type=int, default=7, help="timed steps of each model per size")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each model first")
@@ -197,21 +229,22 @@ def main() -> None:
     a = p.parse_args()
     if a.masking:
         a.reference = "block_causal"
-    base = FLAVORS["debugmodel"].with_(vocab_size=a.vocab, max_seq_len=a.seq_len)
-    sizes = {
-        "256x6 (debugmodel)": base,
-        "512x4 gqa 8/2": base.with_(dim=512, n_layers=4, n_heads=8, n_kv_heads=2),
-        "1024x2 gqa 16/4": base.with_(dim=1024, n_layers=2, n_heads=16, n_kv_heads=4),
-    }
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, reference {a.reference}, "
+    elif a.model != "llama3" and a.reference == "meta":
+        raise SystemExit(f"--model {a.model}: the Meta-style reference is Llama's; use --reference hf "
+                         "(pip install transformers)")
+    spec = registry.get(a.model)
+    base = spec.args("debugmodel", a.vocab, a.seq_len)
+    sizes = {name: dataclasses.replace(base, **changes) for name, changes in SIZES[a.model].items()}
+    model = "" if a.model == "llama3" else f"model {a.model}, "  # llama3's first line as before --model
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {model}reference {a.reference}, "
           f"seq {a.seq_len} x batch {a.batch}, median of {a.reps} steps after {a.warmup}", flush=True)
-    fmt = "{:<20}{:>9}{:>10}{:>10}{:>11}{:>9}{:>7}"
+    fmt = "{:<%d}{:>9}{:>10}{:>10}{:>11}{:>9}{:>7}" % max(20, 1 + max(map(len, sizes)))
     print(fmt.format("size", "params", "ours ms", "ref ms", "ref/ours", "GFLOP/s", "MFU"))
     if a.masking:
         print("  (ref: block_causal, documents of %d tokens; ref/ours: its step time over causal's)" % a.doc_len)
     speeds = []
     for name, args in sizes.items():
-        r = bench(args, a.reference, a.batch, a.reps, a.warmup, a.doc_len if a.masking else 0)
+        r = bench(spec, args, a.reference, a.batch, a.reps, a.warmup, a.doc_len if a.masking else 0)
         speeds.append(r["ref_s"] / r["ours_s"])
         print(fmt.format(name, f"{r['params'] / 1e6:.2f}M", f"{r['ours_s'] * 1e3:.1f}", f"{r['ref_s'] * 1e3:.1f}",
                          f"{speeds[-1]:.3f}", f"{r['flops'] / 1e9:.1f}", f"{100 * r['mfu']:.1f}%"), flush=True)
