@@ -52,7 +52,8 @@ from torchtitan_lite.runtime.signals import Preemption, exit_code, restore_signa
 from torchtitan_lite.runtime.stragglers import Stragglers
 from torchtitan_lite.runtime.throughput import Throughput
 from torchtitan_lite.training.expert_load import ExpertLoad
-from torchtitan_lite.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from torchtitan_lite.training.optim import build_lr_scheduler, clip_grad_norm_
+from torchtitan_lite.training.optimizers import build_optimizer
 from torchtitan_lite.training.plan import ending, machine_plan
 from torchtitan_lite.training.preflight import preflight
 from torchtitan_lite.training.replicas import NoReplicas, Replicas, build_replicas
@@ -175,7 +176,8 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     if cfg.compile.enable:
         logger.info("the first step compiles each block (%s): it takes far longer than the others",
                     cfg.compile.backend)
-    optimizer = build_optimizer(model, cfg.optimizer, params[0].device.type)  # on the host under CPU offload
+    # On the host under CPU offload; the spec says which parameters are matrices (Muon's).
+    optimizer = build_optimizer(model, cfg, params[0].device.type, registry.get(cfg.model.name).param_group)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, training.steps)
 
     # ---- The step: forward, loss and backward over the micro-batches (step.py), the pipeline's under PP.

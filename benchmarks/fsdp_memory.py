@@ -71,7 +71,7 @@ def worker(out: str, argv: list[str]) -> None:
     from torchtitan_lite.parallel.parallelize import parallelize
     from torchtitan_lite.runtime.metrics import held_bytes
     from torchtitan_lite.tools.memory import model_args
-    from torchtitan_lite.training.optim import build_optimizer
+    from torchtitan_lite.training.optimizers import build_optimizer
 
     cfg = load_config(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -84,7 +84,7 @@ def worker(out: str, argv: list[str]) -> None:
     parallelize(model, mesh, dims, cfg, spec.tp_plan)
     model.to_empty(device="cpu")
     model.init_weights()
-    optimizer = build_optimizer(model, cfg.optimizer, "cpu")
+    optimizer = build_optimizer(model, cfg, "cpu")
     tokens = torch.randint(0, model.args.vocab_size, (2, cfg.training.seq_len))
     loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
     kept = params_between_forward_and_backward(model) if dims.fsdp else held_bytes(model, optimizer)["param_bytes"]

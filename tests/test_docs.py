@@ -166,9 +166,10 @@ def check(command: str, monkeypatch, capsys) -> None:
         if words[:len(prefix.split())] == prefix.split():
             return
     config = env.get("CONFIG_FILE", "train_configs/debug_model.toml")
+    # A published Hugging Face folder a command starts from: its stand-in, with its tokenizer the one the sandbox's
+    # shards were written with (the stand-in of a user's corpus).
     if words[0] == "./run_train.sh" and "--checkpoint.initial_load_in_hf" in words and not Path(
-            hf := words[words.index("--checkpoint.initial_load_path") + 1]).exists():  # a published folder: its stand-in
-        # with its tokenizer, the one the sandbox's shards were written with (the stand-in of a user's corpus)
+            hf := words[words.index("--checkpoint.initial_load_path") + 1]).exists():
         hf_stand_in(Path(hf), ("--job.config_file", config, *words[1:], "--model.tokenizer_path", TOKENIZER))
         (Path(hf) / "original").mkdir()
         shutil.copy(TOKENIZER, Path(hf) / "original" / "tokenizer.model")

@@ -133,7 +133,8 @@ def test_float8_options_a_run_ignores_are_warned(caplog, world, overrides, warni
 def test_a_tensor_parallel_run_without_float8_needs_no_torchao():
     """torchao is optional: the TP plan asks each block for float8 styles, which must not import it."""
     code = ("import sys; sys.modules['torchao'] = None  # as if not installed\n"
-            "from torchtitan_lite.models.common.decoder import TransformerBlock\nfrom torchtitan_lite.models.llama3.model import FLAVORS\n"
+            "from torchtitan_lite.models.common.decoder import TransformerBlock\n"
+            "from torchtitan_lite.models.llama3.model import FLAVORS\n"
             "from torchtitan_lite.quantization import float8\n"
             "assert float8.tp_styles(TransformerBlock(0, FLAVORS['debugmodel'].with_(vocab_size=64))) is None")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -61,7 +61,8 @@ def test_a_run_starts_from_the_folders_weights_and_tokenizer_and_its_last_save_g
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 2050
     # Extended, the run resumes its own checkpoint, with the folder's tokenizer still, and converts its new last save.
     run = train_in_process(tmp_path / "run", *START, str(folder), *LAST_IN_HF, "--training.steps", "2")
-    assert f"loaded full state from {ckpt(tmp_path / 'run', 1)}" in run.stdout and "Hugging Face folder:" not in run.stdout
+    assert f"loaded full state from {ckpt(tmp_path / 'run', 1)}" in run.stdout
+    assert "Hugging Face folder:" not in run.stdout
     assert json.loads((out.with_name("step-2-hf") / "config.json").read_text())["vocab_size"] == 2050
 
 

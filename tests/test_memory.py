@@ -17,7 +17,7 @@ from torchtitan_lite.runtime.metrics import held_bytes, storage_bytes
 from torchtitan_lite.tools import memory, memory_extrapolate
 from torchtitan_lite.tools.memory import LLAMA3_VOCAB, Estimate, estimate_memory, model_args
 from torchtitan_lite.tools.memory_extrapolate import Plan, extrapolate
-from torchtitan_lite.training.optim import build_optimizer
+from torchtitan_lite.training.optimizers import build_optimizer
 
 import estimate_memory as script  # scripts/estimate_memory.py (pytest.ini puts scripts/ on the path)
 import memory_table  # scripts/memory_table.py
@@ -50,7 +50,7 @@ def one_process_held() -> dict[str, int]:
     cfg = load_config(TINY)
     torch.manual_seed(0)
     model = Transformer(model_args(cfg)[0])  # torch's default init: the values do not matter here
-    optimizer = build_optimizer(model, cfg.optimizer, "cpu")
+    optimizer = build_optimizer(model, cfg, "cpu")
     tokens = torch.randint(0, model.args.vocab_size, (2, cfg.training.seq_len))
     F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
     optimizer.step()

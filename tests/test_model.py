@@ -23,8 +23,8 @@ def test_published_flavors_parameter_counts():
 
 def test_qwen3_sizes_are_the_published_ones():
     """Qwen's model cards: total parameters and non-embedding ones (the table and an untied output projection left
-    out), each to the card's precision (its last digit, rounded or cut); a mixture's activated ones (its top 8 of 128 experts). An independent check
-    of the flavors, tied embeddings (a table counted once) and the explicit head size."""
+    out), each to the card's precision (its last digit, rounded or cut); a mixture's activated ones (its top 8 of 128
+    experts). An independent check of the flavors, tied embeddings (a table counted once) and the explicit head size."""
     cards = {"0.6B": (0.6, 0.44), "1.7B": (1.7, 1.4), "4B": (4.0, 3.6), "8B": (8.2, 6.95), "14B": (14.8, 13.2),
              "32B": (32.8, 31.2), "30B-A3B": (30.5, 3.3), "235B-A22B": (235, 22)}
     spec = registry.get("qwen3")

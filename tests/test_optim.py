@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from torchtitan_lite.config import LRScheduler, Optimizer
-from torchtitan_lite.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor
+from torchtitan_lite.config import JobConfig, LRScheduler, Optimizer
+from torchtitan_lite.training.optim import build_lr_scheduler, clip_grad_norm_, lr_factor
+from torchtitan_lite.training.optimizers import build_optimizer
 
 
 def factors(steps, **kw):
@@ -129,8 +130,12 @@ def test_an_unchanged_schedule_resumes_as_it_was(caplog):
     assert not [r for r in caplog.records if "lr schedule changed" in r.getMessage()]
 
 
+def adamw(model, **settings):
+    return build_optimizer(model, JobConfig(optimizer=Optimizer(**settings)), "cpu")
+
+
 def stepped(model, **settings):
-    opt = build_optimizer(model, Optimizer(**settings), "cpu")
+    opt = adamw(model, **settings)
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
     return opt
@@ -145,9 +150,9 @@ def test_a_resume_trains_with_the_configs_optimizer_settings(implementation, cap
     saved = stepped(model, lr=0.5, weight_decay=0.1, implementation=implementation)
     new = dict(beta2=0.99, eps=1e-6, weight_decay=0.0, implementation="foreach" if implementation != "foreach" else
                "for-loop")
-    resumed = build_optimizer(model, Optimizer(lr=1.0, **new), "cpu")
+    resumed = adamw(model, lr=1.0, **new)
     resumed.load_state_dict(saved.state_dict())
-    expected = build_optimizer(model, Optimizer(lr=0.5, **new), "cpu").param_groups[0]
+    expected = adamw(model, lr=0.5, **new).param_groups[0]
     for key, value in resumed.param_groups[0].items():
         assert value == expected[key] or key == "params", key  # lr 0.5: the checkpoint's
     state = resumed.state[model.weight]
@@ -159,7 +164,7 @@ def test_a_resume_trains_with_the_configs_optimizer_settings(implementation, cap
                     f"optimizer.eps 1e-08 -> 1e-06, optimizer.weight_decay 0.1 -> 0.0, optimizer.implementation "
                     f"{implementation} -> {new['implementation']}): the resumed steps use the new ones"]
     caplog.clear()
-    again = build_optimizer(model, Optimizer(lr=0.5, weight_decay=0.1, implementation=implementation), "cpu")
+    again = adamw(model, lr=0.5, weight_decay=0.1, implementation=implementation)
     again.load_state_dict(saved.state_dict())
     assert again.param_groups[0] == {**saved.param_groups[0], "params": again.param_groups[0]["params"]}
     assert not [r for r in caplog.records if "optimizer's settings changed" in r.getMessage()]

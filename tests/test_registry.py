@@ -48,9 +48,11 @@ def test_the_spec_says_which_parameters_are_matrices_embeddings_and_norms(model,
     with torch.device("meta"):
         named = dict(spec.model_class(spec.args(flavor, 64, 16)).named_parameters())
     groups = {name: spec.param_group(name) for name in named}
-    assert all(named[n].dim() >= 2 for n, g in groups.items() if g in ("matrix", "embedding"))
+    assert all(named[n].dim() >= 2 for n, g in groups.items() if g in ("matrix", "embedding", "router"))
     assert all(named[n].dim() == 1 for n, g in groups.items() if g == "norm")
     assert {n for n, g in groups.items() if g == "embedding"} <= {"tok_embeddings.weight", "output.weight"}
-    assert "bias" not in groups.values() and {"matrix", "embedding", "norm"} == set(groups.values())
+    assert {n.split(".", 2)[2] for n, g in groups.items() if g == "router"} <= {"moe.router.gate.weight"}
+    assert "bias" not in groups.values() and {"matrix", "embedding", "norm"} <= set(groups.values())
+    assert ("router" in groups.values()) == ("moe" in flavor)
     if model == "qwen3":
         assert groups["layers.0.attention.q_norm.weight"] == "norm"

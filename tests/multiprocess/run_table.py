@@ -190,6 +190,7 @@ EP2, EP4 = ("--parallelism.expert_parallel_degree", "2"), ("--parallelism.expert
 EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
 BF16 = ("--training.mixed_precision_param", "bfloat16")
 E6 = ("--moe.num_experts", "6", "--moe.shared_experts", "1", "--moe.score_func", "sigmoid")
+MUON = ("--optimizer.name", "Muon")
 MOE_RUNS = {
     "moe_single": Run(1, (*MOE, *CHECKPOINTED, *SHORT), reference=None),
     "moe_fsdp4": Run(4, (*MOE, *CHECKPOINTED, *SHORT), reference="moe_single"),
@@ -213,6 +214,12 @@ MOE_RUNS = {
     "moe_e6_single": Run(1, (*MOE, *E6, *SHORT), reference=None),
     "moe_e6_ep2_tp2": Run(4, (*MOE, *E6, *TP2, *EP2, "--training.local_batch_size", "4", *SHORT),
                           reference="moe_e6_single"),
+    # The same mixture and layout trained by Muon (test_muon.py): its matrices (attention's, split on either dim by
+    # TP; the shared expert's; the routed experts', split by EP and on dim 1 by FSDP) orthogonalized whole, saving
+    # every 2 steps, against one process.
+    "moe_e6_muon_single": Run(1, (*MOE, *E6, *MUON, *CHECKPOINTED, *SHORT), reference=None),
+    "moe_e6_muon_ep2_tp2": Run(4, (*MOE, *E6, *MUON, *TP2, *EP2, "--training.local_batch_size", "4", *CHECKPOINTED,
+                                   *SHORT), reference="moe_e6_muon_single"),
     # Qwen3-MoE's kind (16 fine-grained experts, top 4, renormalized, its auxiliary loss) on DDP 2 x TP 2 with EP 2
     # over the tp ranks, and on PP 2 x CP 2 with EP 2 over the cp ranks (FSDP over them): with Qwen3's dense runs,
     # the model meets every layout (test_run_table.py).

@@ -1,7 +1,7 @@
 """A mixture of experts (models/common/moe.py: the tests' model with every block a mixture of 8 experts, top 2, and
-Qwen3-MoE's kind, 16 experts, top 4) on every kind of layout (data, context, tensor and pipeline parallel), with expert parallelism and without, gives its
-single-process run: first every token's routing decision at step 1, then the curve within 1e-5, the grad norm within
-1e-5 relative, and every parameter's gradient (router, experts) at step 1.
+Qwen3-MoE's kind, 16 experts, top 4) on every kind of layout (data, context, tensor and pipeline parallel), with
+expert parallelism and without, gives its single-process run: first every token's routing decision at step 1, then
+the curve within 1e-5, the grad norm within 1e-5 relative, and every parameter's gradient (router, experts) at step 1.
 
 Routing is discontinuous: where a layout's router scores differ from one process's by a rounding, a token whose k-th
 and (k+1)-th scores are closer than that goes to another expert, and the numbers after it differ by more than any

@@ -11,10 +11,10 @@ from torchtitan_lite.config.job_config import (OPTIONS, SECTIONS, TABLES, did_yo
                                               validate)
 from torchtitan_lite.config.sections import (ActivationCheckpoint, Checkpoint, Comm, Compile, ConfigError,
                                              FaultTolerance, Float8, Job, JobConfig, LRScheduler, Metrics, Mixture,
-                                             Model, Moe, Optimizer, Parallelism, Phase, Source, Training, Validation,
-                                             opt)
+                                             Model, Moe, Muon, Optimizer, Parallelism, Phase, Source, Training,
+                                             Validation, opt)
 
 __all__ = ["OPTIONS", "SECTIONS", "TABLES", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "ConfigError",
            "FaultTolerance", "Float8", "Job", "JobConfig", "LRScheduler", "Metrics", "Mixture", "Model", "Moe",
-           "Optimizer", "Parallelism", "Phase", "Source", "Training", "Validation", "did_you_mean", "help_text",
+           "Muon", "Optimizer", "Parallelism", "Phase", "Source", "Training", "Validation", "did_you_mean", "help_text",
            "load_config", "opt", "to_toml", "validate"]

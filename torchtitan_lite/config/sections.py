@@ -45,8 +45,8 @@ class Model:
 
 @dataclass
 class Moe:
-    """mixture of experts (models/common/moe.py): each setting overrides the flavor's; on a dense flavor, num_experts makes
-    its blocks mixtures"""
+    """mixture of experts (models/common/moe.py): each setting overrides the flavor's; on a dense flavor, num_experts
+    makes its blocks mixtures"""
     num_experts: Optional[int] = opt(None, "routed experts of an MoE block; none = the flavor's", rule=at_least(1))
     top_k: Optional[int] = opt(None, "routed experts a token goes to (at most num_experts); none = the flavor's",
                                rule=at_least(1))
@@ -72,13 +72,27 @@ class Moe:
 @dataclass
 class Optimizer:
     """optimizer and its hyperparameters"""
-    name: str = opt("AdamW", "optimizer", choices=("AdamW",))
-    lr: float = opt(8e-4, "peak learning rate", rule=finite_above(0))
+    name: str = opt("AdamW", "optimizer: a registered one, AdamW or Muon (training/optim.py; checked by the trainer)")
+    lr: float = opt(8e-4, "peak learning rate (Muon: of its matrices, and of the rest unless muon.adamw_lr)",
+                    rule=finite_above(0))
     beta1: float = opt(0.9, "Adam first-moment decay", rule=within(0, 1, high_open=True))
     beta2: float = opt(0.95, "Adam second-moment decay", rule=within(0, 1, high_open=True))
     eps: float = opt(1e-8, "Adam denominator epsilon", rule=finite_above(0))
     weight_decay: float = opt(0.1, "decoupled weight decay", rule=finite_at_least(0))
-    implementation: str = opt("fused", "kernel flavour of the update", choices=("foreach", "fused", "for-loop"))
+    implementation: str = opt("fused", "kernel flavour of the (Adam) update", choices=("foreach", "fused", "for-loop"))
+
+
+@dataclass
+class Muon:
+    """Muon (optimizer.name Muon, training/muon.py): orthogonalized momentum on the model's matrices, AdamW with the
+    [optimizer] keys on the rest (embeddings, output, norms, routers)"""
+    momentum: float = opt(0.95, "momentum of the matrices' updates", rule=within(0, 1, high_open=True))
+    nesterov: bool = opt(True, "Nesterov momentum")
+    ns_steps: int = opt(5, "Newton-Schulz steps of the orthogonalization (torch's 5)", rule=within(1, 99))
+    adjust_lr: str = opt("match_rms_adamw", "a matrix's lr: match_rms_adamw (Moonlight: AdamW's lr and weight decay "
+                         "carry over) or original (Keller Jordan's)", choices=("match_rms_adamw", "original"))
+    adamw_lr: Optional[float] = opt(None, "peak lr of the parameters AdamW updates; none = optimizer.lr",
+                                    rule=finite_above(0))
 
 
 @dataclass
@@ -313,6 +327,7 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     moe: Moe = field(default_factory=Moe)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    muon: Muon = field(default_factory=Muon)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)

@@ -89,8 +89,8 @@ class ModelSpec:
     # Every block the same module on the same shapes, only its index differs: the memory estimate may then trace a
     # few blocks and extrapolate (tools/memory_extrapolate.py)
     blocks_alike: bool = False
-    # a parameter's full-model name -> its group for an optimizer: "matrix", "embedding", "norm" or "bias" (Muon
-    # takes the matrices, AdamW the rest); None: the model does not say
+    # a parameter's full-model name -> its group for an optimizer: "matrix", "embedding", "norm", "router" or "bias"
+    # (Muon takes the matrices, AdamW the rest); None: the model does not say
     param_group: Callable[[str], str] | None = None
     # model.flavor -> the vocabulary of its published model: what a tool assumes where the config's tokenizer file
     # is missing (tools/memory.py); a flavor without one needs its tokenizer

@@ -93,7 +93,8 @@ from torchtitan_lite.runtime.metrics import held_bytes
 from torchtitan_lite.runtime.precision import UpdateGuard
 from torchtitan_lite.tools import memory_extrapolate as extrapolation
 from torchtitan_lite.tools.memory_tracker import DevicePeak, FSDPTracker, Tracker
-from torchtitan_lite.training.optim import build_optimizer, clip_grad_norm_
+from torchtitan_lite.training.optim import clip_grad_norm_
+from torchtitan_lite.training.optimizers import build_optimizer
 from torchtitan_lite.training.preflight import check_layout
 from torchtitan_lite.training.step import Inputs, Numerics, Step
 
@@ -199,7 +200,7 @@ def _trace(cfg: JobConfig, dims: ParallelDims, args: Args, vocab_note: str,
                 part.to_empty(device="cpu")
         model = merge_stages(parts)
         # Outside fake mode: build_optimizer may probe the CPU's fused AdamW with real tensors; it allocates nothing.
-        optimizer = build_optimizer(model, cfg.optimizer, "cpu")
+        optimizer = build_optimizer(model, cfg, "cpu", registry.get(cfg.model.name).param_group)
         offload = cfg.parallelism.fsdp_cpu_offload
         host = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT") if offload else ()
         # FSDPMemTracker follows one forward per module per step: not a pipeline's micro-batches.

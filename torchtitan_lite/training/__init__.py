@@ -3,6 +3,8 @@
 - preflight.py: the checks a config passes before any process talks to another
 - plan.py: what a run will do, said before it does it (`train.py --check`, and rank 0 at start-up)
 - optim.py: AdamW, the learning-rate schedule, and gradient clipping across meshes
+- optimizers.py: the optimizers by name (optimizer.name), each over the model's parameter groups
+- muon.py: Muon, each matrix orthogonalized whole however it is sharded, AdamW on the rest
 - update.py: the optimizer step and what acts around it: unscaling, clipping, the votes to skip it, its hooks
 - steps.py: the loop's steps, and what happens between two of them (gc, signals, the profiler's step)
 - validation.py: the loss on held-out data, the same batches at every validation

@@ -1,4 +1,4 @@
-"""Optimizer, learning-rate schedule and gradient clipping."""
+"""AdamW, the learning-rate schedule and gradient clipping (optimizers.py chooses the optimizer by name)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ from torchtitan_lite.config import LRScheduler, Optimizer
 logger = logging.getLogger("torchtitan_lite")
 
 
-def build_optimizer(model: nn.Module, cfg: Optimizer, device_type: str) -> torch.optim.Optimizer:
+def adamw_settings(cfg: Optimizer, device_type: str) -> dict[str, Any]:
+    """torch AdamW's keyword arguments for the [optimizer] keys, lr aside."""
     impl = cfg.implementation
     if impl == "fused" and device_type == "cpu" and not _fused_on_cpu():
         impl = "foreach"  # fused AdamW has no CPU kernel on older torch; foreach is the next fastest
-    return AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                 weight_decay=cfg.weight_decay, foreach=impl == "foreach", fused=impl == "fused" or None)
+    return {"betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
+            "foreach": impl == "foreach", "fused": impl == "fused" or None}
 
 
 class AdamW(torch.optim.AdamW):

@@ -21,6 +21,7 @@ from torchtitan_lite.parallel.pipeline import check_pipeline
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.profiling import check_profiling
 from torchtitan_lite.runtime.wandb_run import check_wandb
+from torchtitan_lite.training.optimizers import check_optimizer
 from torchtitan_lite.training.replica_config import check_replicas
 
 
@@ -99,6 +100,7 @@ def preflight(cfg: JobConfig, world_size: int):
     tokenizer = run_tokenizer(cfg)  # model.tokenizer_path's, or the Hugging Face folder's the run starts from
     model_args = spec.run_args(cfg, run_vocab_size(cfg, tokenizer))  # the tokenizer's, or a folder's padded one
     check_layout(cfg, dims, model_args)
+    check_optimizer(cfg, spec.param_group)
     check_config(cfg.checkpoint, world_size, cfg.job.dump_folder)
     check_hf(cfg, model_args)
     check_profiling(cfg.profiling, world_size)

@@ -197,12 +197,14 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 def param_group(name: str) -> str:
     """What an optimizer needs to know of the decoder's parameter `name` (its full-model name): "embedding" (the table
-    and the output projection, tied or not), "norm", "bias" (the decoder has none), or "matrix": every projection,
-    a router's gate, each routed expert's slice of a 3-D weight."""
+    and the output projection, tied or not), "norm", "router" (a mixture's gate), "bias" (the decoder has none), or
+    "matrix": every hidden projection, and each routed expert's slice of a 3-D weight."""
     if name in ("tok_embeddings.weight", "output.weight"):
         return "embedding"
     if name.endswith("norm.weight"):
         return "norm"
+    if ".router." in name:
+        return "router"
     return "bias" if name.endswith(".bias") else "matrix"
 
 
