@@ -96,6 +96,8 @@ def test_an_unknown_optimizer_or_one_muon_cannot_run_with_is_one_line(error_line
         "error: optimizer.name 'muon' is not a registered optimizer: choose one of AdamW, Muon; did you mean Muon?")
     assert "Muon with training.mixed_precision_param float16" in error_line(
         1, ["--optimizer.name", "Muon", "--training.mixed_precision_param", "float16"])
+    assert "Muon with fault_tolerance.enable" in error_line(1, ["--optimizer.name", "Muon",
+                                                                "--fault_tolerance.enable"])
     spec = registry.get("llama3")
     monkeypatch.setitem(registry.SPECS, "plain", type(spec)("plain", spec.model_class, spec.flavors, spec.tp_plan,
                                                             spec.tp_sizes, spec.flops_per_token))

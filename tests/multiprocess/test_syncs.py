@@ -60,3 +60,18 @@ def test_expert_parallelism_reads_its_split_sizes_once_a_layer_a_micro_batch(pro
     for rank in range(4):
         step2 = json.loads((probed / "syncs_ep" / f"syncs-{rank}.json").read_text())["2"]
         assert sorted(step2) == sorted([HOST] + ["expert_parallel.py:split_sizes@cpu"] * layers), step2
+
+
+# Muon on the same layout (TP 2 x FSDP 2, every matrix gathered whole and orthogonalized): its collectives, the
+# iteration and a skipped step's masking all stay on the device (training/muon.py), so a step that only trains reads
+# nothing of it either.
+probes.register("syncs_muon", "--job.config_file", str(TINY), *COMMON, *TP2, "--training.local_batch_size", "4",
+                "--training.steps", "3", "--metrics.log_freq", "3", "--training.skip_nonfinite_steps", "1",
+                "--optimizer.name", "Muon")
+
+
+def test_muons_steps_that_only_train_never_wait_for_the_device(probed):
+    for rank in range(4):
+        steps = json.loads((probed / "syncs_muon" / f"syncs-{rank}.json").read_text())
+        assert sorted(map(int, steps)) == [1, 2, 3]
+        assert steps["2"] == [HOST], steps["2"]

@@ -68,7 +68,7 @@ class Muon(AdamW):
         finally:
             self.param_groups = groups
         skip = getattr(self, "found_inf", None)  # apply_or_skip's, with fused AdamW: the step is skipped where set
-        owners: dict[tuple[int, ...], int] = {}
+        owners: dict = {}  # mesh -> the matrices of it orthogonalized so far this step
         for group in groups:
             if group.get("muon"):
                 for p in group["params"]:
@@ -109,9 +109,8 @@ class Muon(AdamW):
             return ortho(update)
         mesh = update.device_mesh
         full = update.full_tensor()
-        ranks = tuple(mesh.mesh.flatten().tolist())
-        turn = owners.get(ranks, 0)
-        owners[ranks] = turn + 1
+        turn = owners.get(mesh, 0)  # the mesh as its key: hashed once, where its ranks would be a read of a tensor
+        owners[mesh] = turn + 1
         mine = math.prod(mesh.shape) == 1 or _linear(mesh.get_coordinate(), mesh.shape) == turn % mesh.size()
         result = ortho(full) if mine else torch.zeros_like(full)
         for dim in range(mesh.ndim):  # the owner's result everywhere: a sum with zeros, exact
