@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.optim._muon as torch_muon
 
+from tests.multiprocess.launch import train_in_process
 from torchtitan_lite.config import JobConfig, load_config
 from torchtitan_lite.models import registry
 from torchtitan_lite.models.init import canonical_name
@@ -126,3 +127,14 @@ def test_a_resumed_muon_continues_bit_for_bit():
         return params
 
     assert all(torch.equal(a, b) for a, b in zip(run(None), run(2)))
+
+
+@pytest.mark.parametrize("first, then", [("AdamW", "Muon"), ("Muon", "AdamW")])
+def test_a_checkpoint_of_the_other_optimizer_is_one_line_naming_both(tmp_path, first, then):
+    saving = ("--checkpoint.enable", "--checkpoint.interval", "1")
+    train_in_process(tmp_path, *saving, "--training.steps", "1", "--optimizer.name", first)
+    run = train_in_process(tmp_path, *saving, "--training.steps", "2", "--optimizer.name", then, check=False)
+    assert run.returncode == 2 and run.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint {tmp_path / 'checkpoint' / 'step-1'} holds {first}'s state and this run's optimizer.name "
+        f"is {then}: resume with optimizer.name {first}, or start from its weights alone "
+        "(checkpoint.initial_load_path with checkpoint.initial_load_model_only)")

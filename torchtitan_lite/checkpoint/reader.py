@@ -111,6 +111,12 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _optimizer_of(keys) -> str:
+    """The optimizer whose state `keys` (a checkpoint's flat names) hold: Muon's matrices keep a momentum buffer, its
+    other parameters and AdamW's every one two moments."""
+    return "Muon" if any(k.endswith(".momentum_buffer") for k in keys) else "AdamW"
+
+
 def check_fits(state: dict[str, Any], path: str, metadata: Metadata) -> None:
     """Every key this run loads is in the checkpoint (`path`, whose `metadata` the caller read) with the same global
     shape, and the checkpoint's model has no tensor this model lacks; else one line naming the tensor instead of
@@ -122,6 +128,11 @@ def check_fits(state: dict[str, Any], path: str, metadata: Metadata) -> None:
             continue  # a CPU checkpoint has no rng.cuda, nor an fp32 one a loss scale, nor an older one the lr
             # schedule's settings (optim.LRSchedule) or the data's digest (data/digest.py): what is there is loaded
         if key not in saved:
+            theirs, mine = _optimizer_of(saved), _optimizer_of(ours)
+            if key.startswith("optimizer.") and theirs != mine:
+                raise ConfigError(f"checkpoint {path} holds {theirs}'s state and this run's optimizer.name is {mine}: "
+                                  f"resume with optimizer.name {theirs}, or start from its weights alone "
+                                  f"(checkpoint.initial_load_path with checkpoint.initial_load_model_only)")
             raise ConfigError(f"checkpoint {path} has no {key}: it was saved from another model or setup")
         if isinstance(value, torch.Tensor) and tuple(saved[key].size) != tuple(value.shape):
             raise ConfigError(
