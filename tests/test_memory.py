@@ -15,7 +15,7 @@ from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.runtime.metrics import held_bytes, storage_bytes
 from torchtitan_lite.tools import memory, memory_extrapolate
-from torchtitan_lite.tools.memory import LLAMA3_VOCAB, Estimate, estimate_memory, model_args
+from torchtitan_lite.tools.memory import Estimate, estimate_memory, model_args
 from torchtitan_lite.tools.memory_extrapolate import Plan, extrapolate
 from torchtitan_lite.training.optimizers import build_optimizer
 
@@ -23,8 +23,9 @@ import estimate_memory as script  # scripts/estimate_memory.py (pytest.ini puts 
 import memory_table  # scripts/memory_table.py
 from tests.multiprocess.launch import DEBUGMODEL
 from tests.test_hf_load import hf_folder
-from torchtitan_lite.data.tokenizer import STDLIB_BPE, Tokenizer
+from torchtitan_lite.data.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, STDLIB_BPE, Tokenizer
 
+LLAMA3_VOCAB = LLAMA3_N_RANKS + len(LLAMA3_SPECIALS)  # 128256: Meta's tokenizer, the 8B/70B/405B configs'
 TINY = ["--job.config_file", "tests/assets/tiny.toml"]
 DEBUG = [*TINY, *DEBUGMODEL]  # 6 blocks: the tests below that count per block
 STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")

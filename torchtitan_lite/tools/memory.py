@@ -80,7 +80,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.hf_tokenizer import run_tokenizer, run_vocab_size
-from torchtitan_lite.data.tokenizer import LLAMA3_N_RANKS, LLAMA3_SPECIALS, build_tokenizer
+from torchtitan_lite.data.tokenizer import build_tokenizer
 from torchtitan_lite.models import documents, registry
 from torchtitan_lite.models.common import moe
 from torchtitan_lite.models.spec import Args
@@ -98,7 +98,6 @@ from torchtitan_lite.training.optimizers import build_optimizer
 from torchtitan_lite.training.preflight import check_layout
 from torchtitan_lite.training.step import Inputs, Numerics, Step
 
-LLAMA3_VOCAB = LLAMA3_N_RANKS + len(LLAMA3_SPECIALS)  # 128256: the vocabulary the 8B/70B/405B configs are made for
 progress = logging.getLogger(__name__)  # what the estimate is doing, as it goes (estimate_memory.py shows it)
 
 

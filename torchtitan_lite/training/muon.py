@@ -111,7 +111,7 @@ class Muon(AdamW):
         full = update.full_tensor()
         turn = owners.get(mesh, 0)  # the mesh as its key: hashed once, where its ranks would be a read of a tensor
         owners[mesh] = turn + 1
-        mine = math.prod(mesh.shape) == 1 or _linear(mesh.get_coordinate(), mesh.shape) == turn % mesh.size()
+        mine = _linear(mesh.get_coordinate(), mesh.shape) == turn % mesh.size()
         result = ortho(full) if mine else torch.zeros_like(full)
         for dim in range(mesh.ndim):  # the owner's result everywhere: a sum with zeros, exact
             if mesh.size(dim) > 1:
