@@ -244,7 +244,7 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
                                                               env.world_size)), commit=replicas.commit)
     stages = mesh["pp"].get_group() if dims.pp > 1 and ModelSpec.moe(model_args) is not None else None
     expert_load = ExpertLoad(model, lambda: dims.token_mesh(mesh).get_group() if dims.dp * dims.cp * dims.tp > 1
-                             else None, global_batch, stages, device)
+                             else None, global_batch, stages, device, training.seq_len)
     update.after_step += [float8_scales, expert_load, partial(train_state.advance, global_tokens)]
     # The bytes held for state, measured after the first step's backward and update (go in the next record); and
     # start-up is over: a peer silent for train_timeout_seconds from now on is hung.

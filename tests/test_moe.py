@@ -126,7 +126,7 @@ def test_the_router_scores_in_fp32_and_orders_each_tokens_experts_by_score():
     router = layer(MoEArgs(num_experts=6, top_k=3)).router
     x = torch.randn(50, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
     router.gate.weight.data = router.gate.weight.data.bfloat16()
-    weights, experts, _ = router(x)
+    weights, experts, *_ = router(x)
     assert weights.dtype == torch.float32 and experts.shape == (50, 3)
     scores = (x @ router.gate.weight.T).float().softmax(-1)
     assert torch.equal(scores.gather(-1, experts) / scores.gather(-1, experts).sum(-1, keepdim=True), weights)
@@ -137,7 +137,7 @@ def test_the_expert_bias_chooses_the_experts_and_the_scores_weigh_them():
     m = layer(MoEArgs(num_experts=6, top_k=2, load_balance_coeff=1e-3))
     m.router.expert_bias[4] = 10.0
     x = torch.randn(30, 64, generator=torch.Generator().manual_seed(7))
-    weights, experts, _ = m.router(x)
+    weights, experts, *_ = m.router(x)
     scores = m.router.gate(x).float().softmax(-1)
     assert (experts[:, 0] == 4).all()
     chosen = scores.gather(-1, experts)
@@ -181,7 +181,7 @@ def test_the_auxiliary_loss_trains_as_if_added_to_the_loss_and_sums_over_sequenc
     grad = aux_gradient(m, x)
     whole = m.aux_sum.clone()
     m.zero_grad()
-    _, experts, scores = m.router(x.view(40, 64))
+    _, experts, scores, _ = m.router(x.view(40, 64))
     (0.3 * moe.balance_loss(scores.view(4, 10, -1), experts.view(4, -1), 2)).backward()
     torch.testing.assert_close(m.router.gate.weight.grad, grad)
     m.aux_seed = 2.0
@@ -193,6 +193,38 @@ def test_the_auxiliary_loss_trains_as_if_added_to_the_loss_and_sums_over_sequenc
     assert abs(whole.item() - m.aux_sum.item()) <= 1e-6 * whole.item()
     torch.testing.assert_close(m.router.gate.weight.grad, grad, rtol=1e-5, atol=1e-7)
     assert grad.abs().sum() > 0
+
+
+def test_the_router_z_loss_is_switch_transformers_mean_over_tokens_and_layers():
+    """ST-MoE's router z-loss against transformers' (SwitchTransformers' router_z_loss_func, given every layer's gate
+    logits at once: the mean over the layers' tokens, as ExpertLoad's factors make ours), its value logged before the
+    weight, its gradient the weight times the formula's, beside the auxiliary loss's (both on)."""
+    from transformers.models.switch_transformers.modeling_switch_transformers import router_z_loss_func
+
+    args = MoEArgs(router_z_loss=0.2, aux_loss_coeff=0.3)
+    layers = torch.nn.ModuleDict({"a": layer(args, seed=1), "b": layer(args, seed=2)})
+    load = ExpertLoad(layers, group=lambda: None, sequences=2, seq_len=10)
+    x = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(10))
+    (layers["a"](x) * 0 + layers["b"](x) * 0).sum().backward()  # the losses' gradients alone
+    ours = [m.router.gate.weight.grad.clone() for m in layers.values()]
+    load()
+    logged = load.fields()
+    layers.zero_grad()
+    logits = torch.cat([m.router.gate(x).float() for m in layers.values()])  # (layers x sequences, tokens, E)
+
+    def balance(m: MoE) -> torch.Tensor:
+        _, experts, scores, _ = m.router(x.view(20, 64))
+        return moe.balance_loss(scores.view(2, 10, -1), experts.view(2, -1), 2)
+
+    aux = sum(balance(m) for m in layers.values())
+    (0.2 * router_z_loss_func(logits)).backward()
+    z_only = [m.router.gate.weight.grad.clone() for m in layers.values()]
+    assert abs(logged["router_z_loss"] - router_z_loss_func(logits).item()) <= 1e-6 * logged["router_z_loss"]
+    layers.zero_grad()
+    (0.3 * aux / (2 * 2)).backward()  # the auxiliary loss's mean over sequences and layers
+    for got, z, a in zip(ours, z_only, [m.router.gate.weight.grad for m in layers.values()]):
+        torch.testing.assert_close(got, z + a)
+        assert z.abs().max() > 0.1 * a.abs().max()  # the z-loss's share is not lost in the sum
 
 
 def test_expert_load_moves_each_bias_toward_balance_and_logs_the_load():
@@ -265,7 +297,8 @@ def test_one_process_trains_every_weight_of_the_moe_model(tmp_path):
     (1, ["--float8.enable_float8_linear", "--float8.emulate"], "without float8 so far"),
     (2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable", "--training.mixed_precision_param",
          "bfloat16", "--moe.aux_loss_coeff", "0"], "with expert parallelism eager so far"),
-    (1, ["--compile.enable", "--training.mixed_precision_param", "bfloat16"], "with load balancing eager so far"),
+    (1, ["--compile.enable", "--training.mixed_precision_param", "bfloat16", "--moe.aux_loss_coeff", "0",
+         "--moe.router_z_loss", "1e-3"], "with load balancing and router losses eager so far"),
 ])
 def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_line, world, overrides, said):
     line = error_line(world, ["--model.flavor", "tiny_moe", *overrides])

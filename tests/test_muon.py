@@ -14,6 +14,8 @@ from torchtitan_lite.models.init import canonical_name
 from torchtitan_lite.training.muon import NS_COEFFICIENTS, NS_STEPS, Muon, adjusted_lr, zeropower
 from torchtitan_lite.training.optim import AdamW
 from torchtitan_lite.training.optimizers import build_optimizer
+from torchtitan_lite.runtime.precision import UpdateGuard
+from torchtitan_lite.training.update import Update
 
 SETTINGS = {"muon": True, "momentum": 0.95, "nesterov": True, "ns_steps": NS_STEPS, "ns_coefficients": NS_COEFFICIENTS,
             "ns_eps": 1e-7, "ns_dtype": torch.bfloat16, "adjust_lr": "match_rms_adamw"}
@@ -76,6 +78,32 @@ def test_the_other_groups_step_as_adamw_alone_and_a_skipped_step_changes_nothing
             assert not torch.equal(matrix, before[0])
 
 
+def test_under_fp16_loss_scaling_muon_steps_on_the_true_gradients_and_skips_an_overflow():
+    """The trainer's update (training/update.py) with fp16's scaler: gradients scaled by 2^16, unscaled before the
+    step, so Muon's matrices and AdamW's rest take the fp32 run's steps bit for bit (the scales are powers of 2); an
+    overflowing step is skipped by both groups and halves the scale."""
+    def run(dtype: torch.dtype, grads: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], UpdateGuard]:
+        gen = torch.Generator().manual_seed(4)
+        params = [torch.nn.Parameter(torch.randn(16, 24, generator=gen)), torch.nn.Parameter(torch.ones(16))]
+        opt = Muon([{"params": params[1:], "muon": False}, {"params": params[:1], **SETTINGS}], lr=0.01, fused=True)
+        guard = UpdateGuard(torch.device("cpu"), dtype)
+        update = Update(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), guard,
+                        lambda: torch.nn.utils.clip_grad_norm_(params, 1e9))
+        for step, gs in enumerate(grads, 1):
+            for p, g in zip(params, gs):
+                p.grad = g * (guard.scaler.scale if guard.enabled else 1)
+            update(step)
+        return params, guard
+
+    gen = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(16, 24, generator=gen), torch.randn(16, generator=gen)] for _ in range(3)]
+    overflow = [torch.full((16, 24), float("inf")), grads[1][1]]
+    fp16, guard = run(torch.float16, [grads[0], overflow, grads[1], grads[2]])
+    fp32, _ = run(torch.float32, grads)
+    assert all(torch.equal(a, b) for a, b in zip(fp16, fp32))
+    assert guard.scaler.scale.item() == 2.0**15 and guard.skipped.item() == 1
+
+
 @pytest.mark.parametrize("flavor", ["tiny", "tiny_moe"])
 def test_muon_takes_the_specs_matrices_and_adamw_the_rest(flavor):
     cfg = load_config(["--optimizer.name", "Muon", "--model.flavor", flavor, "--muon.adamw_lr", "3e-4"])
@@ -95,8 +123,6 @@ def test_muon_takes_the_specs_matrices_and_adamw_the_rest(flavor):
 def test_an_unknown_optimizer_or_one_muon_cannot_run_with_is_one_line(error_line, monkeypatch):
     assert error_line(1, ["--optimizer.name", "muon"]) == (
         "error: optimizer.name 'muon' is not a registered optimizer: choose one of AdamW, Muon; did you mean Muon?")
-    assert "Muon with training.mixed_precision_param float16" in error_line(
-        1, ["--optimizer.name", "Muon", "--training.mixed_precision_param", "float16"])
     assert "Muon with fault_tolerance.enable" in error_line(1, ["--optimizer.name", "Muon",
                                                                 "--fault_tolerance.enable"])
     spec = registry.get("llama3")

@@ -34,13 +34,13 @@ class RouteRecorder:
         forward, moe_forward, next_batch = moe.Router.forward, moe.MoE.forward, DataLoader.next_batch
 
         def recording_forward(router, x):
-            weights, experts, scores = forward(router, x)
+            weights, experts, scores, logits = forward(router, x)
             # A training forward's call (not validation's, or a pipeline's metadata inference), not activation
             # checkpointing's recompute of it in backward.
             if first_step() and moe.MoE.counting and torch.is_grad_enabled() and \
                     torch._C._current_autograd_node() is None:
                 self._record(router, x, experts)
-            return weights, experts, scores
+            return weights, experts, scores, logits
 
         def recording_moe_forward(layer, x):
             self.local = x.shape[0] if x.dim() == 3 else 1  # the call's sequences: a pipeline cuts micro-batches

@@ -189,8 +189,12 @@ MOE = (*MOE, "--moe.load_balance_coeff", "1e-3")
 EP2, EP4 = ("--parallelism.expert_parallel_degree", "2"), ("--parallelism.expert_parallel_degree", "4")
 EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
 BF16 = ("--training.mixed_precision_param", "bfloat16")
-E6 = ("--moe.num_experts", "6", "--moe.shared_experts", "1", "--moe.score_func", "sigmoid")
+# DeepSeek-V3's kind of mixture, trained with PaLM's z-loss on the logits (loss parallel's under TP) and ST-MoE's on the
+# routers, at weights large enough for their gradients to show in every parameter's (test_moe_layouts.py).
+E6 = ("--moe.num_experts", "6", "--moe.shared_experts", "1", "--moe.score_func", "sigmoid", "--training.z_loss", "1e-2",
+      "--moe.router_z_loss", "1e-2")
 MUON = ("--optimizer.name", "Muon")
+EVERY_STEP = ("--checkpoint.enable", "--checkpoint.interval", "1")
 MOE_RUNS = {
     "moe_single": Run(1, (*MOE, *CHECKPOINTED, *SHORT), reference=None),
     "moe_fsdp4": Run(4, (*MOE, *CHECKPOINTED, *SHORT), reference="moe_single"),
@@ -208,7 +212,7 @@ MOE_RUNS = {
     "moe_ep2_pp2": Run(4, (*MOE, *PP2, *EP2, "--training.local_batch_size", "4", *CHECKPOINTED, *SHORT),
                        reference="moe_single"),
     "moe_ep2": Run(2, (*MOE, *EP2, *EVERY_2, *SHORT), reference="moe_single"),
-    # DeepSeek-V3's kind of mixture (E6): 6 experts, top 2, a shared expert, sigmoid scores; on TP 2 x FSDP 2 x EP 2
+    # DeepSeek-V3's kind of mixture (E6): 6 experts, top 2, a shared expert, sigmoid scores, z-losses; on TP 2 x FSDP 2 x EP 2
     # each rank's 3 experts do not split over its 2 efsdp ranks, so FSDP shards their weights on dim 1
     # (parallelize.experts_dim); against one process of the same mixture.
     "moe_e6_single": Run(1, (*MOE, *E6, *SHORT), reference=None),
@@ -216,9 +220,9 @@ MOE_RUNS = {
                           reference="moe_e6_single"),
     # The same mixture and layout trained by Muon (test_muon.py): its matrices (attention's, split on either dim by
     # TP; the shared expert's; the routed experts', split by EP and on dim 1 by FSDP) orthogonalized whole, saving
-    # every 2 steps, against one process.
-    "moe_e6_muon_single": Run(1, (*MOE, *E6, *MUON, *CHECKPOINTED, *SHORT), reference=None),
-    "moe_e6_muon_ep2_tp2": Run(4, (*MOE, *E6, *MUON, *TP2, *EP2, "--training.local_batch_size", "4", *CHECKPOINTED,
+    # every step, against one process.
+    "moe_e6_muon_single": Run(1, (*MOE, *E6, *MUON, *EVERY_STEP, *SHORT), reference=None),
+    "moe_e6_muon_ep2_tp2": Run(4, (*MOE, *E6, *MUON, *TP2, *EP2, "--training.local_batch_size", "4", *EVERY_STEP,
                                    *SHORT), reference="moe_e6_muon_single"),
     # Qwen3-MoE's kind (16 fine-grained experts, top 4, renormalized, its auxiliary loss) on DDP 2 x TP 2 with EP 2
     # over the tp ranks: with Qwen3's dense runs, the model meets every layout (test_run_table.py); its mixture's
@@ -299,6 +303,14 @@ RESUMED_RUNS = {
     # Saved on TP 2 x FSDP 2 x EP 2, loaded on EP 4 without TP (1 sequence a micro-batch): with the two above, EP 2
     # -> EP 4 -> no EP.
     "moe_ep2_tp2_on_ep4": Resumed("moe_ep2_tp2", 2, 4, (*MOE, *EP4, "--training.local_batch_size", "1", *SHORT)),
+    # Muon's state (each matrix's momentum, the AdamW groups' moments), saved on TP 2 x FSDP 2 x EP 2 and loaded on
+    # PP 2 x CP 2 x EP 2 (1F1B, 2 micro-batches of 4; the experts over the cp ranks) and on HSDP 2 x 2 x EP 2: the
+    # layouts the straight run lacks, each checked against one process (test_muon.py).
+    "moe_e6_muon_on_pp2_cp2": Resumed("moe_e6_muon_ep2_tp2", 2, 4, (*MOE, *E6, *MUON, *PP2, *CP2, *EP2,
+                                                                    "--training.local_batch_size", "8",
+                                                                    *CHECKPOINTED, *SHORT)),
+    "moe_e6_muon_on_hsdp2x2": Resumed("moe_e6_muon_ep2_tp2", 2, 4, (*MOE, *E6, *MUON, *HSDP, *EP2, *CHECKPOINTED,
+                                                                    *SHORT)),
     # Qwen3's tied table, saved by PP 2 x TP 2 (held by both stages) and loaded on HSDP 2 x CP 2.
     "pp2_tp2_qwen3_on_hsdp2_cp2": Resumed("pp2_tp2_qwen3", 2, 4, (*SHARED_RUNS["hsdp2_cp2_qwen3"].overrides,
                                                                   *CHECKPOINTED), model="qwen3"),

@@ -108,6 +108,24 @@ def test_the_auxiliary_loss_is_the_single_processs_on_every_layout(runs, layout)
     assert worst <= 1e-6
 
 
+Z_LAYOUTS = [name for name in LAYOUTS if MOE_RUNS[name].config.training.z_loss > 0]
+
+
+@pytest.mark.parametrize("layout", Z_LAYOUTS)
+def test_the_z_losses_are_the_single_processs_on_every_layout(runs, layout):
+    """PaLM's z-loss of the output logits (under TP 2 from their vocabulary shards: loss parallel) and ST-MoE's of the
+    routers' (each rank's tokens), logged apart from the loss: one process's within 1e-6 at every step. Their
+    gradients are among those compared above; their formulas are test_z_loss.py's and test_moe.py's."""
+    assert any(MOE_RUNS[name].dims.tp > 1 and not MOE_RUNS[name].config.parallelism.disable_loss_parallel
+               for name in Z_LAYOUTS)
+    for name in ("z_loss", "router_z_loss"):
+        got, ref = metric(runs[layout], name), metric(runs[MOE_RUNS[layout].reference], name)
+        assert got.keys() == ref.keys() == {1, 2, 3, 4}, name
+        worst = max(abs(got[s] - ref[s]) / ref[s] for s in ref)
+        print(f"{layout}: {name} {got[1]:.6f} at step 1, within {worst:.1e} of one process's")
+        assert worst <= 1e-6, name
+
+
 def test_expert_parallelism_in_bf16_follows_one_process_in_bf16(runs):
     """FSDP2's bf16 parameters and all-to-alls of bf16 slots against one process under autocast, within the bf16
     tolerance of the dense model's pairs (test_pairs.py); no route or gradient compared, bf16's roundings differ."""

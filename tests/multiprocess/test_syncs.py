@@ -52,7 +52,8 @@ def test_a_logging_step_syncs_five_times(syncs):
 # Expert parallelism (tiny_moe, EP 2 x FSDP 2): all_to_all_single takes its split sizes as integers, so each MoE
 # layer's dispatch reads them on the host, once per micro-batch (torchtitan's dispatcher does the same).
 probes.register("syncs_ep", "--job.config_file", str(TINY), *COMMON, "--model.flavor", "tiny_moe",
-                "--parallelism.expert_parallel_degree", "2", "--training.steps", "3", "--metrics.log_freq", "3")
+                "--parallelism.expert_parallel_degree", "2", "--training.steps", "3", "--metrics.log_freq", "3",
+                "--moe.router_z_loss", "1e-3")  # beside tiny_moe's auxiliary loss: both summed on the device
 
 
 def test_expert_parallelism_reads_its_split_sizes_once_a_layer_a_micro_batch(probed):
@@ -62,15 +63,16 @@ def test_expert_parallelism_reads_its_split_sizes_once_a_layer_a_micro_batch(pro
         assert sorted(step2) == sorted([HOST] + ["expert_parallel.py:split_sizes@cpu"] * layers), step2
 
 
-# Muon on the same layout (TP 2 x FSDP 2, every matrix gathered whole and orthogonalized): its collectives, the
-# iteration and a skipped step's masking all stay on the device (training/muon.py), so a step that only trains reads
-# nothing of it either.
+# Muon on the same layout (TP 2 x FSDP 2, every matrix gathered whole and orthogonalized), in float16 with its loss
+# scaling, training the z-loss (its log-sum-exp over the vocabulary-sharded logits: loss parallel): Muon's collectives,
+# the iteration and a skipped step's masking, the scaler's decision and the z-loss's sums all stay on the device
+# (training/muon.py, runtime/precision.py, training/z_loss.py), so a step that only trains reads nothing of them.
 probes.register("syncs_muon", "--job.config_file", str(TINY), *COMMON, *TP2, "--training.local_batch_size", "4",
-                "--training.steps", "3", "--metrics.log_freq", "3", "--training.skip_nonfinite_steps", "1",
-                "--optimizer.name", "Muon")
+                "--training.steps", "3", "--metrics.log_freq", "3", "--training.mixed_precision_param", "float16",
+                "--optimizer.name", "Muon", "--training.z_loss", "1e-4")
 
 
-def test_muons_steps_that_only_train_never_wait_for_the_device(probed):
+def test_muon_and_z_loss_steps_that_only_train_never_wait_for_the_device(probed):
     for rank in range(4):
         steps = json.loads((probed / "syncs_muon" / f"syncs-{rank}.json").read_text())
         assert sorted(map(int, steps)) == [1, 2, 3]

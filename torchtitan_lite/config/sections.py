@@ -67,6 +67,9 @@ class Moe:
                                               "flavor's", rule=finite_at_least(0))
     aux_loss_coeff: Optional[float] = opt(None, "the Switch/Mixtral load-balancing loss's weight (Mixtral: 0.02), "
                                           "each sequence's own; 0 = off; none = the flavor's", rule=finite_at_least(0))
+    router_z_loss: Optional[float] = opt(None, "ST-MoE's router z-loss weight (1e-3): the mean over tokens and MoE "
+                                         "layers of the gate logits' log-sum-exp squared; 0 = off; none = the "
+                                         "flavor's", rule=finite_at_least(0))
 
 
 @dataclass
@@ -126,6 +129,9 @@ class Training:
     deterministic: bool = opt(False, "torch.use_deterministic_algorithms, for bitwise-reproducible runs")
     skip_nonfinite_steps: int = opt(0, "a NaN/Inf gradient norm stops the run; N > 0 skips up to N such in a row",
                                     rule=at_least(0))
+    z_loss: float = opt(0.0, "PaLM's z-loss weight (1e-4): the mean over tokens of the output logits' log-sum-exp "
+                        "squared, added to the loss trained and logged apart as z_loss; 0 = off",
+                        rule=finite_at_least(0, "0 = off"))
     gc_freq: int = opt(50, "Python GC every N steps, so ranks pause together; 0 leaves automatic GC on",
                        rule=at_least(0, "0 leaves automatic GC on"))
 

@@ -97,6 +97,7 @@ from torchtitan_lite.training.optim import clip_grad_norm_
 from torchtitan_lite.training.optimizers import build_optimizer
 from torchtitan_lite.training.preflight import check_layout
 from torchtitan_lite.training.step import Inputs, Numerics, Step
+from torchtitan_lite.training.z_loss import ZLoss
 
 progress = logging.getLogger(__name__)  # what the estimate is doing, as it goes (estimate_memory.py shows it)
 
@@ -302,7 +303,7 @@ def _model_step(model: nn.Module, cfg: JobConfig, dims: ParallelDims, args: Args
     inputs, seq_share = Inputs.build(_bos(cfg, args), _rank0_share(cfg, dims))
     step = _MeasuredStep(model, torch.device("cpu"), numerics, guard.scale,
                          defer_reduce=dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce, tracker=tracker,
-                         inputs=inputs)
+                         inputs=inputs, z_loss=ZLoss.from_config(training.z_loss))
     tokens = dims.global_batch(training.local_batch_size, training.global_batch_size) * training.seq_len
     before = tracker.now()["ACT"]
     # What the loader hands rank 0: its CP share of the windows, or whole windows that the masked step cuts.

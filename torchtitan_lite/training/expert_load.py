@@ -10,7 +10,8 @@ mean. The counts are integers, exact in fp32 up to 2^24 slots an expert a step, 
 so it is the same bits on every layout. The load is logged at logging steps (per MoE layer, the busiest expert's slots
 over the mean; and every slot counted, which a double count would show), read with the step's other figures, and so is
 the Switch/Mixtral auxiliary loss (moe.aux_loss_coeff > 0; models/moe.balance_loss): a mean over the global batch's
-sequences, each sequence's from its own tokens, and over the MoE layers, whose factor is set here.
+sequences, each sequence's from its own tokens, and over the MoE layers, whose factor is set here; and ST-MoE's router
+z-loss (moe.router_z_loss > 0), a mean over the global batch's tokens and the MoE layers.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from torchtitan_lite.models.common.moe import MoE
 
 class ExpertLoad:
     def __init__(self, model: nn.Module, group: Callable[[], dist.ProcessGroup | None], sequences: int = 1,
-                 stages: dist.ProcessGroup | None = None, device: torch.device = torch.device("cpu")):
+                 stages: dist.ProcessGroup | None = None, device: torch.device = torch.device("cpu"),
+                 seq_len: int = 1):
         """`group`: gives the ranks whose tokens differ (data, context and sequence parallel: ParallelDims.token_mesh),
         None on one; called for a model with MoE layers alone (a flattened group costs every rank its creation).
-        `sequences`: the global batch's, over which the auxiliary loss is a mean (and over the MoE layers).
+        `sequences`: the global batch's, over which the auxiliary loss is a mean (and over the MoE layers); the router
+        z-loss's is over their tokens, `seq_len` each.
         `stages`: under pipeline parallelism, the pp ranks, whose stages hold different layers: the number of MoE
         layers, the slots and the auxiliary loss logged are summed over them (the load per layer is rank 0's)."""
         self.layers = [(canonical_name(name), m) for name, m in model.named_modules() if isinstance(m, MoE)]
@@ -39,43 +42,46 @@ class ExpertLoad:
             dist.all_reduce(total, group=stages)
         self.total = int(total.item())
         for _, layer in self.layers:
-            layer.aux_scale = 1 / (sequences * self.total)
+            layer.aux_scale, layer.z_scale = 1 / (sequences * self.total), 1 / (sequences * seq_len * self.total)
         self.group, self.load, self.totals = group() if self.total else None, None, None
         self.aux_on = any(layer.args.aux_loss_coeff > 0 for _, layer in self.layers)
+        self.z_on = any(layer.args.router_z_loss > 0 for _, layer in self.layers)
 
     @torch.no_grad()
     def __call__(self) -> None:
         if not self.total:
             return
         routers = [layer.router for _, layer in self.layers]
-        # Every layer's counts and auxiliary loss in one all-reduce: (layers, experts + 1).
-        load = torch.stack([torch.cat([r.tokens_per_expert, layer.aux_sum.view(1)])
+        # Every layer's counts, auxiliary loss and router z-loss in one all-reduce: (layers, experts + 2).
+        load = torch.stack([torch.cat([r.tokens_per_expert, layer.aux_sum.view(1), layer.z_sum.view(1)])
                             for r, (_, layer) in zip(routers, self.layers)]) if self.layers else None
         if self.group is not None and load is not None:
             dist.all_reduce(load, group=self.group)
         if load is not None:
-            for router, counts in zip(routers, load[:, :-1]):
+            for router, counts in zip(routers, load[:, :-2]):
                 if router.args.load_balance_coeff > 0:
                     delta = router.args.load_balance_coeff * torch.sign(counts.mean() - counts)
                     router.expert_bias += delta - delta.mean()
                 router.tokens_per_expert.zero_()
             for _, layer in self.layers:
                 layer.aux_sum.zero_()
-        # The slots and the auxiliary loss of all layers: under PP summed over the stages (a stage may hold none).
-        totals = torch.zeros(2, device=self.device) if load is None else torch.stack(
-            [load[:, :-1].sum(), load[:, -1].sum()]).to(self.device)
+                layer.z_sum.zero_()
+        # The slots and the auxiliary losses of all layers: under PP summed over the stages (a stage may hold none).
+        totals = torch.zeros(3, device=self.device) if load is None else torch.stack(
+            [load[:, :-2].sum(), load[:, -2].sum(), load[:, -1].sum()]).to(self.device)
         if self.stages is not None:
             dist.all_reduce(totals, group=self.stages)
-        self.load, self.totals = (None if load is None else load[:, :-1]), totals
+        self.load, self.totals = (None if load is None else load[:, :-2]), totals
 
     def fields(self) -> dict[str, float]:
         """The last step's load: per layer (this rank's stage's under PP), its busiest expert's slots over the mean;
-        the slots counted in all layers; and the auxiliary loss (before its coefficient) when on."""
+        the slots counted in all layers; and the auxiliary loss and router z-loss (before their coefficients) when on."""
         if self.totals is None:
             return {}
-        slots, aux = self.totals.tolist()
-        aux_on = self.aux_on if self.layers else aux > 0  # a stage of dense blocks alone: the others' say
-        out = {"routed_slots": slots, **({"aux_loss": aux} if aux_on else {})}
+        slots, aux, z = self.totals.tolist()
+        # A stage of dense blocks alone: the others' say (a loss that is on is positive).
+        aux_on, z_on = (self.aux_on, self.z_on) if self.layers else (aux > 0, z > 0)
+        out = {"routed_slots": slots, **({"aux_loss": aux} if aux_on else {}), **({"router_z_loss": z} if z_on else {})}
         if self.load is not None:
             busiest = (self.load.max(1).values / self.load.mean(1)).tolist()
             out |= {f"expert_load/{name}": b for (name, _), b in zip(self.layers, busiest)}

@@ -108,6 +108,8 @@ class Muon(AdamW):
         if not isinstance(update, DTensor):  # held whole by this rank alone
             return ortho(update)
         mesh = update.device_mesh
+        # On the mesh's device: under CPU offload the update lives on the host, NCCL does not (a no-op elsewhere).
+        home, update = update.device, update.to(mesh.device_type)
         full = update.full_tensor()
         turn = owners.get(mesh, 0)  # the mesh as its key: hashed once, where its ranks would be a read of a tensor
         owners[mesh] = turn + 1
@@ -116,7 +118,7 @@ class Muon(AdamW):
         for dim in range(mesh.ndim):  # the owner's result everywhere: a sum with zeros, exact
             if mesh.size(dim) > 1:
                 dist.all_reduce(result, group=mesh.get_group(dim))
-        return distribute_tensor(result, mesh, update.placements, src_data_rank=None)
+        return distribute_tensor(result, mesh, update.placements, src_data_rank=None).to(home)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

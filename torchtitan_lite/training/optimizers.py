@@ -56,9 +56,6 @@ def check_optimizer(cfg: JobConfig, param_group: Callable[[str], str] | None) ->
     if name == "Muon" and param_group is None:
         raise ConfigError(f"optimizer.name Muon needs to know which parameters are matrices, and model "
                           f"{cfg.model.name}'s spec does not say (param_group): use AdamW")
-    if name == "Muon" and cfg.training.mixed_precision_param == "float16":
-        raise ConfigError("optimizer.name Muon with training.mixed_precision_param float16: its loss scaling is not "
-                          "taken by Muon's updates yet; use bfloat16")
     if name == "Muon" and cfg.fault_tolerance.enable:
         raise ConfigError("optimizer.name Muon with fault_tolerance.enable: a healing replica group's Muon state is "
                           "not yet tested; use AdamW with replica groups")

@@ -59,9 +59,10 @@ def check_moe(cfg: JobConfig, dims: ParallelDims, moe) -> None:
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} must divide the {moe.num_experts} routed "
                           f"experts (moe.num_experts): choose one of "
                           f"{', '.join(str(d) for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0)}")
-    if (moe.load_balance_coeff > 0 or moe.aux_loss_coeff > 0) and cfg.compile.enable:
-        raise ConfigError(f"{flavor} with load balancing eager so far (a compiled block does not count its experts' "
-                          "tokens): drop compile.enable or set moe.load_balance_coeff and moe.aux_loss_coeff 0")
+    if (moe.load_balance_coeff > 0 or moe.aux_loss_coeff > 0 or moe.router_z_loss > 0) and cfg.compile.enable:
+        raise ConfigError(f"{flavor} with load balancing and router losses eager so far (a compiled block does not "
+                          "count its experts' tokens or train those losses): drop compile.enable or set "
+                          "moe.load_balance_coeff, moe.aux_loss_coeff and moe.router_z_loss 0")
     ac = cfg.activation_checkpoint
     if dims.ep * dims.tp > 1 and ac.mode == "selective" and ac.selective_ac_option == "op":
         raise ConfigError("op-level selective activation checkpointing recomputes a block's ops one for one, and "

@@ -38,6 +38,7 @@ from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import Pipeline
 from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.precision import DTYPES
+from torchtitan_lite.training.z_loss import ZLoss
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels) of one local batch
 
@@ -110,10 +111,16 @@ class Step:
     """The step of one rank: `train_step` adds a local batch's gradients to the parameters' .grad, `eval_step` only
     measures; both return the summed loss of their micro-batches (detached). The optimizer's update is the loop's."""
 
+    # The losses a local batch computes, each a micro-batch's (a pipeline's: its micro-batches').
+    losses_per_batch = 1
+
     def __init__(self, model: nn.Module, device: torch.device, numerics: Numerics,
                  scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss, defer_reduce: bool = False,
-                 inputs: Inputs = Inputs()):
+                 inputs: Inputs = Inputs(), z_loss: ZLoss | None = None):
         self.model, self.device, self.numerics, self.inputs = model, device, numerics, inputs
+        # PaLM's z-loss on the logits (training.z_loss), trained beside the loss; `z_sum`: its value at the last
+        # train_step on this rank, summed like the loss (logged apart: source_losses.py).
+        self.z_loss, self.z_sum = z_loss, torch.zeros((), device=device)
         self.scale = scale  # fp16's loss scaling (precision.UpdateGuard.scale)
         # During a train_step given a list of rows: where each micro-batch's row_losses go.
         self.rows: list[torch.Tensor] | None = None
@@ -127,10 +134,12 @@ class Step:
         """Forward and backward of every micro-batch; `tokens` is the step's global token count. With `rows`, each
         micro-batch's sequence losses are appended to it (row_losses: a mixture's per source, source_losses.py)."""
         loss_sum, self.rows = torch.zeros((), device=self.device), rows
-        if self.moe_layers:  # their auxiliary loss's gradient: what the model's loss gets, scaled like it (fp16)
-            seed = self.scale(torch.ones((), device=self.device))
-            for layer in self.moe_layers:
-                layer.aux_seed = seed
+        # The auxiliary losses' gradient: what the model's loss gets, scaled like it (fp16).
+        seed = self.scale(torch.ones((), device=self.device))
+        for layer in self.moe_layers:
+            layer.aux_seed = seed
+        if self.z_loss is not None:
+            self.z_loss.seed, self.z_loss.values = seed, []
         try:
             for i, (inputs, labels) in enumerate(batches):
                 if self.defer_reduce:
@@ -139,6 +148,9 @@ class Step:
                     loss_sum += self.forward_backward(inputs, labels, tokens)
         finally:
             self.rows = None
+        if self.z_loss is not None:  # the last ones: a pipeline's shape inference computes one loss of its own first
+            values = self.z_loss.values[-len(batches) * self.losses_per_batch:]
+            self.z_sum = torch.stack(values).sum() if values else torch.zeros((), device=self.device)
         return loss_sum
 
     @torch.no_grad()
@@ -159,6 +171,8 @@ class Step:
     def token_loss(self, logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         if self.rows is not None:
             self.rows.append(row_losses(logits, labels))
+        if self.z_loss is not None and torch.is_grad_enabled():  # training's: validation measures the loss alone
+            logits = self.z_loss(logits, tokens)
         return token_loss(logits, labels, tokens)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -176,10 +190,13 @@ class PipelineStep(Step):
     its loss is this rank's share, the value on the ranks holding the last stage and 0 elsewhere."""
 
     def __init__(self, parts: list[nn.Module], pp_mesh: DeviceMesh, device: torch.device, numerics: Numerics,
-                 scale: Callable[[torch.Tensor], torch.Tensor], cfg: JobConfig, inputs: Inputs = Inputs()):
-        super().__init__(None, device, numerics, scale, inputs=inputs)  # a schedule reduces per local batch itself
+                 scale: Callable[[torch.Tensor], torch.Tensor], cfg: JobConfig, inputs: Inputs = Inputs(),
+                 z_loss: ZLoss | None = None):
+        # A schedule reduces per local batch itself.
+        super().__init__(None, device, numerics, scale, inputs=inputs, z_loss=z_loss)
         self.moe_layers = [m for part in parts for m in part.modules() if isinstance(m, MoE)]
         self.pipeline = Pipeline(parts, pp_mesh, device, cfg, self.token_loss, loss_value, scale)
+        self.losses_per_batch = self.pipeline.microbatches
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         return self.pipeline.forward_backward(*self._prepared(inputs, labels), tokens)
@@ -195,7 +212,8 @@ def build_step(model: nn.Module, parts: list[nn.Module], mesh: DeviceMesh, dims:
                device: torch.device, numerics: Numerics, scale: Callable[[torch.Tensor], torch.Tensor],
                inputs: Inputs = Inputs()) -> Step:
     """The step this rank runs: the pipeline's under PP, else the plain forward and backward of `model`."""
+    z_loss = ZLoss.from_config(cfg.training.z_loss)
     if dims.pp > 1:
-        return PipelineStep(parts, mesh["pp"], device, numerics, scale, cfg, inputs)
+        return PipelineStep(parts, mesh["pp"], device, numerics, scale, cfg, inputs, z_loss)
     return Step(model, device, numerics, scale, defer_reduce=dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce,
-                inputs=inputs)
+                inputs=inputs, z_loss=z_loss)

@@ -36,6 +36,7 @@ class MoEArgs:
     first_dense: int = 0  # the first n blocks dense (DeepSeek-V3: 3)
     load_balance_coeff: float = 0.0  # DeepSeek-V3's expert bias's step (1e-3); 0: no bias (training/expert_load.py)
     aux_loss_coeff: float = 0.0  # the Switch/Mixtral auxiliary loss's weight (Mixtral's config: 0.02); 0: none
+    router_z_loss: float = 0.0  # ST-MoE's router z-loss weight (1e-3); 0: none
 
     def is_moe(self, layer_id: int) -> bool:
         return layer_id >= self.first_dense and (layer_id + 1) % self.every == 0
@@ -66,9 +67,9 @@ class Router(nn.Module):
         if args.load_balance_coeff > 0:
             self.register_buffer("expert_bias", torch.zeros(args.num_experts))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weights, experts, scores) of the tokens `x` (tokens, dim): (tokens, k) each, a token's experts by falling
-        score; and every expert's score (tokens, experts)."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights, experts, scores, logits) of the tokens `x` (tokens, dim): (tokens, k) each, a token's experts by
+        falling score; and every expert's score and gate logit (tokens, experts), in fp32."""
         a = self.args
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
@@ -79,7 +80,7 @@ class Router(nn.Module):
             weights, experts = scores.topk(a.top_k, dim=-1)
         if a.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        return weights * a.route_scale, experts, scores
+        return weights * a.route_scale, experts, scores, logits
 
 
 class GroupedExperts(nn.Module):
@@ -147,11 +148,12 @@ class MoE(nn.Module):
         self.router = Router(dim, args)
         self.experts = GroupedExperts(dim, hidden, args.num_experts)
         self.shared_experts = shared
-        # The auxiliary loss: its factor (1 / (MoE layers x the global batch's sequences), set by
-        # training/expert_load.py), the gradient backward gives it (the loss scale: 1, or fp16's, set by the step),
-        # and its sum since the load was last read.
-        self.aux_scale, self.aux_seed = 1.0, 1.0
+        # The auxiliary loss and the router z-loss: their factors (1 / (MoE layers x the global batch's sequences, or
+        # its tokens), set by training/expert_load.py), the gradient backward gives them (the loss scale: 1, or fp16's,
+        # set by the step), and their sums since the load was last read.
+        self.aux_scale, self.z_scale, self.aux_seed = 1.0, 1.0, 1.0
         self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
+        self.register_buffer("z_sum", torch.zeros(()), persistent=False)
         # Where a sequence's tokens are split across ranks (context, or TP's sequence parallelism), the sum over those
         # ranks of a tensor: set from outside (parallel/parallelize.py); None where each rank holds whole sequences.
         self.sum_over_sequence = None
@@ -159,28 +161,38 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, k = x.shape, self.args.top_k
         tokens = x.reshape(-1, shape[-1])
-        weights, experts, scores = self.router(tokens)
+        weights, experts, scores, logits = self.router(tokens)
         # Each token's k slots, sorted by expert; stable, so an expert's slots keep the tokens' order.
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         # Not bincount, whose length depends on the data: a shape fake tensors and compile can know beforehand.
         counts = torch.zeros(self.args.num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
-        # The auxiliary loss is computed in activation checkpointing's recompute too, which must save what the forward
-        # saved; it is counted, as the tokens are, in training's forward only: not validation's, and not the recompute
-        # in backward, which would count a block's tokens twice. Compiled blocks neither (the check does not trace;
-        # refused). It is trained through the router's weights, whose backward gives it its gradient wherever this
-        # layer's output goes: as if added to the model's loss, on a pipeline stage before the last too.
+        # The auxiliary losses are computed in activation checkpointing's recompute too, which must save what the
+        # forward saved; they are counted, as the tokens are, in training's forward only: not validation's, and not
+        # the recompute in backward, which would count a block's tokens twice. Compiled blocks neither (the check does
+        # not trace; refused). They are trained through the router's weights, whose backward gives them their
+        # gradient wherever this layer's output goes: as if added to the model's loss, on a pipeline stage before the
+        # last too.
+        a = self.args
         training = torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        if training and self.args.aux_loss_coeff > 0:
-            sequences = shape[0] if x.dim() == 3 else 1
-            aux = self.aux_scale * balance_loss(scores.view(sequences, -1, scores.shape[-1]),
-                                                experts.view(sequences, -1), k, self.sum_over_sequence)
-            weights = WithLoss.apply(weights, self.args.aux_loss_coeff * aux, self.aux_seed)
+        if training and (a.aux_loss_coeff > 0 or a.router_z_loss > 0):
+            terms = []
+            if a.aux_loss_coeff > 0:
+                sequences = shape[0] if x.dim() == 3 else 1
+                aux = self.aux_scale * balance_loss(scores.view(sequences, -1, scores.shape[-1]),
+                                                    experts.view(sequences, -1), k, self.sum_over_sequence)
+                terms.append(a.aux_loss_coeff * aux)
+            if a.router_z_loss > 0:  # linear in the tokens: each rank's share adds up, however they are split
+                z = self.z_scale * router_z_loss(logits)
+                terms.append(a.router_z_loss * z)
+            weights = WithLoss.apply(weights, sum(terms), self.aux_seed)
         if training and self.counting and torch._C._current_graph_task_id() == -1:
             self.router.tokens_per_expert += counts
-            if self.args.aux_loss_coeff > 0:
+            if a.aux_loss_coeff > 0:
                 self.aux_sum += aux.detach()
+            if a.router_z_loss > 0:
+                self.z_sum += z.detach()
         out = self.experts(tokens[order // k], counts)
         # Summed in x's shape, not viewed into it after: a module's output that is a view lets an in-place op on it
         # skip FSDP's pre-backward hook (FSDP2 warns of it where it wraps this module, as under TP).
@@ -217,6 +229,12 @@ def balance_loss(scores: torch.Tensor, experts: torch.Tensor, k: int, sum_over_s
     length = slots.sum(-1, keepdim=True) / k  # the sequence's tokens, on every rank that holds some of them
     probs = (scores / scores.sum(-1, keepdim=True)).sum(1) / length  # softmax's already sum to 1; sigmoid's normalized
     return e * (slots / length * probs).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss of the gate logits (tokens, experts), summed over the tokens: each token's log-sum-exp
+    squared (the mean over a batch's tokens is the caller's factor)."""
+    return logits.logsumexp(-1).square().sum()
 
 
 class WithLoss(torch.autograd.Function):
