@@ -304,13 +304,15 @@ RESUMED_RUNS = {
     # -> EP 4 -> no EP.
     "moe_ep2_tp2_on_ep4": Resumed("moe_ep2_tp2", 2, 4, (*MOE, *EP4, "--training.local_batch_size", "1", *SHORT)),
     # Muon's state (each matrix's momentum, the AdamW groups' moments), saved on TP 2 x FSDP 2 x EP 2 and loaded on
-    # PP 2 x CP 2 x EP 2 (1F1B, 2 micro-batches of 4; the experts over the cp ranks) and on HSDP 2 x 2 x EP 2: the
-    # layouts the straight run lacks, each checked against one process (test_muon.py).
+    # PP 2 x CP 2 x EP 2 (1F1B, 2 micro-batches of 4; the experts over the cp ranks) and on HSDP 2 x 2 x EP 2 with
+    # its shards offloaded to the host and every block recomputed: the layouts the straight run lacks, each checked
+    # against one process (test_muon.py).
     "moe_e6_muon_on_pp2_cp2": Resumed("moe_e6_muon_ep2_tp2", 2, 4, (*MOE, *E6, *MUON, *PP2, *CP2, *EP2,
                                                                     "--training.local_batch_size", "8",
                                                                     *CHECKPOINTED, *SHORT)),
-    "moe_e6_muon_on_hsdp2x2": Resumed("moe_e6_muon_ep2_tp2", 2, 4, (*MOE, *E6, *MUON, *HSDP, *EP2, *CHECKPOINTED,
-                                                                    *SHORT)),
+    "moe_e6_muon_on_hsdp2x2": Resumed("moe_e6_muon_ep2_tp2", 2, 4, (
+        *MOE, *E6, *MUON, *HSDP, *EP2, "--activation_checkpoint.mode", "full", "--parallelism.fsdp_cpu_offload",
+        "--no-parallelism.fsdp_offload_pin_memory", *CHECKPOINTED, *SHORT)),
     # Qwen3's tied table, saved by PP 2 x TP 2 (held by both stages) and loaded on HSDP 2 x CP 2.
     "pp2_tp2_qwen3_on_hsdp2_cp2": Resumed("pp2_tp2_qwen3", 2, 4, (*SHARED_RUNS["hsdp2_cp2_qwen3"].overrides,
                                                                   *CHECKPOINTED), model="qwen3"),
