@@ -1,5 +1,6 @@
-"""Training curves of one or more runs as one picture: loss (and val_loss), lr, grad norm and tokens/s, and for a
-data mixture each source's loss (and val_loss) in a panel of its own.
+"""Training curves of one or more runs as one picture: loss (and val_loss), lr, grad norm and tokens/s; for a
+mixture of experts its load and router losses; and for a data mixture each source's loss (and val_loss) in a panel
+of its own.
 
     python scripts/plot_metrics.py outputs/run_a outputs/run_b --out curves.png [--log_loss]
 
@@ -12,6 +13,11 @@ agree on a run's curve: one run's history (torchtitan_lite/runtime/run_history.p
 a step replacing any logged past its checkpoint before the resume; a file holding two runs' records (a step going
 back without a resume record) is refused rather than drawn as one spliced line. Non-finite values (the grad norm of
 a skipped fp16 step) are drawn as gaps rather than pulling the axis to infinity.
+
+A mixture of experts' run (records with expert_load/<layer>, aux_loss or router_z_loss) adds a row: the load, the
+busiest expert's slots over the mean in the worst layer at each step (the console's `load`; 1.0 is perfect balance),
+and the auxiliary loss, the router z-loss dashed and the logits' z-loss dotted (on the right axis) where logged, before
+their coefficients. A dense run's picture is as before.
 
 matplotlib is needed by this script only, not by the trainer. Exit status: 0 when the picture is written, 1 without
 matplotlib, 2 on bad input.
@@ -31,7 +37,13 @@ from loss_compare import InputError, read_curves
 # (metrics.jsonl key, panel title); val_loss shares the loss panel.
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm (before clipping)"),
           ("tps", "tokens/s per device")]
-KEYS = ("loss", "val_loss", "lr", "grad_norm", "tps", "loss/", "val_loss/")  # and a mixture's per source
+# A mixture of experts' row: its worst layer's load (from expert_load/<layer>), and its router losses in one panel
+# (z_loss, the logits' own, beside them when logged), each in a line style of its own.
+MOE_PANELS = [("load", "expert load (busiest / mean, worst layer)"),
+              ("aux_loss", "auxiliary losses (before coefficients)")]
+MOE_KEYS = ("expert_load/", "aux_loss", "router_z_loss")  # any of these logged: the run is a mixture of experts
+LOSS_STYLES = {"aux_loss": "-", "router_z_loss": "--", "z_loss": ":"}
+KEYS = ("loss", "val_loss", "lr", "grad_norm", "tps", "loss/", "val_loss/", *MOE_KEYS, "z_loss")  # and per source
 
 
 @dataclass
@@ -43,7 +55,13 @@ class Run:
 def load_run(path: str | os.PathLike, name: str) -> Run:
     """The series to draw for one run: per key, each step once, non-finite values as NaN."""
     series = {}
-    for key, curve in read_curves(path, KEYS).items():  # one reading of the file for every panel
+    curves = read_curves(path, KEYS)  # one reading of the file for every panel
+    load: dict[int, float] = {}  # the worst layer's at each step: one line a run, as the console's `load`
+    for layer in [curves.pop(k) for k in list(curves) if k.startswith("expert_load/")]:
+        for step, value in layer.items():
+            load[step] = max(load.get(step, value), value)
+    curves["load"] = load
+    for key, curve in curves.items():
         if curve:
             steps = sorted(curve)
             series[key] = (steps, [curve[s] if math.isfinite(curve[s]) else math.nan for s in steps])
@@ -85,11 +103,14 @@ def draw(runs: list[Run], out: str, log_loss: bool = False) -> None:
 
     # A mixture's runs add a panel per source: its training loss, and its validation loss dashed.
     sources = sorted({key.split("/", 1)[1] for run in runs for key in run.series if "/" in key})
-    rows = 2 + (len(sources) + 1) // 2
+    moe = any(key in run.series for run in runs for key in ("load", "aux_loss", "router_z_loss"))
+    rows = 2 + moe + (len(sources) + 1) // 2
     fig, axes = plt.subplots(rows, 2, sharex=True, figsize=(12, 4 * rows), squeeze=False)
-    titles = PANELS + [(f"loss/{name}", f"source {name}: loss") for name in sources]
+    titles = PANELS + MOE_PANELS * moe + [(f"loss/{name}", f"source {name}: loss") for name in sources]
     panels = dict(zip((key for key, _ in titles), axes.flat))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    # The logits' z-loss is (log vocab)^2-sized, tens of times the router losses: on an axis of its own, the right's.
+    z_axis = None
     for i, run in enumerate(runs):
         color = colors[i % len(colors)]
         for key, ax in panels.items():
@@ -97,6 +118,11 @@ def draw(runs: list[Run], out: str, log_loss: bool = False) -> None:
                 steps, values = run.series[key]
                 # A lone point draws no line: give it a marker so a one-step run still shows.
                 ax.plot(steps, values, color=color, label=run.name, marker="o" if len(steps) == 1 else None)
+        for key in ("router_z_loss", "z_loss") if moe else ():  # beside aux_loss, in their own styles
+            if key in run.series:
+                steps, values = run.series[key]
+                ax = panels["aux_loss"] if key != "z_loss" else z_axis or (z_axis := panels["aux_loss"].twinx())
+                ax.plot(steps, values, color=color, linestyle=LOSS_STYLES[key], marker="o" if len(steps) == 1 else None)
         for val, key in [("val_loss", "loss"), *((f"val_loss/{name}", f"loss/{name}") for name in sources)]:
             if val in run.series:
                 steps, values = run.series[val]
@@ -120,6 +146,9 @@ def draw(runs: list[Run], out: str, log_loss: bool = False) -> None:
     if any("val_loss" in run.series for run in runs):
         handles.append(Line2D([], [], color="gray", linestyle="--", marker="o", markersize=4, label="val_loss"))
     panels["loss"].legend(handles=handles, loc="best", fontsize="small")
+    if logged := [key for key in LOSS_STYLES if moe and any(key in run.series for run in runs)]:
+        panels["aux_loss"].legend(handles=[Line2D([], [], color="gray", linestyle=LOSS_STYLES[key], label=key + (
+            " (right axis)" if key == "z_loss" else "")) for key in logged], loc="best", fontsize="small")
     for ax in axes[-1]:
         ax.set_xlabel("step")
     fig.tight_layout()

@@ -108,3 +108,22 @@ def test_a_warmup_longer_than_the_run_is_said_before_it_starts_and_one_sequence_
     one = plan_of([*argv, "--training.local_batch_size", "1", "--parallelism.tensor_parallel_degree", "1"],
                   world_size=1, peak=None).lines[1]
     assert "(1 sequence a rank per micro-batch," in one, one
+
+
+def test_a_model_its_hugging_face_export_would_refuse_is_warned_of_before_it_trains(tmp_path):
+    """What the export refuses only after training (scripts/convert_to_hf.py): a setting the model's HF layout cannot
+    hold, named in one warning at start-up, for each model through its spec's adapter; none where the export works."""
+    def export_warnings(*overrides):
+        plan = plan_of(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), *overrides], world_size=1,
+                       peak=None)
+        return [w for w in plan.warnings if "Hugging Face export" in w]
+
+    assert export_warnings("--model.flavor", "tiny_moe", "--moe.load_balance_coeff", "1e-3") == [
+        "the Hugging Face export (scripts/convert_to_hf.py) will refuse this run's checkpoints: Mixtral's layout cannot "
+        "hold moe.load_balance_coeff = 0.001 (Mixtral's: 0.0): a mixture of experts exports only with Mixtral's "
+        "routing"]
+    qwen = export_warnings("--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--moe.shared_experts", "1")
+    assert len(qwen) == 1 and "Qwen3-MoE's layout cannot hold moe.shared_experts = 1" in qwen[0], qwen
+    assert export_warnings("--model.flavor", "tiny_moe") == []  # Mixtral's routing, its auxiliary loss included
+    assert export_warnings("--model.name", "qwen3", "--model.flavor", "debugmodel_moe") == []
+    assert export_warnings("--model.flavor", "tiny") == []

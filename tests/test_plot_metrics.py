@@ -148,3 +148,40 @@ def test_a_mixture_gets_a_panel_per_source_with_its_validation_dashed(tmp_path):
     bottom = pixels[800:]
     for half in (bottom[:, :600], bottom[:, 600:]):
         assert (abs(half - colors.to_rgb("tab:blue")).max(axis=-1) < 0.05).sum() > 100
+
+
+def moe_records(n: int, z_loss: bool = False) -> list[dict]:
+    """A mixture of experts' records as the trainer logs them: two layers' load, the slots, the router losses."""
+    return [{**r, "routed_slots": 2048.0, "expert_load/layers.0.moe": 1.5 - r["step"] / 40,
+             "expert_load/layers.1.moe": 1.2 + r["step"] / 40, "aux_loss": 2.1 - r["step"] / 100,
+             "router_z_loss": 3.0 + r["step"] / 50, **({"z_loss": 40.0 - r["step"]} if z_loss else {})}
+            for r in falling(n)]
+
+
+def test_a_mixture_of_experts_gets_a_row_of_its_load_and_router_losses(tmp_path):
+    """The worst layer's load at each step (the console's `load`) and the router losses in a third row, painted in
+    the run's colour; a dense run beside it leaves those panels to the MoE run alone, and a dense run alone keeps the
+    two rows it had."""
+    pytest.importorskip("matplotlib")
+    from matplotlib import colors, image
+
+    records = moe_records(12, z_loss=True)
+    run = plot_metrics.load_run(write_metrics(tmp_path / "moe" / "metrics.jsonl", records), "moe")
+    worst = [max(r["expert_load/layers.0.moe"], r["expert_load/layers.1.moe"]) for r in records]
+    assert run.series["load"] == (list(range(1, 13)), worst)
+    assert {"aux_loss", "router_z_loss", "z_loss"} <= run.series.keys()
+    assert not any(key.startswith("expert_load/") for key in run.series)  # no panel per layer, nor a "source"
+    write_metrics(tmp_path / "dense" / "metrics.jsonl", falling(12))
+    out = tmp_path / "moe.png"
+    assert plot_metrics.main([str(tmp_path / "moe"), str(tmp_path / "dense"), "--out", str(out)]) == 0
+    pixels = image.imread(out)[..., :3]
+    assert pixels.shape[:2] == (1200, 1200)  # a third row: the load, and the router losses
+    def painted(area, color):
+        return (abs(area - colors.to_rgb(color)).max(axis=-1) < 0.05).sum()
+
+    bottom = pixels[800:]
+    for half in (bottom[:, :600], bottom[:, 600:]):
+        assert painted(half, "tab:blue") > 100 and painted(half, "tab:orange") == 0
+    dense = tmp_path / "dense.png"
+    assert plot_metrics.main([str(tmp_path / "dense"), "--out", str(dense)]) == 0
+    assert image.imread(dense).shape[:2] == (800, 1200)

@@ -11,14 +11,15 @@ from torchtitan_lite.models.spec import ModelSpec
 
 def test_an_unknown_model_or_flavor_is_one_line_with_the_choices(error_line, monkeypatch):
     assert error_line(1, ["--model.name", "lama3"]) == (
-        "error: model.name 'lama3' is not a registered model: choose one of llama3, qwen3; did you mean llama3?")
+        "error: model.name 'lama3' is not a registered model: choose one of llama3, qwen3, deepseek_v3; did you mean "
+        "llama3?")
     assert error_line(1, ["--model.flavor", "debugmodle"]) == (
         "error: model.flavor 'debugmodle' is not a flavor of model llama3: choose one of tiny, debugmodel, 8B, 70B, "
         "405B, debugmodel_moe, tiny_moe, mixtral_8x7b, mixtral_8x22b; did you mean debugmodel or debugmodel_moe?")
     toy = ModelSpec("toy", llama3.SPEC.model_class, {"small": llama3.SPEC.flavors["tiny"]}, llama3.SPEC.tp_plan,
                     llama3.SPEC.tp_sizes, llama3.SPEC.flops_per_token)
     monkeypatch.setitem(registry.SPECS, "toy", toy)  # the choices are the registry's, whoever registered them
-    assert "choose one of llama3, qwen3, toy" in error_line(1, ["--model.name", "tyo"])
+    assert "choose one of llama3, qwen3, deepseek_v3, toy" in error_line(1, ["--model.name", "tyo"])
     assert "not a flavor of model toy: choose one of small" in error_line(1, ["--model.name", "toy"])
     # A spec that takes no settings refuses the [moe] keys rather than train a model other than the one asked for.
     assert error_line(1, ["--model.name", "toy", "--model.flavor", "small", "--moe.top_k", "2"]) == (

@@ -194,6 +194,7 @@ BF16 = ("--training.mixed_precision_param", "bfloat16")
 E6 = ("--moe.num_experts", "6", "--moe.shared_experts", "1", "--moe.score_func", "sigmoid", "--training.z_loss", "1e-2",
       "--moe.router_z_loss", "1e-2")
 MUON = ("--optimizer.name", "Muon")
+DEEPSEEK = ("--model.flavor", "debugmodel", "--moe.aux_loss_coeff", "1e-3")  # with --model.name deepseek_v3
 EVERY_STEP = ("--checkpoint.enable", "--checkpoint.interval", "1")
 MOE_RUNS = {
     "moe_single": Run(1, (*MOE, *CHECKPOINTED, *SHORT), reference=None),
@@ -230,6 +231,16 @@ MOE_RUNS = {
     "qwen3_moe_single": Run(1, (*QWEN3_MOE, *SHORT), reference=None, model="qwen3"),
     "qwen3_moe_ddp2_tp2_ep2": Run(4, (*QWEN3_MOE, *HSDP, *TP2, *EP2, "--training.local_batch_size", "4", *SHORT),
                                   reference="qwen3_moe_single", model="qwen3"),
+    # DeepSeek-V3's debug model (MLA with a query latent, keys of 48 and values of 32; a dense block, then a mixture
+    # of 8 experts in 4 groups, top 2 within the best 2, sigmoid, a shared expert, the selection bias, its
+    # sequence-wise auxiliary loss on): on PP 2 x TP 2 with EP 2 over the tp ranks (MLA's latents replicated on both,
+    # its heads split; 1F1B, 2 micro-batches of 4) and on HSDP 2 x CP 2 with EP 2 over the cp ranks (head-tail chunks
+    # of keys and values of unequal head sizes), against one process: with these the model meets every layout.
+    "deepseek_single": Run(1, (*DEEPSEEK, *SHORT), reference=None, model="deepseek_v3"),
+    "deepseek_pp2_tp2_ep2": Run(4, (*DEEPSEEK, *PP2, *TP2, *EP2, "--training.local_batch_size", "8", *SHORT),
+                                reference="deepseek_single", model="deepseek_v3"),
+    "deepseek_hsdp2_cp2_ep2": Run(4, (*DEEPSEEK, *HSDP, *CP2, *EP2, "--training.local_batch_size", "4", *SHORT),
+                                  reference="deepseek_single", model="deepseek_v3"),
     "moe_single_bf16": Run(1, (*MOE, *BF16, "--training.steps", "2"), reference=None, record=False),
     "moe_ep2_bf16": Run(2, (*MOE, *EP2, *BF16, "--training.steps", "2"), reference="moe_single_bf16", record=False),
 }

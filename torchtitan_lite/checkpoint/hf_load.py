@@ -7,8 +7,9 @@ each reads, one tensor at a time, the tensors it holds a piece of (a pipeline st
 with the model's adapter (its spec's HFAdapter: names, layouts, a mixture's experts one tensor each) and keeps its
 own piece, cut by `distribute_tensor(..., src_data_rank=None)`, which in torch 2.13 slices locally without any
 communication, for Shard and FSDP's _StridedShard alike. No process ever holds more than one full tensor, and no rank
-waits on another until all have read. What is loaded is the parameters; persistent buffers (an MoE's selection bias)
-start as a fresh run starts them. A parameter under two names (tied embeddings) is filled once; a folder of such a
+waits on another until all have read. What is loaded is the parameters, and the persistent buffers the folder holds
+(DeepSeek-V3's selection bias, by which its model routes); others (a selection bias of a folder without one) start
+as a fresh run starts them. A parameter under two names (tied embeddings) is filled once; a folder of such a
 model has no lm_head.weight, and a stage that holds only the output projection reads the embedding for it.
 
 Before any process talks, `check_hf` refuses what cannot work in one line (training/preflight.py): no folder, a model
@@ -51,6 +52,14 @@ def adapter(model: str) -> tuple[ModelSpec, HFAdapter]:
     if spec.hf is None:
         raise ConversionError(f"model {model} has no Hugging Face adapter (its spec's hf)")
     return spec, spec.hf
+
+
+def loaded_shapes(spec: ModelSpec, args: Args, hf: HFAdapter, weights: dict) -> dict[str, tuple[int, ...]]:
+    """What a start from the folder whose tensors are `weights` fills: every parameter (a tied one under each of its
+    names) and the persistent buffers the folder holds, by name and shape."""
+    held = {hf.our_name(name) for name in weights}
+    return {**expected_shapes(spec, args, parameters=True),
+            **{name: shape for name, shape in expected_shapes(spec, args).items() if name in held}}
 
 
 def expected_shapes(spec: ModelSpec, args: Args, parameters: bool = False) -> dict[str, tuple[int, ...]]:
@@ -188,7 +197,8 @@ def check_folder(hf_dir: Path, cfg: JobConfig, args: Args) -> None:
         if key not in _RUN_KEYS and mine.get(key) != its.get(key):
             raise ConversionError(f"{hf_dir}/config.json describes another model than {run}: {key} is "
                                   f"{json.dumps(its.get(key))} there, {json.dumps(mine.get(key))} here{hint}")
-    sources(hf_dir, hf, config, pieces(hf, ours_shapes), safetensors_index(hf_dir), cfg.model.name)
+    weights = safetensors_index(hf_dir)
+    sources(hf_dir, hf, config, pieces(hf, loaded_shapes(spec, args, hf, weights)), weights, cfg.model.name)
 
 
 def load_hf(model: nn.Module, hf_dir: str, model_name: str) -> None:
@@ -223,7 +233,7 @@ def _fill(model: nn.Module, hf_dir: Path, model_name: str) -> tuple[list[str], l
     spec, hf = adapter(model_name)
     args = model.args  # the whole model's, on every pipeline stage
     config, weights = read_config(hf_dir), safetensors_index(hf_dir)
-    expected = expected_shapes(spec, args, parameters=True)
+    expected = loaded_shapes(spec, args, hf, weights)
     wanted = pieces(hf, expected)
     source = sources(hf_dir, hf, config, wanted, weights, model_name)
     state = model_state(model)
@@ -231,7 +241,7 @@ def _fill(model: nn.Module, hf_dir: Path, model_name: str) -> tuple[list[str], l
     filled, done = [], {}
     for name, tensor in held.items():
         if name not in expected:
-            continue  # a persistent buffer (an MoE's selection bias): as a fresh run starts it
+            continue  # a persistent buffer the folder lacks: as a fresh run starts it
         if id(tensor) in done:  # tied: one parameter under two names
             filled.append(name)
             continue

@@ -67,6 +67,10 @@ class Moe:
                                               "flavor's", rule=finite_at_least(0))
     aux_loss_coeff: Optional[float] = opt(None, "the Switch/Mixtral load-balancing loss's weight (Mixtral: 0.02), "
                                           "each sequence's own; 0 = off; none = the flavor's", rule=finite_at_least(0))
+    n_group: Optional[int] = opt(None, "DeepSeek-V3's group-limited routing: the routed experts in this many equal "
+                                 "groups; 1 = unlimited; none = the flavor's", rule=at_least(1))
+    topk_group: Optional[int] = opt(None, "the best groups a token's experts are chosen within; none = the flavor's",
+                                    rule=at_least(1))
     router_z_loss: Optional[float] = opt(None, "ST-MoE's router z-loss weight (1e-3): the mean over tokens and MoE "
                                          "layers of the gate logits' log-sum-exp squared; 0 = off; none = the "
                                          "flavor's", rule=finite_at_least(0))

@@ -8,6 +8,7 @@ never a second list: an unknown one is refused with the registered names, by `tr
 from __future__ import annotations
 
 from torchtitan_lite.config import ConfigError, did_you_mean
+from torchtitan_lite.models.deepseek_v3 import spec as deepseek_v3
 from torchtitan_lite.models.llama3 import spec as llama3
 from torchtitan_lite.models.qwen3 import spec as qwen3
 from torchtitan_lite.models.spec import ModelSpec
@@ -33,3 +34,4 @@ def get(name: str) -> ModelSpec:
 
 register(llama3.SPEC)
 register(qwen3.SPEC)
+register(deepseek_v3.SPEC)

@@ -50,6 +50,9 @@ class TPStyles(NamedTuple):
     prepare_input: Callable[..., Any]
     sequence: Callable[..., Any]
     embedding: Callable[..., Any]
+    # A module every tp rank holds whole and runs on the same inputs (MLA's latents): its parameters replicated,
+    # its output a DTensor, or with use_local_output=True a tensor whose gradient each rank's heads give in part.
+    replicated: Callable[..., Any] | None = None
 
 
 class ConversionError(ValueError):
@@ -69,6 +72,9 @@ class HFAdapter:
     # our tensor name -> whether it is one of theirs per index of its first dim, each named by hf_name(name + ".i")
     # (a mixture's routed experts as Mixtral holds them)
     split: Callable[[str], bool] = lambda name: False
+    # args -> tensors their model holds where ours has none, by their name, which an export writes as given
+    # (DeepSeek-V3's selection bias of zeros, for a model trained without one)
+    absent: Callable[[Any], dict[str, torch.Tensor]] = lambda args: {}
 
 
 @dataclass(frozen=True)

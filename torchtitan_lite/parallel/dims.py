@@ -48,14 +48,25 @@ class ParallelDims:
         if cfg.fsdp_cpu_offload and cfg.fsdp_offload_pin_memory and not torch.cuda.is_available():
             raise ConfigError("parallelism.fsdp_offload_pin_memory needs a GPU (pinned memory speeds host-to-device "
                               "copies): pass --no-parallelism.fsdp_offload_pin_memory to offload on this machine")
-        ep, tokens = cfg.expert_parallel_degree, sharded * tp  # the ranks of different tokens, but replicas
+        # The expert-parallel degree is checked with the model (check_experts): its choices must split the experts too.
+        return cls(replicate, shard, tp, world_size, pp, cp, cfg.expert_parallel_degree)
+
+    def check_experts(self, num_experts: int) -> None:
+        """ConfigError unless the expert-parallel degree divides both the ranks that route different tokens (dp_shard
+        x cp x tp, but replicas), which the experts' ranks are borrowed from, and the routed experts; the degrees it
+        offers instead pass both, so the next check accepts whichever the user picks."""
+        ep, tokens = self.ep, self.dp_shard * self.cp * self.tp
+        choices = ", ".join(str(d) for d in range(1, tokens + 1) if tokens % d == 0 and num_experts % d == 0)
         if tokens % ep:
-            what = " x ".join(f"{name} {d}" for name, d in (("dp_shard", shard), ("cp", cp), ("tp", tp))
-                              if d > 1 or name == "dp_shard")
+            what = " x ".join(f"{name} {d}" for name, d in (("dp_shard", self.dp_shard), ("cp", self.cp),
+                                                            ("tp", self.tp)) if d > 1 or name == "dp_shard")
             raise ConfigError(f"parallelism.expert_parallel_degree {ep} must divide {what} = {tokens} (the ranks "
                               f"that route different tokens, which the experts' ranks are borrowed from): choose one "
-                              f"of {', '.join(str(d) for d in range(1, tokens + 1) if tokens % d == 0)}")
-        return cls(replicate, shard, tp, world_size, pp, cp, ep)
+                              f"of {choices} (these divide the {num_experts} routed experts too)")
+        if num_experts % ep:
+            raise ConfigError(f"parallelism.expert_parallel_degree {ep} must divide the {num_experts} routed experts "
+                              f"(moe.num_experts): choose one of {choices} (these divide {tokens}, the ranks that "
+                              "route different tokens, too)")
 
     def layout(self) -> str:
         """The mesh in words: its dims of degree > 1, outermost first ("dp_shard 2 x tp 2")."""

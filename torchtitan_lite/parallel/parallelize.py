@@ -15,9 +15,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -101,7 +102,8 @@ BLOCKS = "layers.*."  # a TP plan's prefix of the entries that hold for every bl
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable, loss_parallel: bool) -> None:
     """The model's TP plan, in torch's styles: its own modules', those of the blocks, block by block, since a
     tensorwise float8 block takes torchao's styles, which cast to float8 before they gather (float8.py)."""
-    styles = TPStyles(ColwiseParallel, RowwiseParallel, PrepareModuleInput, SequenceParallel, EmbeddingParallel)
+    styles = TPStyles(ColwiseParallel, RowwiseParallel, PrepareModuleInput, SequenceParallel, EmbeddingParallel,
+                      Replicated)
     root = {k: v for k, v in tp_plan(styles, loss_parallel).items() if not k.startswith(BLOCKS) and _held(model, k)}
     parallelize_module(model, tp_mesh, root)
     for block in model.layers.values():
@@ -121,6 +123,28 @@ def _held(module: nn.Module, name: str) -> bool:
         if (module := getattr(module, part)) is None:
             return False
     return True
+
+
+class Replicated(ParallelStyle):
+    """A module every tp rank holds whole and runs on the same inputs (MLA's latents' projections and norms): its
+    parameters Replicate DTensors and its inputs made Replicate DTensors, so that backward sums over the ranks what
+    the heads' split leaves partial and the gradient norm counts its gradients once (optim.clip_grad_norm_). Its
+    output stays a DTensor; with `use_local_output` it leaves as a tensor whose gradient each rank gives in part (a
+    Partial placement), where it meets the heads' split."""
+
+    def __init__(self, use_local_output: bool = False):
+        super().__init__()
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inputs(mod, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+        def output(mod, out, mesh):
+            return out.to_local(grad_placements=[Partial()]) if self.use_local_output else out
+
+        return distribute_module(module, device_mesh, None, inputs, output)
 
 
 class EmbeddingParallel(RowwiseParallel):
@@ -188,13 +212,15 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh | None, cfg: JobConfig,
     blocks = list(model.layers.values())
     # These reshard after forward unless "never": an hpZ group size N is the dense weights' (it divides dp_shard,
     # not necessarily the experts' efsdp).
+    gate_mp = fp32_gate_policy(mp, compiled=cfg.compile.enable)
     for modules, mesh in own:
         for module in modules:
+            reshard = p.fsdp_reshard_after_forward != "never"
+            fp32_gates(module, mesh, gate_mp, offload_policy=offload, reshard_after_forward=reshard)
             fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                        shard_placement_fn=experts_dim(mesh),
-                        reshard_after_forward=p.fsdp_reshard_after_forward != "never")
+                        shard_placement_fn=experts_dim(mesh), reshard_after_forward=reshard)
     if dp_mesh is not None:
-        _shard_blocks(model, blocks, dp_mesh, p, mp, root_mp, offload)
+        _shard_blocks(model, blocks, dp_mesh, p, mp, root_mp, offload, gate_mp)
     # The loss is already normalized by the global token count, so gradients must be summed across data-parallel
     # ranks, not averaged: one exact rule for every layout and accumulation. Plain SUM collectives, since gloo
     # has no PREMUL_SUM (and NCCL's SUM is its zero-copy path).
@@ -205,12 +231,14 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh | None, cfg: JobConfig,
 
 
 def _shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, p: Parallelism,
-                  mp: MixedPrecisionPolicy, root_mp: MixedPrecisionPolicy, offload: OffloadPolicy) -> None:
+                  mp: MixedPrecisionPolicy, root_mp: MixedPrecisionPolicy, offload: OffloadPolicy,
+                  gate_mp: MixedPrecisionPolicy | None = None) -> None:
     for i, block in enumerate(blocks):
+        reshard = reshard_after_forward(p.fsdp_reshard_after_forward, i == len(blocks) - 1,
+                                        p.pipeline_parallel_degree > 1)
+        fp32_gates(block, dp_mesh, gate_mp, offload_policy=offload, reshard_after_forward=reshard)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
-                    shard_placement_fn=experts_dim(dp_mesh),
-                    reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, i == len(blocks) - 1,
-                                                                p.pipeline_parallel_degree > 1))
+                    shard_placement_fn=experts_dim(dp_mesh), reshard_after_forward=reshard)
     # The root (embedding, final norm, output) is needed first in backward: kept gathered unless "always".
     fully_shard(model, mesh=dp_mesh, mp_policy=root_mp, offload_policy=offload,
                 reshard_after_forward=p.fsdp_reshard_after_forward == "always")
@@ -221,6 +249,27 @@ def _shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh
                               (blocks[::-1], "set_modules_to_backward_prefetch")):
             for i, block in enumerate(order):
                 getattr(block, setter)(order[i + 1:i + 1 + p.fsdp_prefetch])
+
+
+def fp32_gate_policy(mp: MixedPrecisionPolicy, compiled: bool) -> MixedPrecisionPolicy | None:
+    """The policy of the router gates' own FSDP units (fp32_gates): `mp` with fp32 parameters, where `mp` computes in
+    a lower dtype; None where it does not (fp32 runs keep their units and collectives as they were) or where the blocks
+    are compiled: a unit inside a block's one graph would call FSDP's hooks, which dynamo does not trace, and there
+    moe.gate_logits upcasts the block's bf16 cast of the weight instead (torchtitan's way)."""
+    if compiled or mp.param_dtype in (None, torch.float32):
+        return None
+    return MixedPrecisionPolicy(torch.float32, mp.reduce_dtype, None, mp.cast_forward_inputs)
+
+
+def fp32_gates(module: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy | None, **kwargs) -> None:
+    """Each mixture of experts' router gate within `module` made an FSDP unit of its own under `policy`, which gathers
+    it in fp32: inside its block's unit it would get the bf16 cast, and the gate computes in fp32 from its master
+    weight (moe.gate_logits). Its gradient reduces as the others' do."""
+    if policy is None:
+        return
+    for m in module.modules():
+        if isinstance(m, MoE) and not isinstance(m.router.gate, FSDPModule):  # already one under TP: its mixture's
+            fully_shard(m.router.gate, mesh=mesh, mp_policy=policy, **kwargs)
 
 
 def experts_dim(mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard | None]:

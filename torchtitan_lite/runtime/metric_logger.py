@@ -40,6 +40,15 @@ _CONSOLE = [
 ]
 
 
+def _moe(values: dict) -> list[str]:
+    """A mixture of experts' fields, none for a dense model: its load in one number, the busiest expert's slots over
+    the mean in the layer where that is worst (metrics.jsonl keeps every layer's, expert_load/<layer>), then its
+    router losses where they are on (logged only then), before their coefficients."""
+    loads = [v for k, v in values.items() if k.startswith("expert_load/")]
+    fields = [f"load: {max(loads):.2f}"] if loads else []
+    return fields + [f"{k}: {values[k]:.4f}" for k in ("aux_loss", "router_z_loss") if k in values]
+
+
 class Eta:
     """Time left, from the pace of the steps logged so far by this process. The first logged step's window holds the
     start-up and, compiled, the compilation: it is the estimate only until a second log gives the pace of steps
@@ -146,6 +155,7 @@ class MetricLogger:
             fields = [f"step: {step}/{self.total_steps}" if self.total_steps else f"step: {step}",
                       f"loss: {values['loss']:.4f}"]
             fields += [f"{label}: {fmt.format(values[k])}" for k, label, fmt in _CONSOLE if k in values]
+            fields += _moe(values)
             fields += [f"eta: {_clock(eta)}"] if eta is not None else []
             logger.info("  ".join(fields))
         if "val_loss" in values:  # a mixture's sources beside it (val_loss/NAME)

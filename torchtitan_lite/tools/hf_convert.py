@@ -8,9 +8,9 @@ are read. (The safetensors library wants every tensor of a file in memory at onc
 of meta tensors, which plan the save, and a planner that reads each real tensor from safetensors only when DCP's
 writer asks for it; one file per tensor, since DCP's writer keeps a file's tensors until the file is closed.
 Names, layouts and configs are the model's (its spec's HFAdapter: Llama's in models/llama3/hf.py, Qwen3's in
-models/qwen3/hf.py); a conversion that fails leaves no output folder behind. Reading a folder is shared with the
-trainer, which starts from one without a conversion (checkpoint/hf_load.py); its last save becomes one here
-(`checkpoint.last_save_in_hf`: export_last_save).
+models/qwen3/hf.py, DeepSeek-V3's in models/deepseek_v3/hf.py); a conversion that fails leaves no output folder
+behind. Reading a folder is shared with the trainer, which starts from one without a conversion
+(checkpoint/hf_load.py); its last save becomes one here (`checkpoint.last_save_in_hf`: export_last_save).
 """
 
 from __future__ import annotations
@@ -168,7 +168,9 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: Args, bos_id: int, eos
     config = hf.config(args, bos_id, eos_id, dtype)  # first: a model their layout cannot hold is refused unread
     tied = tied_names(spec, args)  # written once, as transformers' save_pretrained writes tied embeddings
     ours_of = {hf.hf_name(piece): entry for piece, entry in pieces(hf, expected).items() if entry[0] not in tied}
+    absent = hf.absent(args)  # theirs holds them, ours does not: written as the adapter gives them
     entries = [(name, shape, dtype) for name, (_, _, shape) in ours_of.items()]
+    entries += [(name, tuple(tensor.shape), dtype) for name, tensor in absent.items()]
     shards = plan_shards(entries, max_shard_size)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
@@ -182,6 +184,8 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: Args, bos_id: int, eos
         return tensor
 
     def read(name: str) -> torch.Tensor:
+        if name in absent:
+            return absent[name].to(dtype)
         ours, index, _ = ours_of[name]
         tensor = load(ours) if index is None else load(ours)[index]
         progress.update(tensor.numel() * dtype.itemsize)

@@ -2,16 +2,16 @@
 auxiliary-loss-free balancing, as torchtitan does it.
 
 Each router counts the slots it sends to each expert in the step's forward passes (models/common/moe.py: its training
-forward only, not validation's or activation checkpointing's recompute). After every update, applied or skipped
-(Update.after_step), the counts of all layers are summed over the ranks that saw different tokens, in one all-reduce
-of layers x experts, so every rank holds the step's global load. With moe.load_balance_coeff > 0 each layer's bias then
-moves the busy experts' scores down and the idle ones' up by that step, centred: b += c * sign(mean - load), less its
-mean. The counts are integers, exact in fp32 up to 2^24 slots an expert a step, and the bias a function of them alone,
-so it is the same bits on every layout. The load is logged at logging steps (per MoE layer, the busiest expert's slots
-over the mean; and every slot counted, which a double count would show), read with the step's other figures, and so is
-the Switch/Mixtral auxiliary loss (moe.aux_loss_coeff > 0; models/moe.balance_loss): a mean over the global batch's
-sequences, each sequence's from its own tokens, and over the MoE layers, whose factor is set here; and ST-MoE's router
-z-loss (moe.router_z_loss > 0), a mean over the global batch's tokens and the MoE layers.
+forward only, not validation's or activation checkpointing's recompute, in compiled blocks too). After every update,
+applied or skipped (Update.after_step), the counts of all layers are summed over the ranks that saw different tokens, in
+one all-reduce of layers x experts, so every rank holds the step's global load. With moe.load_balance_coeff > 0 each
+layer's bias then moves the busy experts' scores down and the idle ones' up by that step, centred:
+b += c * sign(mean - load), less its mean. The counts are integers, exact in fp32 up to 2^24 slots an expert a step, and
+the bias a function of them alone, so it is the same bits on every layout. The load is logged at logging steps (per MoE
+layer, the busiest expert's slots over the mean; and every slot counted, which a double count would show), read with the
+step's other figures, and so is the Switch/Mixtral auxiliary loss (moe.aux_loss_coeff > 0; models/moe.balance_loss): a
+mean over the global batch's sequences, each sequence's from its own tokens, and over the MoE layers, whose factor is
+set here; and ST-MoE's router z-loss (moe.router_z_loss > 0), a mean over the global batch's tokens and the MoE layers.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ Three things a user cannot see from a config file are said here rather than disc
 - what the run does with the folder it writes: where its outputs go, and which checkpoint it resumes, or that it
   starts afresh beside another run's checkpoints and leaves them as they are;
 - that it has nothing to do (its checkpoint is already at training.steps), before any worker starts;
+- that its checkpoints will not export to a Hugging Face folder (a setting the model's HF layout cannot hold: a
+  selection bias, shared experts, sigmoid scores, ...), which scripts/convert_to_hf.py refuses only after training;
 - that its first step will obviously not finish soon on this machine: a CPU given a GPU-sized step (the defaults are
   torchtitan's, sized for GPUs) or half precision it multiplies slowly. The bound is the step's FLOPs at this CPU's
   measured matmul peak: a run never goes faster, so a warning is never a false alarm by more than the MFU it reaches.
@@ -24,7 +26,7 @@ from torchtitan_lite.config import JobConfig
 from torchtitan_lite.data.mixture import mixture_phases
 from torchtitan_lite.models import registry
 from torchtitan_lite.models.common.moe import inactive_params
-from torchtitan_lite.models.spec import Args
+from torchtitan_lite.models.spec import Args, ConversionError, ModelSpec
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.metrics import cpu_peak
@@ -126,6 +128,19 @@ def _outputs(cfg: JobConfig) -> tuple[str, list[str], str, str]:
     return line + f", resuming step-{step}{run}", [], "", checkpoints
 
 
+def hf_export(cfg: JobConfig, spec: ModelSpec, model_args: Args) -> str:
+    """The warning for a model whose Hugging Face export would refuse it, or "": the spec's adapter builds the export's
+    config.json, which names what the layout cannot hold (models/*/hf.py), as it would after training. A run whose
+    last save is that export is refused instead (checkpoint/hf_load.check_hf)."""
+    if spec.hf is None or cfg.checkpoint.last_save_in_hf:
+        return ""
+    try:
+        spec.hf.config(model_args, 0, 0, torch.float32)
+    except ConversionError as e:
+        return f"the Hugging Face export (scripts/convert_to_hf.py) will refuse this run's checkpoints: {e}"
+    return ""
+
+
 def slow_step(cfg: JobConfig, token_flops: float, global_batch: int, world_size: int, peak: tuple[float, str]) -> str:
     """The warning for a first step that needs more than SLOW_STEP_S at `peak` (FLOP/s of one process, and what it
     is), or "". `token_flops`: the model's training FLOPs per token (its spec's flops_per_token)."""
@@ -169,6 +184,8 @@ def make_plan(cfg: JobConfig, dims: ParallelDims, model_args: Args, global_batch
         plan.warnings.append(f"lr_scheduler.warmup_steps {warmup} is more than training.steps {cfg.training.steps}: "
                              f"the warmup is cut to the run's {cfg.training.steps} steps (the lr reaches its peak at "
                              "the last step); set warmup_steps to what the run should warm up over")
+    if export := hf_export(cfg, spec, model_args):
+        plan.warnings.append(export)
     if peak is not None and not done:
         dtype = Numerics.from_config(cfg, dims).compute_dtype
         token_flops = spec.flops_per_token(model, cfg.training.seq_len)

@@ -24,12 +24,11 @@ import torch
 from torch import nn
 
 from torchtitan_lite.models import documents as docs
-from torchtitan_lite.models.common.attention import Attention
 from torchtitan_lite.models.common.kv_cache import KVCache
 from torchtitan_lite.models.common.layers import FeedForward, RMSNorm
 from torchtitan_lite.models.common.moe import MoE, MoEArgs, configured, inactive_params
 from torchtitan_lite.models.common.parallelize import tp_plan, tp_sizes
-from torchtitan_lite.models.common.rope import all_rows, rope_table
+from torchtitan_lite.models.common.rope import YaRN, all_rows, rope_table
 from torchtitan_lite.models.init import canonical_name, trunc_normal_
 from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 from torchtitan_lite.runtime import metrics
@@ -51,13 +50,16 @@ class DecoderArgs(Protocol):
     tie_embeddings: bool  # the output projection is the embedding table
     depth_init: bool  # output projections' std shrinks with the block's depth (Llama recipe), else with n_layers
     moe: MoEArgs | None  # mixture-of-experts feed-forwards in the blocks it names (moe.py); None: dense
+    attention: type  # a block's attention, built from the args: Attention (attention.py) or MLA (mla.py)
+    rope_dim: int  # a head's dimensions the rotation turns (MLA: its rotated part)
+    yarn: YaRN | None  # YaRN's long-context scaling (DeepSeek-V3); None: none
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: DecoderArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = args.attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         # A mixture-of-experts block holds `moe` where a dense one holds `feed_forward` (distinct parameter names),
         # and None for the other, as a pipeline stage does for what it does not hold (the TP plan names both).

@@ -16,9 +16,10 @@ class KVCache:
 
     def __init__(self, model: nn.Module, batch: int, max_len: int):
         a, weight = model.args, model.tok_embeddings.weight
-        shape = (batch, a.kv_heads, max_len, a.head_dim)
-        self.layers = [LayerCache(self, torch.zeros(shape, dtype=weight.dtype, device=weight.device),
-                                  torch.zeros(shape, dtype=weight.dtype, device=weight.device))
+        # Values may have a head size of their own (MLA's): v_dim where the args have one.
+        k_shape, v_shape = ((batch, a.kv_heads, max_len, dim) for dim in (a.head_dim, getattr(a, "v_dim", a.head_dim)))
+        self.layers = [LayerCache(self, torch.zeros(k_shape, dtype=weight.dtype, device=weight.device),
+                                  torch.zeros(v_shape, dtype=weight.dtype, device=weight.device))
                        for _ in range(a.n_layers)]
         self.length = 0
         self.mask = None  # of the chunk being decoded: which cached and new positions each new query sees

@@ -15,6 +15,7 @@ the order in which their outputs are summed.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -37,6 +38,11 @@ class MoEArgs:
     load_balance_coeff: float = 0.0  # DeepSeek-V3's expert bias's step (1e-3); 0: no bias (training/expert_load.py)
     aux_loss_coeff: float = 0.0  # the Switch/Mixtral auxiliary loss's weight (Mixtral's config: 0.02); 0: none
     router_z_loss: float = 0.0  # ST-MoE's router z-loss weight (1e-3); 0: none
+    # DeepSeek-V3's group-limited routing (node-limited under EP), in Hugging Face's names: the experts in `n_group`
+    # equal groups, a token's k chosen within its `topk_group` best groups, a group scored by its two best experts;
+    # 1, 1: unlimited.
+    n_group: int = 1
+    topk_group: int = 1
 
     def is_moe(self, layer_id: int) -> bool:
         return layer_id >= self.first_dense and (layer_id + 1) % self.every == 0
@@ -51,6 +57,11 @@ def configured(flavor_args: MoEArgs | None, section, flavor: str) -> MoEArgs | N
     args = replace(flavor_args or MoEArgs(), **changes) if changes else flavor_args
     if args is not None and args.top_k > args.num_experts:
         raise ConfigError(f"moe.top_k {args.top_k} exceeds the {args.num_experts} routed experts (moe.num_experts)")
+    if args is not None and (args.num_experts % args.n_group or args.topk_group > args.n_group or
+                             args.top_k > args.topk_group * args.num_experts // args.n_group):
+        raise ConfigError(f"moe.n_group {args.n_group} must divide the {args.num_experts} routed experts, "
+                          f"moe.topk_group {args.topk_group} be at most that, and their experts hold moe.top_k "
+                          f"{args.top_k}: choose n_group and topk_group so")
     return args
 
 
@@ -71,16 +82,43 @@ class Router(nn.Module):
         """(weights, experts, scores, logits) of the tokens `x` (tokens, dim): (tokens, k) each, a token's experts by
         falling score; and every expert's score and gate logit (tokens, experts), in fp32."""
         a = self.args
-        logits = self.gate(x).float()
+        logits = gate_logits(self.gate, x)
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
-        if a.load_balance_coeff > 0:
-            experts = (scores + self.expert_bias).topk(a.top_k, dim=-1).indices
+        if a.load_balance_coeff > 0 or a.n_group > 1:
+            choice = scores + self.expert_bias if a.load_balance_coeff > 0 else scores
+            experts = within_groups(choice, a.n_group, a.topk_group).topk(a.top_k, dim=-1).indices
             weights = scores.gather(-1, experts)
         else:
             weights, experts = scores.topk(a.top_k, dim=-1)
         if a.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights * a.route_scale, experts, scores, logits
+
+
+def within_groups(choice: torch.Tensor, groups: int, topk_groups: int) -> torch.Tensor:
+    """The scores a token's experts are chosen by, (tokens, experts), with every expert outside the token's
+    `topk_groups` best groups at -inf (DeepSeek-V3: a group's score is the sum of its two best); unchanged for 1 group."""
+    if groups == 1:
+        return choice
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, groups, experts // groups)
+    best = grouped.topk(min(2, experts // groups), dim=-1).values.sum(-1).topk(topk_groups, dim=-1).indices
+    keep = torch.zeros(tokens, groups, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(tokens, experts)
+
+
+def gate_logits(gate: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The gate's logits of the tokens `x`, (tokens, experts), computed in fp32 whatever the blocks compute in: a bf16
+    matmul rounds scores into ties and swaps at the top-k boundary, and a flipped route moves the loss more than any
+    rounding (docs/moe.md has the measured rates). So autocast is off for it, the tokens come in fp32, and the weight
+    is the fp32 master: under FSDP's bf16 policy the gate is a unit of its own that gathers in fp32
+    (parallel/parallelize.py). A weight held in a lower dtype (FSDP's cast in a compiled block, or a model cast whole)
+    is upcast: its rounding stays, the matmul's is gone."""
+    off = torch.autocast(x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type) else nullcontext()
+    with off:
+        if gate.weight.dtype == torch.float32:
+            return gate(x.float())  # through the module: its own FSDP unit's hooks gather the weight
+        return F.linear(x.float(), gate.weight.float())
 
 
 class GroupedExperts(nn.Module):
@@ -114,18 +152,53 @@ def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
 
 
 def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm takes these operands well: bf16, or fp32 on the CPU outside compile (compile's fake
-    kernel takes bf16 alone; CUDA's fp32 kernel reads the offsets on the host, three syncs a call to the loop's one);
-    strides that are multiples of 16 bytes."""
-    dtype_ok = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.device.type == "cpu"
-                                             and not torch.compiler.is_compiling())
+    """Whether torch._grouped_mm takes these operands well: bf16 where the device has its one-kernel path, or under
+    compile (which cannot trace the loop's host read), or fp32 on the CPU outside compile (compile's fake kernel takes
+    bf16 alone); strides that are multiples of 16 bytes. Elsewhere torch's fallback reads the offsets on the host, in
+    fp32 or bf16: three syncs a call (nine a layer, forward and backward) to the loop's one (three a layer)."""
+    compiling = torch.compiler.is_compiling()
+    dtype_ok = ((x.dtype == torch.bfloat16 and (compiling or fast_grouped_mm(*device_kind(x.device))))
+                or (x.dtype == torch.float32 and x.device.type == "cpu" and not compiling))
     elements = 16 // x.element_size()
     return dtype_ok and x.dtype == w.dtype and all(n % elements == 0 for n in w.shape[1:])
 
 
+def device_kind(device: torch.device) -> tuple[str, tuple[int, int] | None]:
+    """The device's type and, on an NVIDIA GPU, its compute capability (None elsewhere: ROCm's kernel choice depends
+    on how torch was built, not on a capability)."""
+    if device.type != "cuda" or torch.version.hip:
+        return device.type, None
+    props = torch.cuda.get_device_properties(device)
+    return device.type, (props.major, props.minor)
+
+
+def fast_grouped_mm(device_type: str, capability: tuple[int, int] | None) -> bool:
+    """Whether torch._grouped_mm's bf16 kernel runs without host syncs there: the CPU's, and CUDA's on SM90 and SM100
+    alone (torch 2.13's _grouped_mm_cuda: capability major 9 or 10; A100, L40 or SM120 take its fallback)."""
+    return device_type == "cpu" or (device_type == "cuda" and capability is not None and capability[0] in (9, 10))
+
+
 def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x @ w[e].T for each expert e's rows of x, in one kernel."""
+    w = ZeroGradOfEmpty.apply(w, counts > 0)
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+
+
+class ZeroGradOfEmpty(torch.autograd.Function):
+    """`w` (experts, out, in) unchanged, and in backward its gradient exactly zero for every expert that had no slot
+    (`used` False), whatever the kernel gave it: Blackwell's grouped GEMM writes non-zero weight gradients for empty
+    groups (pytorch/pytorch#172439), which AdamW would then apply to experts no token chose. A select, not a
+    multiply by the mask: zero even where the kernel wrote inf or NaN; the used experts' bits untouched."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(used)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (used,) = ctx.saved_tensors
+        return grad.masked_fill(~used.view(-1, 1, 1), 0), None
 
 
 def looped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -170,12 +243,12 @@ class MoE(nn.Module):
             0, flat, torch.ones_like(flat))
         # The auxiliary losses are computed in activation checkpointing's recompute too, which must save what the
         # forward saved; they are counted, as the tokens are, in training's forward only: not validation's, and not
-        # the recompute in backward, which would count a block's tokens twice. Compiled blocks neither (the check does
-        # not trace; refused). They are trained through the router's weights, whose backward gives them their
-        # gradient wherever this layer's output goes: as if added to the model's loss, on a pipeline stage before the
-        # last too.
-        a = self.args
-        training = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        # the recompute in backward, which would count a block's tokens twice. Compiled blocks compute no auxiliary
+        # loss (refused: training/preflight.py) but count their tokens. They are trained through the router's weights,
+        # whose backward gives them their gradient wherever this layer's output goes: as if added to the model's loss,
+        # on a pipeline stage before the last too.
+        a, compiled = self.args, torch.compiler.is_compiling()
+        training = torch.is_grad_enabled() and not compiled
         if training and (a.aux_loss_coeff > 0 or a.router_z_loss > 0):
             terms = []
             if a.aux_loss_coeff > 0:
@@ -187,11 +260,16 @@ class MoE(nn.Module):
                 z = self.z_scale * router_z_loss(logits)
                 terms.append(a.router_z_loss * z)
             weights = WithLoss.apply(weights, sum(terms), self.aux_seed)
-        if training and self.counting and torch._C._current_graph_task_id() == -1:
-            self.router.tokens_per_expert += counts
-            if a.aux_loss_coeff > 0:
+        # Eager, a recompute runs inside backward's graph task, which the check sees. Compiled, the check does not
+        # trace and is not needed: the count is a mutation of a buffer, which AOTAutograd applies once after the
+        # forward graph and never in the backward graph, where a compiled block's recompute runs (checkpointing is
+        # applied inside compile: parallel/parallelize.py); grad mode is a guard, so validation's graph counts nothing.
+        # add_, not +=: the attribute's reassignment is a side effect a compiled checkpoint refuses.
+        if torch.is_grad_enabled() and self.counting and (compiled or torch._C._current_graph_task_id() == -1):
+            self.router.tokens_per_expert.add_(counts)
+            if training and a.aux_loss_coeff > 0:
                 self.aux_sum += aux.detach()
-            if a.router_z_loss > 0:
+            if training and a.router_z_loss > 0:
                 self.z_sum += z.detach()
         out = self.experts(tokens[order // k], counts)
         # Summed in x's shape, not viewed into it after: a module's output that is a view lets an in-place op on it

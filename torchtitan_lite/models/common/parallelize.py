@@ -50,6 +50,20 @@ def tp_plan(s: TPStyles, loss_parallel: bool) -> dict[str, Any]:
     }
 
 
+def mla_tp_plan(s: TPStyles, loss_parallel: bool) -> dict[str, Any]:
+    """The plan of a decoder whose blocks attend by MLA (mla.py): the decoder's, with MLA's projections in place of
+    the attention's. The heads split as there (the queries' and the latent's expansions colwise, the output rowwise);
+    the latents' projections and norms, whose sizes are no head's, run whole on every rank on the gathered hidden
+    states (replicated: their gradients sum over the ranks' heads), and the rotated key part every head shares
+    enters the ranks' heads through `shared_key`."""
+    attention = "layers.*.attention."
+    plan = {k: v for k, v in tp_plan(s, loss_parallel).items() if not k.startswith(attention)}
+    return plan | {attention + name: style for name, style in {
+        "wq": s.colwise(), "wq_a": s.replicated(), "q_norm": s.replicated(), "wq_b": s.colwise(),
+        "wkv_a": s.replicated(), "kv_norm": s.replicated(), "wkv_b": s.colwise(),
+        "shared_key": s.replicated(use_local_output=True), "wo": s.rowwise(output_layouts=Shard(1))}.items()}
+
+
 def tp_sizes(args) -> dict[str, int]:
     """What the plan splits across TP ranks: heads (query and key/value) and the FFN's hidden size."""
     return {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads, "FFN hidden size": args.ffn_hidden}

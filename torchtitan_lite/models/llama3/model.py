@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from torchtitan_lite.models.common.decoder import Decoder
+from torchtitan_lite.models.common.attention import Attention
 from torchtitan_lite.models.common.moe import MoEArgs
 
 
@@ -28,6 +29,12 @@ class ModelArgs:
     # What Llama does not have of the decoder's choices (class attributes, not fields: no flavor sets them).
     qk_norm = False
     tie_embeddings = False
+    yarn = None
+    attention = Attention
+
+    @property
+    def rope_dim(self) -> int:  # a head's dimensions the rotation turns: all of them
+        return self.head_dim
 
     @property
     def head_dim(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from torchtitan_lite.models.common.attention import Attention
 from torchtitan_lite.models.common.moe import MoEArgs
 
 
@@ -30,6 +31,12 @@ class ModelArgs:
     # The decoder's choices Qwen3 makes at every size (class attributes, not fields: no flavor changes them).
     qk_norm = True
     rope_scaling = False
+    yarn = None
+    attention = Attention
+
+    @property
+    def rope_dim(self) -> int:  # a head's dimensions the rotation turns: all of them
+        return self.head_dim
 
     @property
     def kv_heads(self) -> int:
