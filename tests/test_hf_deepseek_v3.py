@@ -21,7 +21,7 @@ from tests.multiprocess.launch import TINY, ckpt, train_in_process
 from tests.test_hf import BOS, EOS, TOLERANCE, assert_same_tensors, max_diff, one_error_line, randomize, \
     save_run_checkpoint, script, transformers
 from tests.test_hf_load import FROZEN, LAST_IN_HF, START, hf_folder
-from tests.test_hf_qwen3 import config_of, load_ours, tensors
+from tests.test_hf_qwen3 import assert_theirs_is_ours, config_of, load_ours, tensors
 from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import load_config, to_toml
 from torchtitan_lite.data.hf_tokenizer import run_tokenizer
@@ -72,15 +72,6 @@ def loaded(folder):
 
 
 @torch.no_grad()
-def greedy(model, prompt, n):
-    """Greedy text from whole forwards: our KV cache (tools/generation.py's) holds values of the keys' head size,
-    which MLA's are not."""
-    out = list(prompt)
-    for _ in range(n):
-        out.append(model(torch.tensor([out]))[0, -1].argmax().item())
-    return out[len(prompt):]
-
-
 def imported(args):
     """What an import of `args` exported gives: the same model, YaRN where it applies, load balancing on (the
     folder's bias is held as our selection bias)."""
@@ -122,15 +113,7 @@ def test_export_gives_transformers_our_logits_and_greedy_text_and_imports_back_b
         moved = max_diff(model, other, tokens(64))
         print(f"logits max |with - without the {'selection bias' if case == 'query_latent' else 'YaRN'}|: {moved:.3g}")
         assert moved > 100 * TOLERANCE
-    # Every tensor counted: transformers saves exactly what the export wrote, with the same bits.
-    theirs.save_pretrained(tmp_path / "resaved")
-    resaved = tensors(tmp_path / "resaved")
-    assert resaved.keys() == written.keys() and all(torch.equal(resaved[k], written[k]) for k in written)
-    prompt = [BOS, *tokens(8, seed=1)[0].tolist()]
-    theirs.generation_config.eos_token_id = None  # the full length: ours is asked for no EOS either
-    with torch.no_grad():
-        out = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-    assert greedy(model, prompt, 16) == out[0, len(prompt):].tolist()
+    assert_theirs_is_ours(model, theirs, written, tmp_path / "resaved", [BOS, *tokens(8, seed=1)[0].tolist()])
     back = import_from_hf(tmp_path / "hf", tmp_path / "back", model="deepseek_v3")
     assert back == imported(args)
     expected = {f"model.{k}": v for k, v in state.items()}

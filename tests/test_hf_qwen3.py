@@ -62,6 +62,18 @@ def loaded(folder):
     return model.eval()
 
 
+def assert_theirs_is_ours(model, theirs, written: dict, resaved, prompt: list[int]) -> None:
+    """Every tensor counted: transformers' model `theirs`, loaded from our export `written`, saves exactly it, with
+    the same bits; and its greedy text of `prompt` is ours (tools/generation.py, through our KV cache)."""
+    theirs.save_pretrained(resaved)
+    again = tensors(resaved)
+    assert again.keys() == written.keys() and all(torch.equal(again[k], written[k]) for k in written)
+    theirs.generation_config.eos_token_id = None  # the full length: ours is asked for no EOS either
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+    assert generate(model, prompt, 16) == out[0, len(prompt):].tolist()
+
+
 def config_of(folder) -> dict:
     return json.loads((folder / "config.json").read_text())
 
@@ -86,15 +98,7 @@ def test_export_gives_transformers_our_logits_and_greedy_text_and_imports_back_b
     diff = max_diff(model, theirs, random_tokens(48))
     print(f"logits max |ours - transformers' Qwen3|, {case}: {diff:.3g}")
     assert diff <= TOLERANCE
-    # Every tensor counted: transformers saves exactly what the export wrote, with the same bits.
-    theirs.save_pretrained(tmp_path / "resaved")
-    resaved = tensors(tmp_path / "resaved")
-    assert resaved.keys() == written.keys() and all(torch.equal(resaved[k], written[k]) for k in written)
-    prompt = [BOS, *random_tokens(8, seed=1)[0].tolist()]
-    theirs.generation_config.eos_token_id = None  # the full length: ours is asked for no EOS either
-    with torch.no_grad():
-        out = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-    assert generate(model, prompt, 16) == out[0, len(prompt):].tolist()
+    assert_theirs_is_ours(model, theirs, written, tmp_path / "resaved", [BOS, *random_tokens(8, seed=1)[0].tolist()])
     assert import_from_hf(tmp_path / "hf", tmp_path / "back", model="qwen3") == args
     assert_same_tensors(read_tensors(str(tmp_path / "back")), {f"model.{k}": v for k, v in model.state_dict().items()})
 

@@ -194,7 +194,8 @@ BF16 = ("--training.mixed_precision_param", "bfloat16")
 E6 = ("--moe.num_experts", "6", "--moe.shared_experts", "1", "--moe.score_func", "sigmoid", "--training.z_loss", "1e-2",
       "--moe.router_z_loss", "1e-2")
 MUON = ("--optimizer.name", "Muon")
-DEEPSEEK = ("--model.flavor", "debugmodel", "--moe.aux_loss_coeff", "1e-3")  # with --model.name deepseek_v3
+# With --model.name deepseek_v3: its auxiliary loss, the z-losses (E6's) and Muon on.
+DEEPSEEK = ("--model.flavor", "debugmodel", "--moe.aux_loss_coeff", "1e-3", *E6[-4:], *MUON)
 EVERY_STEP = ("--checkpoint.enable", "--checkpoint.interval", "1")
 MOE_RUNS = {
     "moe_single": Run(1, (*MOE, *CHECKPOINTED, *SHORT), reference=None),
@@ -233,9 +234,10 @@ MOE_RUNS = {
                                   reference="qwen3_moe_single", model="qwen3"),
     # DeepSeek-V3's debug model (MLA with a query latent, keys of 48 and values of 32; a dense block, then a mixture
     # of 8 experts in 4 groups, top 2 within the best 2, sigmoid, a shared expert, the selection bias, its
-    # sequence-wise auxiliary loss on): on PP 2 x TP 2 with EP 2 over the tp ranks (MLA's latents replicated on both,
-    # its heads split; 1F1B, 2 micro-batches of 4) and on HSDP 2 x CP 2 with EP 2 over the cp ranks (head-tail chunks
-    # of keys and values of unequal head sizes), against one process: with these the model meets every layout.
+    # sequence-wise auxiliary loss and the z-losses on), trained by Muon: on PP 2 x TP 2 with EP 2 over the tp ranks (MLA's latents
+    # replicated on both, its heads split; 1F1B, 2 micro-batches of 4) and on HSDP 2 x CP 2 with EP 2 over the cp
+    # ranks (head-tail chunks of keys and values of unequal head sizes; Muon's matrices gathered over replicas and
+    # shards), against one process: with these the model meets every layout.
     "deepseek_single": Run(1, (*DEEPSEEK, *SHORT), reference=None, model="deepseek_v3"),
     "deepseek_pp2_tp2_ep2": Run(4, (*DEEPSEEK, *PP2, *TP2, *EP2, "--training.local_batch_size", "8", *SHORT),
                                 reference="deepseek_single", model="deepseek_v3"),
@@ -315,15 +317,12 @@ RESUMED_RUNS = {
     # -> EP 4 -> no EP.
     "moe_ep2_tp2_on_ep4": Resumed("moe_ep2_tp2", 2, 4, (*MOE, *EP4, "--training.local_batch_size", "1", *SHORT)),
     # Muon's state (each matrix's momentum, the AdamW groups' moments), saved on TP 2 x FSDP 2 x EP 2 and loaded on
-    # PP 2 x CP 2 x EP 2 (1F1B, 2 micro-batches of 4; the experts over the cp ranks) and on HSDP 2 x 2 x EP 2 with
-    # its shards offloaded to the host and every block recomputed: the layouts the straight run lacks, each checked
-    # against one process (test_muon.py).
-    "moe_e6_muon_on_pp2_cp2": Resumed("moe_e6_muon_ep2_tp2", 2, 4, (*MOE, *E6, *MUON, *PP2, *CP2, *EP2,
-                                                                    "--training.local_batch_size", "8",
-                                                                    *CHECKPOINTED, *SHORT)),
-    "moe_e6_muon_on_hsdp2x2": Resumed("moe_e6_muon_ep2_tp2", 2, 4, (
-        *MOE, *E6, *MUON, *HSDP, *EP2, "--activation_checkpoint.mode", "full", "--parallelism.fsdp_cpu_offload",
-        "--no-parallelism.fsdp_offload_pin_memory", *CHECKPOINTED, *SHORT)),
+    # PP 2 x CP 2 x EP 2 (1F1B, 2 micro-batches of 4; the experts over the cp ranks), with its shards offloaded to the
+    # host and every block recomputed: the layouts the straight run lacks, checked against one process
+    # (test_muon.py; HSDP's replicas are the DeepSeek-V3 rows', which train by Muon).
+    "moe_e6_muon_on_pp2_cp2": Resumed("moe_e6_muon_ep2_tp2", 2, 4, (
+        *MOE, *E6, *MUON, *PP2, *CP2, *EP2, "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full",
+        "--parallelism.fsdp_cpu_offload", "--no-parallelism.fsdp_offload_pin_memory", *CHECKPOINTED, *SHORT)),
     # Qwen3's tied table, saved by PP 2 x TP 2 (held by both stages) and loaded on HSDP 2 x CP 2.
     "pp2_tp2_qwen3_on_hsdp2_cp2": Resumed("pp2_tp2_qwen3", 2, 4, (*SHARED_RUNS["hsdp2_cp2_qwen3"].overrides,
                                                                   *CHECKPOINTED), model="qwen3"),
