@@ -22,6 +22,7 @@ from tests.test_hf import BOS, EOS, TOLERANCE, assert_same_tensors, max_diff, on
     save_run_checkpoint, script, transformers
 from tests.test_hf_load import FROZEN, LAST_IN_HF, START, hf_folder
 from tests.test_hf_qwen3 import assert_theirs_is_ours, config_of, load_ours, tensors
+from tests.test_hf_qwen3 import loaded as qwen3_loaded, ours as qwen3_ours
 from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import load_config, to_toml
 from torchtitan_lite.data.hf_tokenizer import run_tokenizer
@@ -50,25 +51,19 @@ def tokens(length=48, seed=0):
 
 @torch.no_grad()
 def ours(args, seed=0):
-    model = Decoder(args)
-    model.init_weights(seed)
-    gen = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        if p.dim() == 1:  # RMSNorm weights
-            p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    """test_hf_qwen3's model (norm weights away from 1), with a selection bias of the order of the sigmoid scores'
+    spread: it moves routes."""
+    model = qwen3_ours(args, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     for name, b in model.named_buffers():
-        if name.endswith("expert_bias"):  # of the order of the sigmoid scores' spread: it moves routes
+        if name.endswith("expert_bias"):
             b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-    return model.eval()
+    return model
 
 
 def loaded(folder):
-    """transformers' model of the folder (eager attention, fp32), which must hold exactly the tensors it expects."""
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                                     attn_implementation="eager",
-                                                                     output_loading_info=True)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched keys, no errors
-    return model.eval()
+    """transformers' model of the folder, in eager attention."""
+    return qwen3_loaded(folder, attn_implementation="eager")
 
 
 @torch.no_grad()

@@ -54,10 +54,11 @@ def tensors(folder) -> dict[str, torch.Tensor]:
         return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - no __iter__
 
 
-def loaded(folder):
-    """transformers' model of the folder, which must hold exactly the tensors it expects."""
+def loaded(folder, **options):
+    """transformers' model of the folder (fp32; `options` as from_pretrained's), which must hold exactly the tensors
+    it expects."""
     model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                                     output_loading_info=True)
+                                                                     output_loading_info=True, **options)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys, no errors
     return model.eval()
 
