@@ -8,7 +8,10 @@
   the routed experts' active parameters (k x hidden), at Mixtral 8x7B's shape and at a fine-grained one (64 experts,
   top-6, DeepSeek-V2-Lite's), with the host syncs each makes (on a GPU); on a CPU the same at small shapes;
 - compile: the layer under torch.compile (grouped GEMM, fullgraph) over steps whose routing differs: how many graphs
-  it compiled after the second step (0 expected) and its time.
+  it compiled after the second step (0 expected) and its time;
+- empty_experts: experts no slot reached, through torch._grouped_mm alone and through our guard (moe.grouped): the
+  weight gradient the kernel writes for them (Blackwell's is not zero: pytorch/pytorch#172439) and ours (zero), and
+  the other experts' bits unchanged; tests/test_moe.py runs it on the CPU.
 benchmarks/gpu_paths.py's `moe` check runs this and the debug MoE model's curve on the GPU against the CPU's.
 """
 
@@ -81,6 +84,26 @@ def exact(device: str) -> dict:
                            "gradients bitwise": f"{sum(torch.equal(gg[n], gl[n]) for n in gg)} of {len(gg)}",
                            "max |grad diff|": max(diffs.values())}
     return out
+
+
+def empty_experts(device: str, dtype: torch.dtype = torch.float32) -> dict:
+    """Weight gradients of experts that received no slot, from the kernel alone and through moe.grouped's guard."""
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([40, 0, 24, 0, 0, 64, 8, 0], device=device)  # experts 1, 3, 4, 7 empty
+    x = torch.randn(int(counts.sum()), 64, generator=gen).to(device, dtype)
+    w = torch.randn(8, 128, 64, generator=gen).to(device, dtype)
+    out_grad = torch.randn(len(x), 128, generator=gen).to(device, dtype)  # a real one: sum()'s has zero strides
+    grads = {}
+    for name, mm in (("kernel", lambda w: torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(
+            torch.int32))), ("guarded", lambda w: moe.grouped(x, w, counts))):
+        weight = w.clone().requires_grad_()
+        mm(weight).backward(out_grad)
+        grads[name] = weight.grad
+    empty, used = counts == 0, counts > 0
+    return {"device": torch.cuda.get_device_name() if device == "cuda" else device, "dtype": str(dtype),
+            "kernel's max |grad| of empty experts": grads["kernel"][empty].abs().max().item(),
+            "guarded max |grad| of empty experts": grads["guarded"][empty].abs().max().item(),
+            "used experts' grads bitwise": torch.equal(grads["kernel"][used], grads["guarded"][used])}
 
 
 def _syncs(fn) -> int:
@@ -226,7 +249,8 @@ def main(out_file: str | None = None) -> dict:
                "dtype": str(dtype), "tokens": tokens}
     for key, fn in [("exact", lambda: exact(device)),
                     *[(f"time {n}", lambda s=s: timed(s, dtype, device, tokens, repeats)) for n, s in shapes.items()],
-                    ("compile", lambda: compiled(next(iter(shapes.values())), dtype, device, tokens))]:
+                    ("compile", lambda: compiled(next(iter(shapes.values())), dtype, device, tokens)),
+                    ("empty_experts", lambda: empty_experts(device, dtype))]:
         try:
             results[key] = fn()
         except Exception as e:  # noqa: BLE001 - one broken measure must not hide the others

@@ -562,3 +562,12 @@ def test_bf16_takes_grouped_gemm_only_where_its_one_kernel_exists(monkeypatch, d
     assert set(used) == {kernel}
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert moe.grouped_mm_fits(x, m.experts.w1)
+
+
+def test_the_gpu_checks_empty_experts_measure_runs_on_the_cpu_through_the_same_code():
+    """benchmarks/moe_step.py's empty_experts (what gpu_paths.py's moe check reports on a GPU: the kernel's weight
+    gradient for experts no slot reached, and ours) on the CPU: the guard's zero, the used experts' bits kept."""
+    import moe_step  # noqa: PLC0415 - benchmarks/, on pytest's path
+
+    got = moe_step.empty_experts("cpu")
+    assert got["guarded max |grad| of empty experts"] == 0.0 and got["used experts' grads bitwise"]
