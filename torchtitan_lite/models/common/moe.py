@@ -253,8 +253,11 @@ class MoE(nn.Module):
             terms = []
             if a.aux_loss_coeff > 0:
                 sequences = shape[0] if x.dim() == 3 else 1
+                # Its f counts each token's top k of the scores alone, as DeepSeek-V3's sequence-wise loss writes it,
+                # whatever the selection bias and the groups chose; without them, that is the experts chosen.
+                counted = experts if a.load_balance_coeff == 0 and a.n_group == 1 else scores.topk(k, dim=-1).indices
                 aux = self.aux_scale * balance_loss(scores.view(sequences, -1, scores.shape[-1]),
-                                                    experts.view(sequences, -1), k, self.sum_over_sequence)
+                                                    counted.view(sequences, -1), k, self.sum_over_sequence)
                 terms.append(a.aux_loss_coeff * aux)
             if a.router_z_loss > 0:  # linear in the tokens: each rank's share adds up, however they are split
                 z = self.z_scale * router_z_loss(logits)
