@@ -130,5 +130,6 @@ def test_decoding_with_the_kv_cache_is_the_full_forward():
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         cache = model.kv_cache(2, 32)
-        cached = torch.cat([forward_cached(model, tokens[:, :8], cache), forward_cached(model, tokens[:, 8:], cache)], 1)
+        cached = torch.cat([forward_cached(model, tokens[:, :8], cache),
+                            forward_cached(model, tokens[:, 8:], cache)], 1)
         torch.testing.assert_close(cached, model(tokens), rtol=1e-5, atol=1e-5)

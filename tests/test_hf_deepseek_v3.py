@@ -100,7 +100,8 @@ def test_export_gives_transformers_our_logits_and_greedy_text_and_imports_back_b
     diff = max_diff(model, theirs, tokens(64))
     print(f"logits max |ours - transformers' DeepseekV3|, {case}: {diff:.3g}")
     assert diff <= TOLERANCE
-    if case in ("query_latent", "yarn", "yarn_no_mscale"):  # the feature is carried: without it the logits move far beyond the tolerance
+    # The feature is carried: without it the logits move far beyond the tolerance.
+    if case in ("query_latent", "yarn", "yarn_no_mscale"):
         other = Decoder(args.with_(yarn=None) if case.startswith("yarn") else args).eval()
         other.load_state_dict(state)
         if case == "query_latent":  # the selection bias

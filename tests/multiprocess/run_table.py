@@ -214,8 +214,8 @@ MOE_RUNS = {
     "moe_ep2_pp2": Run(4, (*MOE, *PP2, *EP2, "--training.local_batch_size", "4", *CHECKPOINTED, *SHORT),
                        reference="moe_single"),
     "moe_ep2": Run(2, (*MOE, *EP2, *EVERY_2, *SHORT), reference="moe_single"),
-    # DeepSeek-V3's kind of mixture (E6): 6 experts, top 2, a shared expert, sigmoid scores, z-losses; on TP 2 x FSDP 2 x EP 2
-    # each rank's 3 experts do not split over its 2 efsdp ranks, so FSDP shards their weights on dim 1
+    # DeepSeek-V3's kind of mixture (E6): 6 experts, top 2, a shared expert, sigmoid scores, z-losses; on TP 2 x FSDP 2
+    # x EP 2 each rank's 3 experts do not split over its 2 efsdp ranks, so FSDP shards their weights on dim 1
     # (parallelize.experts_dim); against one process of the same mixture.
     "moe_e6_single": Run(1, (*MOE, *E6, *SHORT), reference=None),
     "moe_e6_ep2_tp2": Run(4, (*MOE, *E6, *TP2, *EP2, "--training.local_batch_size", "4", *SHORT),
@@ -234,10 +234,10 @@ MOE_RUNS = {
                                   reference="qwen3_moe_single", model="qwen3"),
     # DeepSeek-V3's debug model (MLA with a query latent, keys of 48 and values of 32; a dense block, then a mixture
     # of 8 experts in 4 groups, top 2 within the best 2, sigmoid, a shared expert, the selection bias, its
-    # sequence-wise auxiliary loss and the z-losses on), trained by Muon: on PP 2 x TP 2 with EP 2 over the tp ranks (MLA's latents
-    # replicated on both, its heads split; 1F1B, 2 micro-batches of 4) and on HSDP 2 x CP 2 with EP 2 over the cp
-    # ranks (head-tail chunks of keys and values of unequal head sizes; Muon's matrices gathered over replicas and
-    # shards), against one process: with these the model meets every layout.
+    # sequence-wise auxiliary loss and the z-losses on), trained by Muon: on PP 2 x TP 2 with EP 2 over the tp ranks
+    # (MLA's latents replicated on both, its heads split; 1F1B, 2 micro-batches of 4) and on HSDP 2 x CP 2 with EP 2
+    # over the cp ranks (head-tail chunks of keys and values of unequal head sizes; Muon's matrices gathered over
+    # replicas and shards), against one process: with these the model meets every layout.
     "deepseek_single": Run(1, (*DEEPSEEK, *SHORT), reference=None, model="deepseek_v3"),
     "deepseek_pp2_tp2_ep2": Run(4, (*DEEPSEEK, *PP2, *TP2, *EP2, "--training.local_batch_size", "8", *SHORT),
                                 reference="deepseek_single", model="deepseek_v3"),

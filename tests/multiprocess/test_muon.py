@@ -3,8 +3,9 @@ either dim, FSDP the rest and the routed experts on dim 1, and EP the experts, e
 so the curve and grad norm are one process's within 1e-5, and every matrix and its momentum buffer after steps 1, 2
 and 4 within 1e-6 of its largest value (run_table.py's moe_e6_muon runs; their routes, gradients at step 1, auxiliary
 losses and z-losses are test_moe_layouts.py's). Its state saved there resumes on PP 2 x CP 2 x EP 2, offloaded to the
-host, to the same curve and weights; HSDP's replicas train by Muon in the DeepSeek-V3 rows (test_moe_layouts.py). A Newton-Schulz step on a shard is another update: the check fails by 1e-1 then
-(9.7e-2 at step 2, measured by hand; a transposed result all-reduced as it lay in memory, found this way, by 1e-2)."""
+host, to the same curve and weights; HSDP's replicas train by Muon in the DeepSeek-V3 rows (test_moe_layouts.py). A
+Newton-Schulz step on a shard is another update: the check fails by 1e-1 then (9.7e-2 at step 2, measured by hand; a
+transposed result all-reduced as it lay in memory, found this way, by 1e-2)."""
 
 import pytest
 import torch

@@ -75,7 +75,8 @@ class ExpertLoad:
 
     def fields(self) -> dict[str, float]:
         """The last step's load: per layer (this rank's stage's under PP), its busiest expert's slots over the mean;
-        the slots counted in all layers; and the auxiliary loss and router z-loss (before their coefficients) when on."""
+        the slots counted in all layers; and the auxiliary loss and router z-loss (before their coefficients) when
+        on."""
         if self.totals is None:
             return {}
         slots, aux, z = self.totals.tolist()

@@ -97,7 +97,8 @@ class Router(nn.Module):
 
 def within_groups(choice: torch.Tensor, groups: int, topk_groups: int) -> torch.Tensor:
     """The scores a token's experts are chosen by, (tokens, experts), with every expert outside the token's
-    `topk_groups` best groups at -inf (DeepSeek-V3: a group's score is the sum of its two best); unchanged for 1 group."""
+    `topk_groups` best groups at -inf (DeepSeek-V3: a group's score is the sum of its two best); unchanged for 1
+    group."""
     if groups == 1:
         return choice
     tokens, experts = choice.shape
