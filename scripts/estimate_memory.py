@@ -2,9 +2,10 @@
 
     python scripts/estimate_memory.py --job.config_file train_configs/llama3_70b.toml [--world_size 64] [overrides]
 
-`--world_size` (this script's only option) defaults to NGPU when set, else to the product of the degrees when none
-is -1, else to the config's usual cluster (DEFAULT_WORLD): the degrees leave the world size open, the estimate needs
-one. Everything else is a trainer option. How the figures are obtained and what they leave out: see
+`--world_size` (this script's option) defaults to NGPU when set, else to the product of the degrees when none is -1,
+else to the config's usual cluster (DEFAULT_WORLD): the degrees leave the world size open, the estimate needs one.
+`--routing worst` traces a mixture of experts at dropless routing's bound instead of balanced (its other option).
+Everything else is a trainer option. How the figures are obtained and what they leave out: see
 torchtitan_lite/tools/memory.py.
 
 The figures go to stdout; what the estimate is doing as it goes goes to stderr, one line as each piece starts (so
@@ -31,30 +32,38 @@ def usage() -> str:
     """--help: this script's own option, then the trainer's, which it takes as they are."""
     clusters = ", ".join(f"{flavor} {n}" for flavor, n in DEFAULT_WORLD.items())
     return "\n".join([
-        "usage: python scripts/estimate_memory.py [--world_size N] [--job.config_file FILE] [--section.key VALUE ...]",
+        "usage: python scripts/estimate_memory.py [--world_size N] [--routing balanced|worst] [--job.config_file FILE] "
+        "[--section.key VALUE ...]",
         "Per-rank memory of a training config on a mesh, without GPUs (torchtitan_lite/tools/memory.py says how).",
         "  --world_size N  the ranks to estimate for; default: NGPU when set, else the product of the parallelism",
         f"      degrees when none is -1, else the flavor's usual cluster ({clusters}; any other flavor 8)",
+        "  --routing R     a mixture of experts' routing: balanced (default), or worst: every rank's tokens sent to",
+        "      rank 0's experts, ep x tokens x min(top_k, local experts) slots received (dropless routing's bound)",
         "Every other argument is a train.py option (--check aside); train.py's --help:",
         "",
         help_text(),
     ])
 
 
-def split_world_size(argv: list[str]) -> tuple[int | None, list[str]]:
-    """(--world_size N or None, the other arguments) from argv."""
-    rest, world = [], None
+def split_options(argv: list[str]) -> tuple[int | None, list[str], str]:
+    """(--world_size N or None, the other arguments, --routing's value) from argv."""
+    rest, world, routing = [], None, "balanced"
     args = iter(argv)
     for arg in args:
         name, eq, value = arg.partition("=")
-        if name != "--world_size":
+        if name not in ("--world_size", "--routing"):
             rest.append(arg)
             continue
         value = value if eq else next(args, "")
+        if name == "--routing":
+            if value not in ("balanced", "worst"):
+                raise ConfigError(f"--routing expects balanced or worst (got {value!r})")
+            routing = value
+            continue
         if not value.isdecimal() or int(value) < 1:
             raise ConfigError(f"--world_size expects a positive integer (got {value!r})")
         world = int(value)
-    return world, rest
+    return world, rest, routing
 
 
 def default_world_size(cfg: JobConfig) -> int:
@@ -73,6 +82,8 @@ def table(e: Estimate, cfg: JobConfig) -> str:
     mesh = " x ".join(f"{name} {size}" for name, size in e.mesh.items())
     ep = cfg.parallelism.expert_parallel_degree  # not a dim of the mesh: a split of dp_shard x cp x tp (dims.py)
     experts = f", experts over ep {ep}" if ep > 1 else ""
+    if ep > 1 and e.routing == "worst":
+        experts += ", routed at dropless routing's bound: every rank's tokens to rank 0's experts"
     t = cfg.training
     compute = t.mixed_precision_param
     if float8.enabled(cfg):  # what tools/memory.py counts for it: its module docstring
@@ -117,9 +128,9 @@ def main(argv: list[str]) -> int:
     progress.addHandler(shown)
     progress.setLevel(logging.INFO)
     try:
-        world, rest = split_world_size(argv)
+        world, rest, routing = split_options(argv)
         cfg = load_config(rest)
-        estimate = estimate_memory(cfg, world or default_world_size(cfg))
+        estimate = estimate_memory(cfg, world or default_world_size(cfg), routing=routing)
         progress.info("done")
         print(table(estimate, cfg))
     except ConfigError as e:

@@ -138,8 +138,8 @@ def check_training(argv: list[str], world_size: int, monkeypatch, capsys) -> Non
 
 def check_script(name: str, args: list[str], env: dict[str, str], monkeypatch, capsys) -> None:
     module = script(name)
-    if name == "estimate_memory":  # the trainer's options and --world_size
-        world, rest = module.split_world_size(args)
+    if name == "estimate_memory":  # the trainer's options, --world_size and --routing
+        world, rest, _ = module.split_options(args)
         check_training(rest, world or module.default_world_size(load_config(rest)), monkeypatch, capsys)
         return
     try:

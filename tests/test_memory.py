@@ -232,11 +232,11 @@ def test_a_plan_without_the_period_is_caught_and_every_block_traced(monkeypatch,
     monkeypatch.setattr(memory_extrapolate, "plan", lambda *args: Plan((3, 4, 5), edge=1, every=1))
     trace, whole = memory._trace, []
 
-    def few_only(cfg, dims, args, vocab_note, of=None):
+    def few_only(cfg, dims, args, vocab_note, of=None, routing="balanced"):
         if of is None:
             whole.append(args.n_layers)
             return "the full trace", None
-        return trace(cfg, dims, args, vocab_note, of)
+        return trace(cfg, dims, args, vocab_note, of, routing)
 
     monkeypatch.setattr(memory, "_trace", few_only)
     with caplog.at_level(logging.INFO, logger=memory.__name__):
@@ -309,3 +309,23 @@ def test_a_figure_or_segment_off_its_line_refuses_to_extrapolate(tweak, why):
         tweak(n, estimate, segments)
     estimate, said = extrapolate(traces, plan, 20)
     assert estimate is None and said.startswith(why)
+
+
+def test_the_worst_routing_estimate_holds_every_ranks_tokens_on_the_traced_ranks_experts(capsys):
+    """--routing worst: under EP 4 rank 0 receives every rank's 128 tokens x min(top 2, its 2 experts) slots, 1,024
+    a layer instead of balanced routing's 256; its activations grow by at least each extra slot's input and its two
+    hidden projections' outputs (which backward keeps) in both MoE layers, and the table says which routing it
+    holds. Without EP a rank computes its own slots whatever the routing: the same figures."""
+    moe_run = [*TINY, "--model.flavor", "tiny_moe", "--training.local_batch_size", "2"]
+    cfg = load_config([*moe_run, "--parallelism.expert_parallel_degree", "4"])
+    balanced, worst = (estimate_memory(cfg, 4, routing=r) for r in ("balanced", "worst"))
+    args = model_args(cfg)[0]
+    extra_slots, hidden = (1024 - 256) * args.n_layers, args.moe.hidden or args.ffn_hidden
+    assert worst.activation_bytes - balanced.activation_bytes >= extra_slots * (args.dim + 2 * hidden) * 4
+    assert worst.param_bytes == balanced.param_bytes and worst.optimizer_bytes == balanced.optimizer_bytes
+    assert "routed at dropless routing's bound" in script.table(worst, cfg)
+    assert "routed at" not in script.table(balanced, cfg)
+    plain = load_config(moe_run)
+    assert estimate_memory(plain, 4, routing="worst").peak_bytes == estimate_memory(plain, 4).peak_bytes
+    assert script.main([*moe_run, "--routing", "most"]) == 2
+    assert "--routing expects balanced or worst (got 'most')" in capsys.readouterr().err

@@ -61,7 +61,8 @@ size (tests/test_memory.py counts the gathered bytes).
 A mixture of experts (models/common/moe.py) is traced as its routing is balanced, which fake tensors cannot decide: each
 expert gets an equal share of the slots, so under expert parallelism each rank sends and receives its own slot count
 through the all-to-alls, the largest buffers the dispatch holds (an imbalanced step holds more on the busy experts'
-ranks); the grouped GEMM runs as one matmul of the same output and saved operands. The state (the experts' weights,
+ranks); or, asked (`routing="worst"`, the script's --routing worst), at dropless routing's bound, every rank's tokens
+sent to the traced rank's experts; the grouped GEMM runs as one matmul of the same output and saved operands. The state (the experts' weights,
 split over ep and FSDP-sharded over the rest, and their optimizer state) does not depend on the routing.
 """
 
@@ -118,6 +119,7 @@ class Estimate:
     host_bytes: int
     mask_bytes: int = 0  # block_causal: the document mask of one micro-batch (already in activations and peak)
     traced: tuple[int, ...] = ()  # the blocks traced: all of them, or the few counts the figures are extrapolated from
+    routing: str = "balanced"  # a mixture's routing the figures hold: "balanced", or "worst" (_routed)
 
 
 def model_args(cfg: JobConfig) -> tuple[Args, str]:
@@ -141,11 +143,13 @@ def model_args(cfg: JobConfig) -> tuple[Args, str]:
     return spec.run_args(cfg, vocab), note
 
 
-def estimate_memory(cfg: JobConfig, world_size: int, extrapolate: bool | None = None) -> Estimate:
+def estimate_memory(cfg: JobConfig, world_size: int, extrapolate: bool | None = None,
+                    routing: str = "balanced") -> Estimate:
     """Per-rank memory of training `cfg` on `world_size` ranks; see the module docstring for what each figure holds.
     Raises ConfigError for a config the trainer would reject. Needs no process group (it makes a fake one).
     `extrapolate`: whether a model of alike blocks may be traced with a few of them (memory_extrapolate.py); by
-    default where the few together are fewer than the model's, True wherever its rule allows, False never."""
+    default where the few together are fewer than the model's, True wherever its rule allows, False never.
+    `routing`: a mixture of experts' routing the step is traced with (_routed): "balanced" or "worst"."""
     cfg = copy.deepcopy(cfg)
     cfg.compile.enable = False  # fake tensors cannot be compiled: the estimate is of the eager model
     if cfg.parallelism.fsdp_cpu_offload:
@@ -159,18 +163,18 @@ def estimate_memory(cfg: JobConfig, world_size: int, extrapolate: bool | None = 
     if plan and (extrapolate or sum(plan.counts) < args.n_layers):  # by default, only where it saves time
         progress.info("its %d blocks are alike: tracing %d, %d and %d of them, to extrapolate", args.n_layers,
                       *plan.counts)
-        traces = [_trace(cfg, dims, replace(args, n_layers=n), vocab_note, of=args.n_layers)
+        traces = [_trace(cfg, dims, replace(args, n_layers=n), vocab_note, of=args.n_layers, routing=routing)
                   for n in plan.counts]
         estimate, refusal = extrapolation.extrapolate(traces, plan, args.n_layers)
         if estimate is not None:
             progress.info("extrapolated to %d blocks: every figure is affine in the block count", args.n_layers)
             return estimate
         progress.info("%s: tracing all %d blocks", refusal, args.n_layers)
-    return _trace(cfg, dims, args, vocab_note)[0]
+    return _trace(cfg, dims, args, vocab_note, routing=routing)[0]
 
 
-def _trace(cfg: JobConfig, dims: ParallelDims, args: Args, vocab_note: str,
-           of: int | None = None) -> tuple[Estimate, dict | None]:
+def _trace(cfg: JobConfig, dims: ParallelDims, args: Args, vocab_note: str, of: int | None = None,
+           routing: str = "balanced") -> tuple[Estimate, dict | None]:
     """The estimate of the model of `args`; when it holds a few of the model's `of` blocks, also the peak (bytes,
     transient bytes) of each segment of the measured step (memory_tracker.DevicePeak), as the estimate counts them."""
     # Imported here: the fake backend registers itself on import, and only the estimate needs it.
@@ -210,7 +214,9 @@ def _trace(cfg: JobConfig, dims: ParallelDims, args: Args, vocab_note: str,
         mask, added = _document_mask(cfg, dims, numerics.compute_dtype)
         for part in parts:
             part.document_mask = documents.explicit_mask if dims.cp > 1 else lambda ids, dtype: None
-        with fake, _routed_evenly(), tracker_class(model, optimizer, host, segments=of is not None) as tracker:
+        moe_args = registry.get(cfg.model.name).moe(args)
+        with fake, _routed(routing, moe_args.top_k if moe_args else 1), \
+                tracker_class(model, optimizer, host, segments=of is not None) as tracker:
             activations, held = _two_steps(parts, optimizer, cfg, dims, args, numerics, guard, tracker)
     finally:
         dist.destroy_process_group()
@@ -220,23 +226,27 @@ def _trace(cfg: JobConfig, dims: ParallelDims, args: Args, vocab_note: str,
     return Estimate(cfg.model.flavor, args.vocab_size, vocab_note, dict(zip(mesh.mesh_dim_names, mesh.shape)),
                     **held, activation_bytes=activations + added, transient_bytes=transient,
                     peak_bytes=tracker.device_peak + added, host_bytes=state if offload else 0, mask_bytes=mask,
-                    traced=(args.n_layers,)), segments
+                    traced=(args.n_layers,), routing=routing), segments
 
 
 @contextlib.contextmanager
-def _routed_evenly():
-    """A mixture of experts as fake tensors can run it, holding no routing: every expert gets an equal share of the
-    slots (the balance that load balancing aims at), so each expert-parallel rank sends and receives its own slot count,
-    evenly split; the grouped GEMM as one matmul of the same output, saving the same operands (a fake grouped_mm takes
-    bf16 alone, and the per-expert loop reads the counts). No other op's memory depends on the routing."""
-    def even(counts: torch.Tensor, received: torch.Tensor, slots: int) -> tuple[list[int], list[int]]:
-        n = received.shape[0]
-        sizes = [slots // n + (i < slots % n) for i in range(n)]
-        return sizes, sizes
+def _routed(routing: str, top_k: int):
+    """A mixture of experts as fake tensors can run it, holding no routing (the grouped GEMM as one matmul of the same
+    output, saving the same operands: a fake grouped_mm takes bf16 alone, and the per-expert loop reads the counts).
+    "balanced": every expert gets an equal share of the slots (the balance load balancing aims at), so each
+    expert-parallel rank sends and receives its own slot count, evenly split. "worst": dropless routing's bound
+    for the rank traced, every rank's tokens sent to its experts, min(top_k, local experts) slots a token, so it
+    receives ep x T x min(k, E/ep) slots for its T x k (4x balanced for Mixtral's 8 experts, top 2, on EP 8); it
+    sends its own evenly. Without expert parallelism a rank computes its own slots whatever the routing: the two
+    are one. No other op's memory depends on the routing."""
+    def split(counts: torch.Tensor, received: torch.Tensor, slots: int) -> tuple[list[int], list[int]]:
+        n, local = received.shape
+        sent = [slots // n + (i < slots % n) for i in range(n)]
+        return sent, ([slots // top_k * min(top_k, local)] * n if routing == "worst" else sent)
 
     with mock.patch.object(moe, "grouped_mm_fits", lambda x, w: True), \
             mock.patch.object(moe, "grouped", lambda x, w, counts: x @ w[0].transpose(-2, -1)), \
-            mock.patch.object(expert_parallel, "split_sizes", even):
+            mock.patch.object(expert_parallel, "split_sizes", split):
         yield
 
 
