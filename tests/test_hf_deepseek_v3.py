@@ -254,3 +254,16 @@ def test_a_run_starts_from_a_deepseek_v3_folder_selection_bias_included_and_its_
     assert f"loaded weights from {folder} (a Hugging Face folder: all 32 tensors of the model)" in run.stdout
     back = load_file(ckpt(tmp_path / "run", 1).with_name("step-1-hf") / "model.safetensors")
     assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
+
+
+def test_a_bf16_export_keeps_the_selection_bias_in_fp32(tmp_path):
+    """Exported in bf16, the weights are bf16 and the selection bias stays fp32, bit for bit, as DeepSeek publishes it
+    and transformers keeps it: the bias moves in steps of 1e-3, which bf16 would round into other routes."""
+    model = ours(BASE)
+    export_to_hf(save_run_checkpoint(model, tmp_path / "ckpt"), tmp_path / "hf", BASE, BOS, EOS,
+                 dtype=torch.bfloat16, model="deepseek_v3")
+    written = tensors(tmp_path / "hf")
+    bias = written["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and torch.equal(bias, model.layers["1"].moe.router.expert_bias)
+    assert written["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert written["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16

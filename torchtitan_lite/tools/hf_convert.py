@@ -169,8 +169,13 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: Args, bos_id: int, eos
     tied = tied_names(spec, args)  # written once, as transformers' save_pretrained writes tied embeddings
     ours_of = {hf.hf_name(piece): entry for piece, entry in pieces(hf, expected).items() if entry[0] not in tied}
     absent = hf.absent(args)  # theirs holds them, ours does not: written as the adapter gives them
-    entries = [(name, shape, dtype) for name, (_, _, shape) in ours_of.items()]
-    entries += [(name, tuple(tensor.shape), dtype) for name, tensor in absent.items()]
+    # Persistent buffers (DeepSeek-V3's selection bias) stay fp32 whatever `dtype`, as published and as transformers
+    # keeps them: steps of 1e-3 rounded to bf16 would route otherwise.
+    buffers = set(expected) - set(expected_shapes(spec, args, parameters=True))
+    kept = {name for name, entry in ours_of.items() if entry[0] in buffers} | set(absent)
+    dtype_of = {name: torch.float32 if name in kept else dtype for name in [*ours_of, *absent]}
+    entries = [(name, shape, dtype_of[name]) for name, (_, _, shape) in ours_of.items()]
+    entries += [(name, tuple(tensor.shape), dtype_of[name]) for name, tensor in absent.items()]
     shards = plan_shards(entries, max_shard_size)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
@@ -185,11 +190,11 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: Args, bos_id: int, eos
 
     def read(name: str) -> torch.Tensor:
         if name in absent:
-            return absent[name].to(dtype)
+            return absent[name].to(dtype_of[name])
         ours, index, _ = ours_of[name]
         tensor = load(ours) if index is None else load(ours)[index]
         progress.update(tensor.numel() * dtype.itemsize)
-        return hf.to_hf_tensor(ours, tensor, args, False).to(dtype)
+        return hf.to_hf_tensor(ours, tensor, args, False).to(dtype_of[name])
 
     with atomic_folder(out) as tmp:
         _write_json(tmp / "config.json", config)
