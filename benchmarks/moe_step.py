@@ -11,7 +11,7 @@
   it compiled after the second step (0 expected) and its time;
 - empty_experts: experts no slot reached, through torch._grouped_mm alone and through our guard (moe.grouped): the
   weight gradient the kernel writes for them (Blackwell's is not zero: pytorch/pytorch#172439) and ours (zero), and
-  the other experts' bits unchanged; tests/test_moe.py runs it on the CPU.
+  the other experts' bits unchanged; tests/test_moe_kernels.py runs it on the CPU.
 benchmarks/gpu_paths.py's `moe` check runs this and the debug MoE model's curve on the GPU against the CPU's.
 """
 

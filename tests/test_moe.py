@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchtitan_lite.checkpoint.reader import read_tensors
-from torchtitan_lite.config import ConfigError, load_config
+from torchtitan_lite.config import load_config
 from torchtitan_lite.models import registry
 from torchtitan_lite.models.common import moe
 from torchtitan_lite.models.init import fill_block_, trunc_normal_
@@ -15,10 +15,8 @@ from torchtitan_lite.models.common.decoder import flops_per_token
 from torchtitan_lite.models.common.layers import FeedForward
 from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.models.common.moe import MoE, MoEArgs
-from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.expert_parallel import regroup_by_expert
 from torchtitan_lite.training.expert_load import ExpertLoad
-from torchtitan_lite.training.preflight import check_layout
 from torchtitan_lite.tools.memory import estimate_memory
 import train
 from launch import ROOT, TINY, read_metrics, train_in_process
@@ -295,85 +293,6 @@ def test_one_process_trains_every_weight_of_the_moe_model(tmp_path):
         assert not torch.equal(step2[name], step4[name]), f"{name} did not train"
 
 
-@pytest.mark.parametrize("world, overrides, said", [
-    (1, ["--compile.enable"], "compiled in bfloat16 alone"),
-    (1, ["--compile.enable", "--training.mixed_precision_param", "float16"], "compiled in bfloat16 alone"),
-    (1, ["--float8.enable_float8_linear", "--float8.emulate"], "without float8 so far"),
-    (2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable", "--training.mixed_precision_param",
-         "bfloat16", "--moe.aux_loss_coeff", "0"], "with expert parallelism eager so far"),
-    # Compile with EP first: what no change of the precision or the losses fixes (these got the bf16 line, then the
-    # auxiliary loss's, then this one); an EP degree that does not split is not the blocker either.
-    (2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable"], "with expert parallelism eager so far"),
-    (4, ["--parallelism.expert_parallel_degree", "3", "--compile.enable", "--moe.router_z_loss", "1e-3"],
-     "with expert parallelism eager so far"),
-    (1, ["--compile.enable", "--float8.enable_float8_linear", "--float8.emulate"], "without float8 so far"),
-    (1, ["--compile.enable", "--training.mixed_precision_param", "bfloat16", "--moe.aux_loss_coeff", "0",
-         "--moe.router_z_loss", "1e-3"], "with load balancing and router losses eager so far"),
-    (2, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--training.mixed_precision_param",
-         "bfloat16", "--moe.aux_loss_coeff", "0"], "eager under tensor parallelism so far"),
-])
-def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_line, world, overrides, said):
-    line = error_line(world, ["--model.flavor", "tiny_moe", *overrides])
-    assert "the model (model.flavor tiny_moe, [moe]) is a mixture of experts" in line and said in line, line
-
-
-@pytest.mark.parametrize("world, overrides, said", [
-    (4, ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "3"],
-     "parallelism.expert_parallel_degree 3 must divide dp_shard 4 = 4 (the ranks that route different tokens, which "
-     "the experts' ranks are borrowed from): choose one of 1, 2, 4"),
-    (4, ["--model.flavor", "tiny_moe", "--parallelism.context_parallel_degree", "2",
-         "--parallelism.expert_parallel_degree", "8"],
-     "parallelism.expert_parallel_degree 8 must divide dp_shard 2 x cp 2 = 4"),
-    (8, ["--model.flavor", "tiny_moe", "--parallelism.tensor_parallel_degree", "2",
-         "--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "16"],
-     "parallelism.expert_parallel_degree 16 must divide dp_shard 2 x cp 2 x tp 2 = 8 (the ranks that route different "
-     "tokens, which the experts' ranks are borrowed from): choose one of 1, 2, 4, 8"),
-    (4, ["--model.flavor", "tiny_moe", "--moe.num_experts", "6", "--parallelism.expert_parallel_degree", "4"],
-     "parallelism.expert_parallel_degree 4 must divide the 6 routed experts (moe.num_experts): choose one of 1, 2 "
-     "(these divide 4, the ranks that route different tokens, too)"),
-    (4, ["--model.flavor", "tiny_moe", "--moe.num_experts", "6", "--parallelism.expert_parallel_degree", "3"],
-     "parallelism.expert_parallel_degree 3 must divide dp_shard 4 = 4 (the ranks that route different tokens, which "
-     "the experts' ranks are borrowed from): choose one of 1, 2 (these divide the 6 routed experts too)"),
-    (2, ["--parallelism.expert_parallel_degree", "2"],
-     "parallelism.expert_parallel_degree 2 splits a mixture of experts' experts, and model.flavor tiny has none"),
-    (2, ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode",
-         "selective", "--activation_checkpoint.selective_ac_option", "op"], "op-level selective activation"),
-    (2, ["--model.flavor", "tiny_moe", "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode",
-         "selective", "--activation_checkpoint.selective_ac_option", "op"], "under expert or tensor parallelism"),
-    (4, ["--model.flavor", "tiny_moe", "--parallelism.data_parallel_replicate_degree", "4",
-         "--parallelism.expert_parallel_degree", "2"], "must divide dp_shard 1 = 1"),
-])
-def test_an_expert_parallel_degree_that_cannot_split_is_one_line(error_line, world, overrides, said):
-    line = error_line(world, overrides)
-    assert said in line, line
-
-
-@pytest.mark.parametrize("experts, world, layout", [
-    (6, 4, []),
-    (6, 8, ["--parallelism.tensor_parallel_degree", "2"]),
-    (12, 8, ["--parallelism.data_parallel_replicate_degree", "2"]),
-    (8, 8, ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
-    (4, 12, []),
-])
-def test_every_expert_parallel_degree_a_refusal_offers_passes_the_check(experts, world, layout):
-    """Each degree from 1 to twice the world size through the layout's checks (dims, then the model's): every
-    refusal offers exactly the degrees that pass, so whichever the user picks, the next check takes it."""
-    passed, offered = set(), {}
-    for ep in range(1, 2 * world + 1):
-        cfg = load_config(["--job.config_file", str(TINY), "--model.flavor", "tiny_moe", "--moe.num_experts",
-                           str(experts), *layout, "--parallelism.expert_parallel_degree", str(ep)])
-        try:
-            dims = ParallelDims.from_config(cfg.parallelism, world)
-            check_layout(cfg, dims, registry.get("llama3").run_args(cfg, 256))
-            passed.add(ep)
-        except ConfigError as e:
-            assert "choose one of " in str(e), e
-            listed = str(e).split("choose one of ", 1)[1].split(" (", 1)[0]
-            offered[ep] = {int(d) for d in listed.split(", ")}
-    assert offered and passed
-    assert all(degrees == passed for degrees in offered.values()), (passed, offered)
-
-
 @pytest.mark.parametrize("name, world", [("mixtral_8x7b", 32), ("mixtral_8x22b", 128)])
 def test_the_mixtral_configs_pass_the_check_on_the_gpus_they_name(monkeypatch, capsys, tmp_path, name, world):
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -415,159 +334,3 @@ def test_the_memory_estimate_holds_every_expert_once_on_every_layout():
     ep8 = estimate_memory(load_config([*base, "--training.global_batch_size", "64",
                                        "--parallelism.expert_parallel_degree", "8"]), 32)
     assert whole.param_bytes <= 32 * ep8.param_bytes <= 1.01 * whole.param_bytes
-
-
-def run_args(*overrides: str):
-    cfg = load_config(["--job.config_file", str(TINY), *overrides])
-    return registry.get("llama3").run_args(cfg, 256)
-
-
-def test_the_config_overrides_the_flavors_moe_settings_and_can_make_a_dense_flavor_moe():
-    assert run_args("--model.flavor", "tiny_moe").moe == MoEArgs(aux_loss_coeff=0.02)
-    assert run_args("--model.flavor", "tiny_moe", "--moe.top_k", "1", "--moe.score_func", "sigmoid",
-                    "--no-moe.renormalize", "--moe.aux_loss_coeff", "0").moe == MoEArgs(top_k=1, score_func="sigmoid",
-                                                                                       renormalize=False)
-    assert run_args("--model.flavor", "tiny").moe is None
-    made = run_args("--model.flavor", "tiny", "--moe.num_experts", "4", "--moe.every", "2").moe
-    assert made == MoEArgs(num_experts=4, every=2)
-    with torch.device("meta"):
-        model = Transformer(run_args("--model.flavor", "tiny", "--moe.num_experts", "4", "--moe.every", "2"))
-    assert not model.layers["0"].moe_enabled and model.layers["1"].moe.experts.w1.shape[0] == 4
-
-
-@pytest.mark.parametrize("overrides, said", [
-    (["--model.flavor", "tiny", "--moe.top_k", "1"], "moe.top_k is set but model.flavor tiny is dense: set "
-                                                     "moe.num_experts too"),
-    (["--model.flavor", "tiny_moe", "--moe.top_k", "9"], "moe.top_k 9 exceeds the 8 routed experts"),
-])
-def test_moe_settings_that_name_no_model_are_one_line(error_line, overrides, said):
-    assert said in error_line(1, overrides)
-
-
-def test_under_bf16_autocast_the_routers_logits_are_the_fp32_computations_bitwise():
-    """Autocast would run the gate's matmul in bf16, rounding scores into ties at the top-k boundary: moe.gate_logits
-    turns it off, from fp32 tokens and from bf16 ones (autocast leaves either kind in the residual stream)."""
-    router = layer(MoEArgs(num_experts=64, top_k=6)).router
-    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(11))
-    for tokens in (x, x.bfloat16()):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = router(tokens)[3]
-        assert torch.equal(logits, torch.nn.functional.linear(tokens.float(), router.gate.weight))
-
-
-def test_under_fsdp_in_bf16_the_gate_computes_from_its_fp32_master_weight():
-    """FSDP's bf16 policy casts a block's parameters as it gathers them: parallelize.fp32_gates makes each router gate
-    a unit of its own that gathers in fp32, so the gate's matmul reads the master weight (one process, a real FSDP);
-    an fp32 run keeps its units as they were, and compiled blocks, whose one graph cannot call FSDP's hooks, upcast the
-    block's bf16 cast instead (test_the_router_scores_in_fp32_and_orders_each_tokens_experts_by_score)."""
-    import torch.distributed as dist  # noqa: PLC0415 - only these tests make a process group
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy  # noqa: PLC0415
-
-    from torchtitan_lite.config import JobConfig  # noqa: PLC0415
-    from torchtitan_lite.parallel.parallelize import apply_fsdp, fp32_gate_policy  # noqa: PLC0415
-
-    assert fp32_gate_policy(MixedPrecisionPolicy(torch.bfloat16), compiled=True) is None
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        models = {}
-        for dtype in ("bfloat16", "float32"):
-            cfg = JobConfig()
-            cfg.training.mixed_precision_param = dtype
-            models[dtype] = Transformer(FLAVORS["tiny_moe"].with_(vocab_size=64, max_seq_len=16))
-            models[dtype].init_weights()
-            apply_fsdp(models[dtype], init_device_mesh("cpu", (1,)), cfg)
-        assert not any(isinstance(m.router.gate, FSDPModule) for m in models["float32"].modules() if isinstance(m, MoE))
-        model, seen = models["bfloat16"], []
-        gates = [m.router.gate for m in model.modules() if isinstance(m, MoE)]
-        assert len(gates) == 2
-        for gate in gates:
-            assert gate._get_fsdp_state()._mp_policy.param_dtype == torch.float32
-            gate.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.dtype))  # after FSDP's gather
-            gate.register_forward_hook(lambda mod, args, out: seen.append((mod, args[0], out)))
-        assert model.layers["0"]._get_fsdp_state()._mp_policy.param_dtype == torch.bfloat16
-        model(torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(12)))
-        assert seen[0::2] == [torch.float32] * 2
-        for gate, x, logits in seen[1::2]:
-            gate.reshard()
-            master = gate.weight.to_local()  # the sharded fp32 parameter, whole on one rank
-            assert master.dtype == torch.float32 and x.dtype == torch.float32
-            assert torch.equal(logits, torch.nn.functional.linear(x, master))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_experts_no_slot_reached_get_exactly_zero_weight_gradients_whatever_the_kernel_writes(monkeypatch):
-    """Blackwell's grouped GEMM writes non-zero weight gradients for empty groups (pytorch/pytorch#172439). A stand-in
-    for torch._grouped_mm computes the real op and writes garbage (7, and a NaN) into the empty groups' weight gradient:
-    those experts get exact zeros in w1, w2 and w3, every other number the unguarded real op's bits."""
-    real = torch._grouped_mm
-
-    class Garbage(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b, offs):
-            ctx.save_for_backward(a, b, offs)
-            return real(a, b, offs=offs)
-
-        @staticmethod
-        def backward(ctx, grad):
-            a, b, offs = ctx.saved_tensors
-            with torch.enable_grad():
-                a, b = a.detach().requires_grad_(), b.detach().requires_grad_()
-                grad_a, grad_b = torch.autograd.grad(real(a, b, offs=offs), (a, b), grad)
-            empty = (offs.diff(prepend=offs.new_zeros(1)) == 0).nonzero().flatten()
-            grad_b = grad_b.index_fill(0, empty, 7.0).index_fill(0, empty[:1], float("nan"))
-            return grad_a, grad_b, None
-
-    m = layer(MoEArgs())
-    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(13))
-    counts, empty = torch.tensor([9, 0, 14, 3, 1, 6, 0, 7]), [1, 6]
-    assert moe.grouped_mm_fits(x, m.experts.w1)
-
-    def step(kernel, unguarded: bool):
-        monkeypatch.setattr(torch, "_grouped_mm", kernel)
-        if unguarded:
-            monkeypatch.setattr(moe, "grouped", lambda x, w, c: kernel(x, w.transpose(-2, -1),
-                                                                       offs=c.cumsum(0).to(torch.int32)))
-        xi = x.clone().requires_grad_()
-        m.zero_grad()
-        y = m.experts(xi, counts)
-        y.backward(torch.arange(y.numel(), dtype=y.dtype).view_as(y).sin())
-        monkeypatch.undo()
-        return [y, xi.grad, *(p.grad for p in m.experts.parameters())]
-
-    reference = step(real, unguarded=True)
-    assert step(Garbage.apply, unguarded=True)[2][empty].isnan().any()  # the stand-in does write garbage
-    guarded = step(Garbage.apply, unguarded=False)
-    for got, want in zip(guarded, reference):
-        assert torch.equal(got, want)
-    for grad in guarded[2:]:
-        assert torch.equal(grad[empty], torch.zeros_like(grad[empty])) and grad[empty].signbit().sum() == 0
-
-
-@pytest.mark.parametrize("device, capability, kernel", [
-    ("cpu", None, "grouped"), ("cuda", (9, 0), "grouped"), ("cuda", (10, 0), "grouped"), ("cuda", (10, 3), "grouped"),
-    ("cuda", (8, 0), "looped"), ("cuda", (8, 9), "looped"), ("cuda", (12, 0), "looped"), ("cuda", None, "looped")])
-def test_bf16_takes_grouped_gemm_only_where_its_one_kernel_exists(monkeypatch, device, capability, kernel):
-    """torch 2.13's bf16 grouped GEMM is one kernel on the CPU and on CUDA's SM90 and SM100; elsewhere its fallback
-    reads the offsets on the host (9 syncs a layer to the loop's 3), so the layer takes the loop. The decision is made
-    on the CPU as on a device of that kind (moe.device_kind, the one query of the device, stands in for it); compile,
-    which cannot trace the loop, keeps the grouped GEMM."""
-    m, used = layer(MoEArgs()).bfloat16(), []
-    monkeypatch.setattr(moe, "device_kind", lambda _: (device, capability))
-    for name in ("grouped", "looped"):
-        monkeypatch.setattr(moe, name, lambda *a, f=getattr(moe, name), name=name: used.append(name) or f(*a))
-    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(14)).bfloat16()
-    m(x)
-    assert set(used) == {kernel}
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert moe.grouped_mm_fits(x, m.experts.w1)
-
-
-def test_the_gpu_checks_empty_experts_measure_runs_on_the_cpu_through_the_same_code():
-    """benchmarks/moe_step.py's empty_experts (what gpu_paths.py's moe check reports on a GPU: the kernel's weight
-    gradient for experts no slot reached, and ours) on the CPU: the guard's zero, the used experts' bits kept."""
-    import moe_step  # noqa: PLC0415 - benchmarks/, on pytest's path
-
-    got = moe_step.empty_experts("cpu")
-    assert got["guarded max |grad| of empty experts"] == 0.0 and got["used experts' grads bitwise"]
