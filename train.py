@@ -35,7 +35,7 @@ from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.parallel.pipeline import merge_stages, split_stages
 from torchtitan_lite.parallel.stage_ties import StageTies
-from torchtitan_lite.quantization import float8
+from torchtitan_lite.quantization import float8, mxfp8_experts
 from torchtitan_lite.runtime import flight_recorder, run_lock, startup_interrupt
 from torchtitan_lite.runtime.fence import file_state
 from torchtitan_lite.runtime.errors import checks_passed, group_formed, report
@@ -58,6 +58,7 @@ from torchtitan_lite.training.plan import ending, machine_plan
 from torchtitan_lite.training.preflight import preflight
 from torchtitan_lite.training.replicas import NoReplicas, Replicas, build_replicas
 from torchtitan_lite.training.source_losses import SourceLosses
+from torchtitan_lite.training.mtp import MTP
 from torchtitan_lite.training.step import Inputs, Numerics, build_step
 from torchtitan_lite.training.steps import Steps
 from torchtitan_lite.training.update import Update
@@ -101,6 +102,8 @@ def build_model(cfg: JobConfig, model_args: Args, mesh, dims: ParallelDims, devi
     for part in parts:
         if float8.enabled(cfg):
             float8.convert(part, cfg, dims.fsdp)
+        if mxfp8_experts.enabled(cfg):
+            mxfp8_experts.convert(part, cfg)
         parallelize(part, mesh, dims, cfg, spec.tp_plan)
         part.to_empty(device=init_device)
         part.init_weights(seed=cfg.training.seed, buffer_device=device)
@@ -160,8 +163,9 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     device, mesh, dp_mesh, loss_mesh = start_processes(cfg, env, dims)
     built = time.perf_counter()
     seq_share = sharder(mesh["cp"], training.seq_len, cfg.parallelism.context_parallel_load_balancer)
-    # What the model gets beside the tokens (block_causal: document ids, known before CP cuts the windows).
-    inputs, seq_share = Inputs.build(bos_id, seq_share)
+    # What the model gets beside the tokens (block_causal: document ids; multi-token prediction: its depths' tokens;
+    # both known before CP cuts the windows).
+    inputs, seq_share = Inputs.build(bos_id, seq_share, MTP.from_config(model_args, training.mtp_weight))
     # The training data, and the held-out data read anew from its start at every validation.
     loader_args = (global_batch, training.local_batch_size, dp_mesh.get_local_rank(), dims.dp, seq_share,
                    device.type == "cuda")
@@ -334,7 +338,7 @@ def checked(cfg: JobConfig, world_size: int) -> None:
 
 def run(argv: list[str] | None = None, check: bool = False) -> int:
     """Trains; with `check`, only validates the config for WORLD_SIZE processes (exit 2 and one line if it is bad)."""
-    env, stopped = Env.from_environ(), None
+    env, stopped, collecting = Env.from_environ(), None, gc.isenabled()
     stop_with_launcher()
     # A check prints its plan and what warns; the job it precedes logs the rest of what it reads.
     logging.basicConfig(level=logging.WARNING if check else logging.INFO, format="%(asctime)s %(message)s",
@@ -367,7 +371,10 @@ def run(argv: list[str] | None = None, check: bool = False) -> int:
             logger.warning("Ctrl-C during start-up: stopped before the first step, nothing saved")
         return exit_code("SIGINT")
     finally:
-        gc.enable()  # main() may have turned automatic collection off; a caller in this process gets it back
+        # main() may have turned automatic collection off: the caller gets back what it had (turned on in a process
+        # started with it off, as the suite's are, its first collection walks every object torch made: 0.17 s)
+        if collecting:
+            gc.enable()
         restore_signals()
         if dist.is_initialized():
             dist.destroy_process_group()

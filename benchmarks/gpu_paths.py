@@ -23,8 +23,8 @@ Each check is a real train.run (one process; a one-rank mesh) or the model's own
 - mask_memory: the block mask's peak bytes at 8192 and 32k tokens, ours beside create_block_mask's (on a CPU too);
 - observe: a profiled run's trace holds the GPU's kernels, memory snapshots every profile_freq steps, and a step that
   runs out of memory writes its snapshot and exits 1 with its one line;
-- moe: benchmarks/moe_step.py (grouped GEMM against the loop, MoE against dense, compile, empty experts), the
-  debug MoE model's fp32 curve against the same run on the CPU, and its training steps' syncs.
+- moe: benchmarks/moe_step.py (grouped GEMM against the loop, MoE against dense, compile, empty experts, MXFP8
+  experts), the debug MoE model's fp32 curve against the same run on the CPU, and its training steps' syncs.
 """
 
 from __future__ import annotations

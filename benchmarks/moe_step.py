@@ -9,9 +9,16 @@
   top-6, DeepSeek-V2-Lite's), with the host syncs each makes (on a GPU); on a CPU the same at small shapes;
 - compile: the layer under torch.compile (grouped GEMM, fullgraph) over steps whose routing differs: how many graphs
   it compiled after the second step (0 expected) and its time;
+- compile_ep: the layer under expert parallelism (a group of one rank: the dispatch runs, to itself), compiled around
+  the dispatch as training compiles it, against eager: graphs after each step, bits, time; tests/test_moe_kernels.py
+  runs it on the CPU;
 - empty_experts: experts no slot reached, through torch._grouped_mm alone and through our guard (moe.grouped): the
   weight gradient the kernel writes for them (Blackwell's is not zero: pytorch/pytorch#172439) and ours (zero), and
-  the other experts' bits unchanged; tests/test_moe_kernels.py runs it on the CPU.
+  the other experts' bits unchanged; tests/test_moe_kernels.py runs it on the CPU;
+- mxfp8: the layer in bf16 against the same layer with its routed experts in MXFP8 (quantization/mxfp8_experts.py:
+  torchao's kernels on SM100, its emulation elsewhere, which is no speed test): forward + backward time and each
+  output's and gradient's distance from bf16's; tests/test_moe_kernels.py runs it on the CPU. gpu_check adds the
+  debug MoE model's bf16 curve against MXFP8 experts' (mxfp8_curve): the loss gap and tokens/s.
 benchmarks/gpu_paths.py's `moe` check runs this and the debug MoE model's curve on the GPU against the CPU's.
 """
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import time
 import warnings
@@ -106,6 +114,45 @@ def empty_experts(device: str, dtype: torch.dtype = torch.float32) -> dict:
             "used experts' grads bitwise": torch.equal(grads["kernel"][used], grads["guarded"][used])}
 
 
+def mxfp8(shape: dict, device: str, tokens: int, repeats: int) -> dict:
+    """One bf16 layer's forward + backward, its routed experts by torch._grouped_mm against MXFP8's, and how far
+    MXFP8's output and gradients are from bf16's (SQNR, dB: 20 log10 |ref| / |ref - mxfp8|)."""
+    from torchtitan_lite.config import load_config  # noqa: PLC0415 - torchao's import: this measure only
+    from torchtitan_lite.quantization import mxfp8_experts  # noqa: PLC0415
+
+    emulate = [] if mxfp8_experts.has_mxfp8_grouped_mm() else ["--float8.emulate"]
+    m = layer(shape, torch.bfloat16, device)
+    q = copy.deepcopy(m)
+    mxfp8_experts.convert(q, load_config(["--float8.moe_fqns", "experts", *emulate]))
+    x = torch.randn(tokens, shape["dim"], device=device, dtype=torch.bfloat16)
+    with implementation("grouped"):  # the converted experts take torchao's matmul whatever this says
+        (y, grads), (yq, grads_q) = fwd_bwd(m, x), fwd_bwd(q, x)
+        out = {"kernels": "torchao's emulation" if emulate else "torchao's SM100 kernels",
+               "bf16 ms": _ms(lambda: fwd_bwd(m, x), repeats), "mxfp8 ms": _ms(lambda: fwd_bwd(q, x), repeats)}
+    out["speed-up"] = round(out["bf16 ms"] / out["mxfp8 ms"], 3)
+    out["SQNR dB against bf16"] = {"output": _sqnr(y, yq), **{n: _sqnr(grads[n], grads_q[n]) for n in grads}}
+    return out
+
+
+def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return round((20 * torch.log10(ref.float().norm() / (ref.float() - got.float()).norm())).item(), 1)
+
+
+def mxfp8_curve(run, steps: int = 20) -> dict:
+    """The debug MoE model in bf16 through train.run (`run`: gpu_paths.run), its routed experts in bf16 and in MXFP8:
+    the largest loss gap, and the median tokens/s of each after the first 3 steps."""
+    from torchtitan_lite.quantization import mxfp8_experts  # noqa: PLC0415
+
+    args = ("--model.flavor", "debugmodel_moe", "--training.mixed_precision_param", "bfloat16")
+    emulate = ("--float8.emulate",) * (not mxfp8_experts.has_mxfp8_grouped_mm())
+    bf16, mx = run(*args, steps=steps), run(*args, "--float8.moe_fqns", "experts", *emulate, steps=steps)
+    tps = lambda recs: sorted(r["tps"] for r in recs[3:])[len(recs[3:]) // 2]  # noqa: E731
+    return {"emulated": bool(emulate), "max |loss - bf16|": max(abs(a["loss"] - b["loss"]) for a, b in zip(mx, bf16)),
+            "max relative loss gap": max(abs(a["loss"] / b["loss"] - 1) for a, b in zip(mx, bf16)),
+            f"loss at {steps}": mx[-1]["loss"], "bf16 loss": bf16[-1]["loss"], "tokens/s": tps(mx),
+            "bf16 tokens/s": tps(bf16)}
+
+
 def _syncs(fn) -> int:
     if not torch.cuda.is_available():
         return -1
@@ -179,6 +226,47 @@ def compiled(shape: dict, dtype: torch.dtype, device: str, tokens: int, steps: i
             "graph breaks": sum(counters["graph_break"].values())}
 
 
+def compiled_ep(shape: dict, device: str, tokens: int, backend: str = "inductor", steps: int = 4) -> dict:
+    """The bf16 layer under expert parallelism on a group of one rank (the dispatch whole: the counts' exchange, the
+    split sizes read on the host, the slots' all-to-alls, to itself), its experts' grouped GEMM compiled as
+    parallel/compile.py compiles it under EP, against the same layer eager, over steps whose routing differs: the
+    graphs after each step (none after the first), each step's bits (equal under aot_eager, whose graphs run eager's
+    ops), and the time of each. An ep degree above 1 needs a process a rank; gpu_paths.py runs one."""
+    import torch.distributed as dist  # noqa: PLC0415 - this measure's group only
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    from torchtitan_lite.parallel.compile import compiled_experts  # noqa: PLC0415
+    from torchtitan_lite.parallel.expert_parallel import apply_ep  # noqa: PLC0415
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        mesh, eager, ep = init_device_mesh(device, (1,)), *(layer(shape, torch.bfloat16, device) for _ in range(2))
+        apply_ep(eager, mesh)
+        apply_ep(ep, mesh, compiled_experts(backend))
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        graphs, bitwise, worst = [], [], 0.0
+        for step in range(steps):
+            x = torch.randn(tokens, shape["dim"], device=device, dtype=torch.bfloat16,
+                            generator=torch.Generator(device).manual_seed(step))  # a different routing every step
+            (y, grads), (yc, grads_c) = fwd_bwd(eager, x), fwd_bwd(ep, x)
+            graphs.append(counters["stats"]["unique_graphs"])
+            bitwise.append(torch.equal(y, yc) and all(torch.equal(local(grads[n]), local(grads_c[n])) for n in grads))
+            worst = max(worst, (y.float() - yc.float()).abs().max().item())
+        return {"backend": backend, "graphs after each step": graphs, "graphs compiled after step 1":
+                graphs[-1] - graphs[0], "bitwise at each step": bitwise, "max |output diff|": worst,
+                "graph breaks": sum(counters["graph_break"].values()), "eager ms": _ms(lambda: fwd_bwd(eager, x), 5),
+                "compiled ms": _ms(lambda: fwd_bwd(ep, x), 5)}
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
 def curve_against_cpu(run, steps: int = 20) -> dict:
     """The debug MoE model trained by train.run here (`run`: gpu_paths.run) against the same run on this machine's
     CPU (a process that sees no GPU), fp32."""
@@ -237,7 +325,7 @@ def gpu_check(run, syncs) -> dict:
     steps' syncs, its precisions, then this script's figures."""
     out = {"curve": curve_against_cpu(run), "syncs": syncs("--model.flavor", "debugmodel_moe")}
     print(json.dumps(out), flush=True)
-    return {**out, "precisions": trainer_precisions(run), **main()}
+    return {**out, "precisions": trainer_precisions(run), "mxfp8 curve": mxfp8_curve(run), **main()}
 
 
 def main(out_file: str | None = None) -> dict:
@@ -250,6 +338,9 @@ def main(out_file: str | None = None) -> dict:
     for key, fn in [("exact", lambda: exact(device)),
                     *[(f"time {n}", lambda s=s: timed(s, dtype, device, tokens, repeats)) for n, s in shapes.items()],
                     ("compile", lambda: compiled(next(iter(shapes.values())), dtype, device, tokens)),
+                    ("compile_ep", lambda: compiled_ep(next(iter(shapes.values())), device, tokens,
+                                                       "inductor" if cuda else "aot_eager")),
+                    ("mxfp8", lambda: mxfp8(next(iter(shapes.values())), device, tokens, repeats)),
                     ("empty_experts", lambda: empty_experts(device, dtype))]:
         try:
             results[key] = fn()

@@ -39,7 +39,12 @@ def flavor_entry(args: Args, name: str) -> str:
 
 def config_lines(args: Args, out: str, tokenizer: str | None, name: str, model: str = DEFAULT_MODEL) -> str:
     """The TOML that starts a training run of `model` (model.name) from the converted checkpoint."""
-    flavor, lines = adapter(model)[1].flavor_of(args), []
+    spec, hf = adapter(model)
+    flavor, lines, settings = hf.flavor_of(args), [], []
+    if flavor is None and hasattr(args, "mtp_depth"):  # a flavor's shape at another MTP depth: model.mtp_depth sets it
+        depths = sorted({f.mtp_depth for f in spec.flavors.values()})
+        flavor = next((f for d in depths if (f := hf.flavor_of(dataclasses.replace(args, mtp_depth=d)))), None)
+        settings = [f"mtp_depth = {args.mtp_depth}"] if flavor else []
     if flavor is None:
         flavor = name
         where = type(args).__module__.replace(".", "/") + ".py"  # the flavors live beside the args' class
@@ -48,7 +53,7 @@ def config_lines(args: Args, out: str, tokenizer: str | None, name: str, model: 
     if tokenizer is None:
         lines.append(f"# The folder has no tokenizer: model.tokenizer_path must give {args.vocab_size} ids"
                      + (' (tokenizer_path = "" does: bytes)' if args.vocab_size == 258 else ""))
-    lines += ["[model]", f"name = {json.dumps(model)}", f"flavor = {json.dumps(flavor)}"]
+    lines += ["[model]", f"name = {json.dumps(model)}", f"flavor = {json.dumps(flavor)}", *settings]
     lines += [f"tokenizer_path = {json.dumps(tokenizer)}"] if tokenizer is not None else []
     lines += ["", "[checkpoint]", f"initial_load_path = {json.dumps(out)}"]
     return "\n".join(lines)

@@ -4,7 +4,8 @@
 
 `--world_size` (this script's option) defaults to NGPU when set, else to the product of the degrees when none is -1,
 else to the config's usual cluster (DEFAULT_WORLD): the degrees leave the world size open, the estimate needs one.
-`--routing worst` traces a mixture of experts at dropless routing's bound instead of balanced (its other option).
+`--routing worst` traces a mixture of experts at its routing's bound instead of balanced (its other option): dropless,
+or with a capacity factor (moe.capacity_factor) as many slots as the capacity lets through.
 Everything else is a trainer option. How the figures are obtained and what they leave out: see
 torchtitan_lite/tools/memory.py.
 
@@ -38,7 +39,8 @@ def usage() -> str:
         "  --world_size N  the ranks to estimate for; default: NGPU when set, else the product of the parallelism",
         f"      degrees when none is -1, else the flavor's usual cluster ({clusters}; any other flavor 8)",
         "  --routing R     a mixture of experts' routing: balanced (default), or worst: every rank's tokens sent to",
-        "      rank 0's experts, ep x tokens x min(top_k, local experts) slots received (dropless routing's bound)",
+        "      rank 0's experts, ep x tokens x min(top_k, local experts) slots received (dropless routing's bound;",
+        "      with moe.capacity_factor, at most the capacity's slots of each sequence, per expert)",
         "Every other argument is a train.py option (--check aside); train.py's --help:",
         "",
         help_text(),
@@ -83,7 +85,9 @@ def table(e: Estimate, cfg: JobConfig) -> str:
     ep = cfg.parallelism.expert_parallel_degree  # not a dim of the mesh: a split of dp_shard x cp x tp (dims.py)
     experts = f", experts over ep {ep}" if ep > 1 else ""
     if ep > 1 and e.routing == "worst":
-        experts += ", routed at dropless routing's bound: every rank's tokens to rank 0's experts"
+        factor = cfg.moe.capacity_factor  # the config's; a flavor's is 0 (dropless)
+        bound = f"capacity factor {factor:g}'s bound" if factor else "dropless routing's bound"
+        experts += f", routed at {bound}: every rank's tokens to rank 0's experts"
     t = cfg.training
     compute = t.mixed_precision_param
     if float8.enabled(cfg):  # what tools/memory.py counts for it: its module docstring

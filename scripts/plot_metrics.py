@@ -1,6 +1,6 @@
-"""Training curves of one or more runs as one picture: loss (and val_loss), lr, grad norm and tokens/s; for a
-mixture of experts its load and router losses; and for a data mixture each source's loss (and val_loss) in a panel
-of its own.
+"""Training curves of one or more runs as one picture: loss (and val_loss, multi-token prediction's mtp_loss), lr,
+grad norm and tokens/s; for a mixture of experts its load and router losses; and for a data mixture each source's
+loss (and val_loss) in a panel of its own.
 
     python scripts/plot_metrics.py outputs/run_a outputs/run_b --out curves.png [--log_loss]
 
@@ -43,7 +43,8 @@ MOE_PANELS = [("load", "expert load (busiest / mean, worst layer)"),
               ("aux_loss", "auxiliary losses (before coefficients)")]
 MOE_KEYS = ("expert_load/", "aux_loss", "router_z_loss")  # any of these logged: the run is a mixture of experts
 LOSS_STYLES = {"aux_loss": "-", "router_z_loss": "--", "z_loss": ":"}
-KEYS = ("loss", "val_loss", "lr", "grad_norm", "tps", "loss/", "val_loss/", *MOE_KEYS, "z_loss")  # and per source
+KEYS = ("loss", "val_loss", "lr", "grad_norm", "tps", "loss/", "val_loss/", *MOE_KEYS, "z_loss",
+        "mtp_loss")  # and per source
 
 
 @dataclass
@@ -128,6 +129,8 @@ def draw(runs: list[Run], out: str, log_loss: bool = False) -> None:
                 steps, values = run.series[val]
                 # Few points, far apart: markers, and dashed so it is not mistaken for the training loss.
                 panels[key].plot(steps, values, color=color, linestyle="--", marker="o", markersize=4)
+        if "mtp_loss" in run.series:  # multi-token prediction's, before its weight: the loss's scale, dotted
+            panels["loss"].plot(*run.series["mtp_loss"], color=color, linestyle=":")
     for ax in list(axes.flat)[len(titles):]:
         ax.set_visible(False)  # an odd number of sources leaves one cell empty
     for (key, title), ax in zip(titles, axes.flat):
@@ -145,6 +148,8 @@ def draw(runs: list[Run], out: str, log_loss: bool = False) -> None:
     handles, _ = panels["loss"].get_legend_handles_labels()
     if any("val_loss" in run.series for run in runs):
         handles.append(Line2D([], [], color="gray", linestyle="--", marker="o", markersize=4, label="val_loss"))
+    if any("mtp_loss" in run.series for run in runs):
+        handles.append(Line2D([], [], color="gray", linestyle=":", label="mtp_loss"))
     panels["loss"].legend(handles=handles, loc="best", fontsize="small")
     if logged := [key for key in LOSS_STYLES if moe and any(key in run.series for run in runs)]:
         panels["aux_loss"].legend(handles=[Line2D([], [], color="gray", linestyle=LOSS_STYLES[key], label=key + (

@@ -22,21 +22,30 @@ SPEC = registry.get("deepseek_v3")
                                                           ("16B", 102_400, 15.71e9, 2.66e9)])
 def test_the_published_sizes_have_their_published_parameter_counts(flavor, vocab, total, active):
     """DeepSeek-V3's 671B total and 37B activated (its paper, without the 14B MTP module); torchtitan's 16B (the
-    shape of DeepSeek-V2-Lite: 15.7B, 2.4B activated without the embedding table)."""
+    shape of DeepSeek-V2-Lite: 15.7B, 2.4B activated without the embedding table). DeepSeek-V3's MTP module is its
+    published folder's 14B (685B in all) with the copies of the embedding table and output projection that folder
+    holds beside it, which ours shares."""
     with torch.device("meta"):
         model = Decoder(SPEC.args(flavor, vocab, 4096))
+    mtp = sum(p.numel() for p in model.mtp.parameters()) if model.mtp is not None else 0
+    if flavor == "671B":
+        assert abs(mtp + 2 * vocab * model.args.dim - 14e9) / 14e9 < 0.05, mtp
+        model.mtp = None
     n = sum(p.numel() for p in model.parameters())
     assert abs(n - total) / total < 1e-3, n
     assert abs(n - moe.inactive_params(model) - active) / active < 0.02, n - moe.inactive_params(model)
 
 
-def test_mlas_flops_count_its_key_and_value_head_sizes():
-    """6 x the parameters a token uses, and each head's scores over keys of head_dim and sum over values of v_dim."""
-    args = SPEC.args("debugmodel", 512, 64)
+@pytest.mark.parametrize("mtp_depth", [0, 1])
+def test_mlas_flops_count_its_key_and_value_head_sizes(mtp_depth):
+    """6 x the parameters a token uses, and each head's scores over keys of head_dim and sum over values of v_dim; an
+    MTP module's block attends as the others do, and its logits take the output projection once more."""
+    args = SPEC.args("debugmodel", 512, 64).with_(mtp_depth=mtp_depth)
     with torch.device("meta"):
         model = Decoder(args)
     n = sum(p.numel() for p in model.parameters()) - moe.inactive_params(model) - 512 * args.dim
-    attention = 6 * args.n_layers * args.n_heads * 64 * (args.head_dim + args.v_dim)
+    n += mtp_depth * 512 * args.dim
+    attention = 6 * (args.n_layers + mtp_depth) * args.n_heads * 64 * (args.head_dim + args.v_dim)
     assert SPEC.flops_per_token(model, 64) == 6 * n + attention
 
 

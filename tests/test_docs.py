@@ -100,13 +100,14 @@ def hf_stand_in(folder: Path, argv: tuple[str, ...] = ("--job.config_file", "tra
     tokenizer = build_tokenizer(str(ROOT / cfg.model.tokenizer_path) if cfg.model.tokenizer_path else "")
     spec = registry.get(cfg.model.name)
     args = spec.run_args(cfg, tokenizer.n_words)
+    hf = spec.hf.bound(args)  # names that depend on the args (DeepSeek-V3's MTP layers)
     folder.mkdir()
-    config = spec.hf.config(args, tokenizer.bos_id, tokenizer.eos_id, torch.float32)
+    config = hf.config(args, tokenizer.bos_id, tokenizer.eos_id, torch.float32)
     (folder / "config.json").write_text(json.dumps(config))
     weight_map = {}
-    for i, (piece, (_, _, shape)) in enumerate(pieces(spec.hf, expected_shapes(spec, args)).items()):
+    for i, (piece, (_, _, shape)) in enumerate(pieces(hf, expected_shapes(spec, args)).items()):
         # One file a tensor, as safetensors maps a whole file at once: a big model's in one would not map.
-        name, file = spec.hf.hf_name(piece), f"model-{i:05d}.safetensors"
+        name, file = hf.hf_name(piece), f"model-{i:05d}.safetensors"
         size = 2 * math.prod(shape)
         text = json.dumps({"__metadata__": {"format": "pt"}, name: {"dtype": "BF16", "shape": list(shape),
                                                                      "data_offsets": [0, size]}}).encode()

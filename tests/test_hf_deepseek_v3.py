@@ -2,7 +2,8 @@
 tools/hf_convert.py), checked against transformers' DeepseekV3ForCausalLM (eager attention, fp32) as
 tests/test_hf_qwen3.py checks Qwen3: the same weights give the same logits and greedy text there and here, every
 tensor is counted both ways, the selection bias travels as e_score_correction_bias, and a round trip gives back the
-same bits.
+same bits, the debug model's multi-token prediction (MTP) module included (tests/test_hf_deepseek_v3_mtp.py checks its
+layout and its logits against transformers').
 
 Our models start from init_weights with the norms' weights and the selection bias then drawn at random: norms at 1,
 or a bias at 0, would hide a misplaced one. Each case's special feature is shown to move the logits far beyond the
@@ -11,6 +12,7 @@ tolerance, so passing proves it is carried, not merely present.
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from tests.test_hf import BOS, EOS, TOLERANCE, assert_same_tensors, max_diff, on
     save_run_checkpoint, script, transformers
 from tests.test_hf_load import FROZEN, LAST_IN_HF, START, hf_folder
 from tests.test_hf_qwen3 import assert_theirs_is_ours, config_of, load_ours, tensors
-from tests.test_hf_qwen3 import loaded as qwen3_loaded, ours as qwen3_ours
+from tests.test_hf_qwen3 import ours as qwen3_ours
 from torchtitan_lite.checkpoint.reader import read_tensors
 from torchtitan_lite.config import load_config, to_toml
 from torchtitan_lite.data.hf_tokenizer import run_tokenizer
@@ -61,9 +63,21 @@ def ours(args, seed=0):
     return model
 
 
+def is_mtp(name: str, n_layers: int) -> bool:
+    """Whether their tensor `name` is an MTP module's: of a layer after the model's n_layers."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return m is not None and int(m[1]) >= n_layers
+
+
 def loaded(folder):
-    """transformers' model of the folder, in eager attention."""
-    return qwen3_loaded(folder, attn_implementation="eager")
+    """transformers' model of the folder, in eager attention. DeepseekV3ForCausalLM has no place for the MTP modules'
+    layers (its MtpModel, generate's use_mtp, reads them apart): they are all it may find unexpected, which its load
+    report lists unless the layer is 61, DeepSeek-V3's, the one it ignores by name."""
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    assert not (info["missing_keys"] or info["mismatched_keys"] or info["error_msgs"]), info
+    assert all(is_mtp(name, model.config.num_hidden_layers) for name in info["unexpected_keys"]), info
+    return model.eval()
 
 
 @torch.no_grad()
@@ -88,7 +102,8 @@ def test_export_gives_transformers_our_logits_and_greedy_text_and_imports_back_b
     assert config["rope_scaling"] == {  # mscale 0 says transformers' default factor of cos and sin is not applied
         "yarn": yarn, "yarn_no_mscale": {**yarn, "mscale": 0.0, "mscale_all_dim": 0.0, "attention_factor": 1.0}
     }.get(case)
-    assert sum(".mlp.experts." in n for n in written) == 8 * 3  # one mixture block x experts x (gate, up, down)
+    # two mixture blocks (block 1 and the MTP module's) x experts x (gate, up, down)
+    assert sum(".mlp.experts." in n for n in written) == 2 * 8 * 3
     state = model.state_dict()
     assert all(torch.equal(written[f"model.layers.1.mlp.experts.{e}.down_proj.weight"],
                            state["layers.1.moe.experts.w2"][e]) for e in range(8))
@@ -109,12 +124,14 @@ def test_export_gives_transformers_our_logits_and_greedy_text_and_imports_back_b
         moved = max_diff(model, other, tokens(64))
         print(f"logits max |with - without the {'selection bias' if case == 'query_latent' else 'YaRN'}|: {moved:.3g}")
         assert moved > 100 * TOLERANCE
-    assert_theirs_is_ours(model, theirs, written, tmp_path / "resaved", [BOS, *tokens(8, seed=1)[0].tolist()])
+    main = {name: w for name, w in written.items() if not is_mtp(name, args.n_layers)}  # what transformers holds
+    assert_theirs_is_ours(model, theirs, main, tmp_path / "resaved", [BOS, *tokens(8, seed=1)[0].tolist()])
     back = import_from_hf(tmp_path / "hf", tmp_path / "back", model="deepseek_v3")
     assert back == imported(args)
     expected = {f"model.{k}": v for k, v in state.items()}
     if case == "no_bias":  # ours now holds the folder's zeros
-        expected["model.layers.1.moe.router.expert_bias"] = torch.zeros(8)
+        expected["model.layers.1.moe.router.expert_bias"] = expected["model.mtp.0.moe.router.expert_bias"] = \
+            torch.zeros(8)
     assert_same_tensors(read_tensors(str(tmp_path / "back")), expected)
 
 
@@ -122,7 +139,9 @@ def test_a_dense_model_exports_as_every_block_before_first_k_dense_replace(tmp_p
     args = BASE.with_(moe=None)
     model = ours(args)
     export_to_hf(save_run_checkpoint(model, tmp_path / "ckpt"), tmp_path / "hf", args, BOS, EOS, model="deepseek_v3")
-    assert config_of(tmp_path / "hf")["first_k_dense_replace"] == args.n_layers
+    # the MTP module's layer (2) dense too, by its index, as its tensors are
+    assert config_of(tmp_path / "hf")["first_k_dense_replace"] == args.n_layers + 1
+    assert "model.layers.2.mlp.gate_proj.weight" in tensors(tmp_path / "hf")
     theirs = loaded(tmp_path / "hf")
     assert not any(".mlp.experts." in name or ".mlp.gate." in name for name in theirs.state_dict())
     diff = max_diff(model, theirs, tokens(64))
@@ -243,14 +262,18 @@ def test_the_scripts_convert_a_deepseek_v3_run_both_ways(tmp_path, capsys):
 def test_a_run_starts_from_a_deepseek_v3_folder_selection_bias_included_and_its_last_save_gives_it_back(tmp_path):
     """checkpoint.initial_load_in_hf reads the folder's e_score_correction_bias into our selection bias (the folder's
     model routes by it), and checkpoint.last_save_in_hf writes it back: after a step that moves nothing (lr 1e-30,
-    and a bias step of 1e-30, far below half an ulp of the bias), the folder's tensors bit for bit."""
+    and a bias step of 1e-30, far below half an ulp of the bias), the folder's tensors bit for bit. transformers
+    saves no MTP module, though its config.json says num_nextn_predict_layers 1 (its default): with it set to 0, as
+    docs/hf_interop.md says, the folder starts a run of model.mtp_depth 0."""
     folder = hf_folder(tmp_path / "hf", flavor="debugmodel", model="deepseek_v3")
+    (folder / "config.json").write_text(json.dumps({**config_of(folder), "num_nextn_predict_layers": 0}))
     weights = load_file(folder / "model.safetensors")
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     weights[bias] = torch.randn(8, generator=torch.Generator().manual_seed(0)) * 0.1
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     run = train_in_process(tmp_path / "run", "--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *START,
-                           str(folder), *FROZEN, "--moe.load_balance_coeff", "1e-30", *LAST_IN_HF)
+                           str(folder), *FROZEN, "--moe.load_balance_coeff", "1e-30", "--model.mtp_depth", "0",
+                           *LAST_IN_HF)
     assert f"loaded weights from {folder} (a Hugging Face folder: all 32 tensors of the model)" in run.stdout
     back = load_file(ckpt(tmp_path / "run", 1).with_name("step-1-hf") / "model.safetensors")
     assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)

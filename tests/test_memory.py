@@ -329,3 +329,22 @@ def test_the_worst_routing_estimate_holds_every_ranks_tokens_on_the_traced_ranks
     assert estimate_memory(plain, 4, routing="worst").peak_bytes == estimate_memory(plain, 4).peak_bytes
     assert script.main([*moe_run, "--routing", "most"]) == 2
     assert "--routing expects balanced or worst (got 'most')" in capsys.readouterr().err
+
+
+def test_with_a_capacity_factor_the_worst_routing_is_the_capacitys_bound():
+    """moe.capacity_factor 1 on EP 4 (64-token sequences, top 2 of 8): each expert takes 16 slots of a sequence, so
+    a rank sends rank 0's 2 experts at most 2 sequences x 2 x 16 = 64 slots, what balanced routing sends: the worst
+    case's figures are the balanced ones', below dropless routing's worst by at least its 768 more slots' inputs and
+    hidden outputs in each MoE layer. A factor of 0.5 keeps half of the slots, fewer bytes still."""
+    moe_run = [*TINY, "--model.flavor", "tiny_moe", "--training.local_batch_size", "2",
+               "--parallelism.expert_parallel_degree", "4"]
+    dropless = estimate_memory(load_config(moe_run), 4, routing="worst")
+    cfg = load_config([*moe_run, "--moe.capacity_factor", "1"])
+    balanced, worst = (estimate_memory(cfg, 4, routing=r) for r in ("balanced", "worst"))
+    assert (worst.activation_bytes, worst.peak_bytes) == (balanced.activation_bytes, balanced.peak_bytes)
+    args = model_args(cfg)[0]
+    extra_slots, hidden = (1024 - 256) * args.n_layers, args.moe.hidden or args.ffn_hidden
+    assert dropless.activation_bytes - worst.activation_bytes >= extra_slots * (args.dim + 2 * hidden) * 4
+    assert "routed at capacity factor 1's bound" in script.table(worst, cfg)
+    half = estimate_memory(load_config([*moe_run, "--moe.capacity_factor", "0.5"]), 4, routing="worst")
+    assert half.activation_bytes < worst.activation_bytes and half.param_bytes == worst.param_bytes

@@ -55,19 +55,20 @@ def test_console_line_shape(tmp_path, caplog):
 
 
 def test_a_mixture_of_experts_console_line_adds_its_worst_load_and_router_losses(tmp_path, caplog):
-    """The busiest expert over the mean in the worst layer, then the auxiliary loss and router z-loss where logged;
-    the dense line is unchanged (test_console_line_shape) and the per-layer figures stay in metrics.jsonl."""
+    """The busiest expert over the mean in the worst layer, then the auxiliary loss and router z-loss where logged,
+    and the fraction of the slots dropped over capacity; the dense line is unchanged (test_console_line_shape) and
+    the per-layer figures stay in metrics.jsonl."""
     ml = MetricLogger(str(tmp_path), rank=0, log_freq=1, enable_tensorboard=False, tb_folder="tb")
     moe = {"loss": 5.0, "memory_gib": 0.449, "routed_slots": 2048.0, "expert_load/layers.0.moe": 1.2345,
            "expert_load/layers.1.moe": 1.4212, "aux_loss": 2.01234}
     with caplog.at_level(logging.INFO, logger="torchtitan_lite"):
         ml.log(1, moe)
-        ml.log(2, {**moe, "router_z_loss": 3.5, "z_loss": 9.0})
+        ml.log(2, {**moe, "router_z_loss": 3.5, "z_loss": 9.0, "dropped": 0.03125})
         ml.log(3, {k: v for k, v in moe.items() if k != "aux_loss"})
     ml.close()
     assert [r.getMessage() for r in caplog.records] == [
         "step: 1  loss: 5.0000  memory: 0.45GiB  load: 1.42  aux_loss: 2.0123",
-        "step: 2  loss: 5.0000  memory: 0.45GiB  load: 1.42  aux_loss: 2.0123  router_z_loss: 3.5000",
+        "step: 2  loss: 5.0000  memory: 0.45GiB  load: 1.42  aux_loss: 2.0123  router_z_loss: 3.5000  dropped: 0.0312",
         "step: 3  loss: 5.0000  memory: 0.45GiB  load: 1.42"]
     assert read_metrics(tmp_path)[0]["expert_load/layers.0.moe"] == 1.2345
 

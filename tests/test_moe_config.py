@@ -46,22 +46,38 @@ def test_moe_settings_that_name_no_model_are_one_line(error_line, overrides, sai
     (1, ["--compile.enable"], "compiled in bfloat16 alone"),
     (1, ["--compile.enable", "--training.mixed_precision_param", "float16"], "compiled in bfloat16 alone"),
     (1, ["--float8.enable_float8_linear", "--float8.emulate"], "without float8 so far"),
-    (2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable", "--training.mixed_precision_param",
-         "bfloat16", "--moe.aux_loss_coeff", "0"], "with expert parallelism eager so far"),
-    # Compile with EP first: what no change of the precision or the losses fixes (these got the bf16 line, then the
-    # auxiliary loss's, then this one); an EP degree that does not split is not the blocker either.
-    (2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable"], "with expert parallelism eager so far"),
-    (4, ["--parallelism.expert_parallel_degree", "3", "--compile.enable", "--moe.router_z_loss", "1e-3"],
-     "with expert parallelism eager so far"),
+    # Compiled under EP in pieces around the dispatch, in bf16 alone as without it.
+    (2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable"], "compiled in bfloat16 alone"),
     (1, ["--compile.enable", "--float8.enable_float8_linear", "--float8.emulate"], "without float8 so far"),
-    (1, ["--compile.enable", "--training.mixed_precision_param", "bfloat16", "--moe.aux_loss_coeff", "0",
-         "--moe.router_z_loss", "1e-3"], "with load balancing and router losses eager so far"),
+    # Compile under TP first: what no change of the precision fixes (this got the bf16 line, then this one).
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable"], "eager under tensor parallelism so far"),
     (2, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--training.mixed_precision_param",
          "bfloat16", "--moe.aux_loss_coeff", "0"], "eager under tensor parallelism so far"),
 ])
 def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_line, world, overrides, said):
     line = error_line(world, ["--model.flavor", "tiny_moe", *overrides])
     assert "the model (model.flavor tiny_moe, [moe]) is a mixture of experts" in line and said in line, line
+
+
+OP_SAC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+BALANCED = ["--moe.load_balance_coeff", "1e-3", "--moe.router_z_loss", "1e-3"]  # beside tiny_moe's auxiliary loss
+
+
+@pytest.mark.parametrize("world, overrides", [
+    (1, ["--compile.enable", "--training.mixed_precision_param", "bfloat16", *BALANCED]),
+    (2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable", "--training.mixed_precision_param",
+         "bfloat16", *BALANCED, *OP_SAC]),
+    (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4", "--compile.enable",
+         "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full"]),
+    (2, ["--parallelism.expert_parallel_degree", "2", *OP_SAC]),
+    (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2", *OP_SAC]),
+])
+def test_compile_and_op_level_checkpointing_of_a_moe_model_pass_the_check(world, overrides):
+    """Compile under expert parallelism (parallel/compile.py), with the router losses and the selection bias (on one
+    process too) and any activation checkpointing; op-level selective checkpointing under EP and TP
+    (parallel/selective_ac.py). The multi-process tests train each against its eager or uncheckpointed twin."""
+    cfg = load_config(["--job.config_file", str(TINY), "--model.flavor", "tiny_moe", *overrides])
+    check_layout(cfg, ParallelDims.from_config(cfg.parallelism, world), registry.get("llama3").run_args(cfg, 256))
 
 
 @pytest.mark.parametrize("world, overrides, said", [
@@ -83,10 +99,6 @@ def test_what_a_moe_model_does_not_train_with_yet_is_refused_in_one_line(error_l
      "the experts' ranks are borrowed from): choose one of 1, 2 (these divide the 6 routed experts too)"),
     (2, ["--parallelism.expert_parallel_degree", "2"],
      "parallelism.expert_parallel_degree 2 splits a mixture of experts' experts, and model.flavor tiny has none"),
-    (2, ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode",
-         "selective", "--activation_checkpoint.selective_ac_option", "op"], "op-level selective activation"),
-    (2, ["--model.flavor", "tiny_moe", "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode",
-         "selective", "--activation_checkpoint.selective_ac_option", "op"], "under expert or tensor parallelism"),
     (4, ["--model.flavor", "tiny_moe", "--parallelism.data_parallel_replicate_degree", "4",
          "--parallelism.expert_parallel_degree", "2"], "must divide dp_shard 1 = 1"),
 ])

@@ -138,3 +138,36 @@ def test_the_gpu_checks_empty_experts_measure_runs_on_the_cpu_through_the_same_c
 
     got = moe_step.empty_experts("cpu")
     assert got["guarded max |grad| of empty experts"] == 0.0 and got["used experts' grads bitwise"]
+
+
+def test_the_gpu_checks_mxfp8_measure_runs_on_the_cpu_through_the_same_code():
+    """benchmarks/moe_step.py's mxfp8 (gpu_paths.py's moe check on a GPU: bf16 experts against MXFP8 ones, time and
+    distance) on the CPU, by torchao's emulation: both timed, every output and gradient within 19 dB of bf16's (the
+    layer's bound, tests/test_mxfp8_experts.py) and not bf16's own. Its loss gap's arithmetic on stand-in runs."""
+    pytest.importorskip("torchao")
+    import moe_step  # noqa: PLC0415 - benchmarks/, on pytest's path
+
+    got = moe_step.mxfp8(moe_step.CPU_SHAPES["small"], "cpu", tokens=128, repeats=1)
+    assert got["kernels"] == "torchao's emulation" and got["bf16 ms"] > 0 and got["mxfp8 ms"] > 0
+    assert set(got["SQNR dB against bf16"]) == {"output", "x", "router.gate.weight", "experts.w1", "experts.w2",
+                                                "experts.w3"}
+    assert all(19 <= db < 35 for db in got["SQNR dB against bf16"].values()), got
+
+    def run(*args, steps):
+        mx = "--float8.moe_fqns" in args
+        return [{"loss": 2.0 + (0.004 if mx else 0) - s / 10, "tps": 90.0 if mx else 100.0} for s in range(steps)]
+
+    curve = moe_step.mxfp8_curve(run, steps=6)
+    assert curve["emulated"] and curve["max |loss - bf16|"] == pytest.approx(0.004)
+    assert curve["tokens/s"] == 90.0 and curve["bf16 tokens/s"] == 100.0
+
+
+def test_the_gpu_checks_compiled_expert_parallel_measure_runs_on_the_cpu_through_the_same_code():
+    """benchmarks/moe_step.py's compile_ep (gpu_paths.py's moe check on a GPU, by inductor) on the CPU by aot_eager:
+    the layer under expert parallelism on a one-rank group, its experts compiled as training compiles them under EP,
+    gives eager's bits at every step of a different routing and compiles nothing after the first."""
+    import moe_step  # noqa: PLC0415 - benchmarks/, on pytest's path
+
+    got = moe_step.compiled_ep(moe_step.CPU_SHAPES["small"], "cpu", tokens=256, backend="aot_eager", steps=3)
+    assert got["graphs after each step"][0] == 1 and got["graphs compiled after step 1"] == 0, got
+    assert got["bitwise at each step"] == [True] * 3 and got["graph breaks"] == 0, got

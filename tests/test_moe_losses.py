@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from grad_dump import NUMBERS, load_grads, recording
 from launch import TINY, read_metrics, train_in_process
 from tests.test_moe import aux_gradient, layer
 from tests.test_step import FP32, batch
@@ -129,18 +130,42 @@ def test_an_fp16_run_trains_the_auxiliary_loss_as_the_fp32_run_does(tmp_path):
             assert (weights[f"model.{name}"] - ref_weights[f"model.{name}"]).norm() <= 0.5 * moved, name
 
 
+# tiny_moe's auxiliary loss, the router z-loss and DeepSeek-V3's bias, validated after every step, saved at step 2
+BALANCED = ("--model.flavor", "tiny_moe", "--training.steps", "2", "--training.seq_len", "16",
+            "--training.mixed_precision_param", "bfloat16", "--moe.router_z_loss", "1e-2", "--moe.load_balance_coeff",
+            "1e-2", "--validation.enable", "--validation.freq", "1", "--validation.steps", "1", "--checkpoint.enable",
+            "--checkpoint.interval", "2")
+
+
+@pytest.fixture(scope="module")
+def eager_balanced(tmp_path_factory):
+    """The eager run the compiled ones must give, its gradients at step 1 recorded."""
+    out = tmp_path_factory.mktemp("eager_balanced")
+    with recording(out):
+        train_in_process(out, *BALANCED)
+    return out
+
+
 @pytest.mark.parametrize("ac", ["none", "full"])
-def test_compiled_blocks_count_each_training_forward_once(tmp_path, ac):
-    """A compiled block counts its slots as an eager one: once per training forward, not in checkpointing's recompute
-    (in the compiled backward graph) nor in validation (run here after every step). Every step's routed_slots is the
-    global batch's tokens x top k x MoE layers, and each layer's load finite."""
-    train_in_process(tmp_path, "--model.flavor", "tiny_moe", "--training.steps", "2", "--training.seq_len", "16",
-                     "--training.mixed_precision_param", "bfloat16", "--compile.enable", "--compile.backend",
-                     "aot_eager", "--moe.aux_loss_coeff", "0", "--activation_checkpoint.mode", ac,
-                     "--validation.enable", "--validation.freq", "1", "--validation.steps", "1")
+def test_compiled_blocks_count_and_balance_as_eager_ones_bit_for_bit(tmp_path, ac, eager_balanced):
+    """A compiled block (one graph, aot_eager: eager's ops) trains the auxiliary loss and the router z-loss and counts
+    its slots as an eager one: once per training forward, not in checkpointing's recompute (in the compiled backward
+    graph) nor in validation (run here after every step). Every step's routed_slots is the global batch's tokens x top
+    k x MoE layers; the losses, load and gradients are the eager run's bits, and so is the bias after 2 updates."""
+    with recording(tmp_path):
+        train_in_process(tmp_path, *BALANCED, "--compile.enable", "--compile.backend", "aot_eager",
+                         "--activation_checkpoint.mode", ac)
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records if "val_loss" in r] == [1, 2]
     for r in records:
-        assert r["routed_slots"] == 2 * 16 * 2 * 2, r
+        assert r["routed_slots"] == 2 * 16 * 2 * 2 and r["aux_loss"] > 0 and r["router_z_loss"] > 0, r
         loads = [v for key, v in r.items() if key.startswith("expert_load/")]
         assert len(loads) == 2 and all(math.isfinite(v) and v >= 1 for v in loads), r
+    numbers = lambda folder: [{k: v for k, v in r.items() if k.startswith(NUMBERS)}  # noqa: E731
+                              for r in read_metrics(folder) if "loss" in r]
+    assert numbers(tmp_path) == numbers(eager_balanced)
+    grads, ref = load_grads(tmp_path), load_grads(eager_balanced)
+    assert grads.keys() == ref.keys() and all(torch.equal(grads[n], ref[n]) for n in ref)
+    bias = {k: v for k, v in read_tensors(str(tmp_path / "checkpoint" / "step-2")).items() if "expert_bias" in k}
+    ref_bias = read_tensors(str(eager_balanced / "checkpoint" / "step-2"))
+    assert len(bias) == 2 and all(b.abs().sum() > 0 and torch.equal(b, ref_bias[k]) for k, b in bias.items())

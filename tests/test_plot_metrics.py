@@ -185,3 +185,21 @@ def test_a_mixture_of_experts_gets_a_row_of_its_load_and_router_losses(tmp_path)
     dense = tmp_path / "dense.png"
     assert plot_metrics.main([str(tmp_path / "dense"), "--out", str(dense)]) == 0
     assert image.imread(dense).shape[:2] == (800, 1200)
+
+
+def test_multi_token_predictions_loss_is_drawn_dotted_in_the_loss_panel(tmp_path, monkeypatch):
+    """mtp_loss (DeepSeek-V3's MTP, logged apart from the loss) is read and drawn dotted in the loss panel, in the
+    run's colour; a run without it draws no such line."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    drawn, real = [], plt.Axes.plot
+    monkeypatch.setattr(plt.Axes, "plot", lambda ax, *a, **k: drawn.append((ax, k.get("linestyle"))) or real(ax, *a, **k))
+    records = [{**r, "mtp_loss": r["loss"] + 1.0} for r in falling(12)]
+    run = plot_metrics.load_run(write_metrics(tmp_path / "mtp" / "metrics.jsonl", records), "mtp")
+    assert run.series["mtp_loss"] == (list(range(1, 13)), [r["mtp_loss"] for r in records])
+    write_metrics(tmp_path / "plain" / "metrics.jsonl", falling(12))
+    for folder, dotted in (("mtp", 1), ("plain", 0)):
+        drawn.clear()
+        assert plot_metrics.main([str(tmp_path / folder), "--out", str(tmp_path / f"{folder}.png")]) == 0
+        assert [ax.get_title() for ax, style in drawn if style == ":"] == ["loss"] * dotted

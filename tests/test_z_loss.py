@@ -29,7 +29,7 @@ def plain(step: Step, micro_batches, tokens: int, scale: float):
 
 
 def test_the_z_loss_trains_palms_formula_and_logs_it_apart_from_the_loss():
-    """The step's loss is the cross-entropy alone (what every curve compares), its z_sum PaLM's term before the
+    """The step's loss is the cross-entropy alone (what every curve compares), its side sum PaLM's term before the
     weight, and every gradient that of loss + weight x z-loss, with fp16's loss scale on both (the term's gradient
     is the step's seed, as the MoE's auxiliary losses' is)."""
     micro_batches, tokens = [batch(2, 0), batch(2, 1)], 64
@@ -39,7 +39,7 @@ def test_the_z_loss_trains_palms_formula_and_logs_it_apart_from_the_loss():
         loss = step.train_step(micro_batches, tokens)
         ours = grads(step)
         ref_loss, ref_z, ref_grads = plain(step, micro_batches, tokens, scale)
-        assert abs(loss.item() - ref_loss) <= 1e-6 * ref_loss and abs(step.z_sum.item() - ref_z) <= 1e-6 * ref_z
+        assert abs(loss.item() - ref_loss) <= 1e-6 * ref_loss and abs(step.side_sums[0].item() - ref_z) <= 1e-6 * ref_z
         for got, want in zip(ours, ref_grads):
             torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-6)
         without = tiny_step()  # the same weights, no z-loss: the same loss, other gradients

@@ -9,6 +9,8 @@ graphs torch.compile has built by each step.
                                             each [role, its scale whole]: `load_scales`)
                                             OUT_DIR/routes.R.pt (mixture-of-experts runs: every token's experts in
                                             step 1, route_dump.py)
+                                            OUT_DIR/arrivals.R.json (expert-parallel runs: the slots each dispatch
+                                            brought rank R, by step)
 
 The gradients are read where train.py clips them, after every micro-batch's backward: a parameter that autograd
 never reached has no gradient there, or a zero one, and the test sees it. `recording(out)` does the same for a run
@@ -27,8 +29,10 @@ from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
 import train
-from route_dump import RouteRecorder
+from route_dump import RouteRecorder, load_routes
+from torchtitan_lite.runtime.run_history import read_metrics
 from torchtitan_lite.models.init import canonical_name
+from torchtitan_lite.parallel import expert_parallel
 
 GRAD_DUMP = Path(__file__)
 
@@ -36,7 +40,13 @@ GRAD_DUMP = Path(__file__)
 @contextlib.contextmanager
 def recording(out: Path):
     models, graphs, scales, routes = [], [], ScaleRecorder(out), RouteRecorder(out)
-    parallelize, clip = train.parallelize, train.clip_grad_norm_
+    parallelize, clip, sharder = train.parallelize, train.clip_grad_norm_, train.sharder
+    split, arrivals = expert_parallel.split_sizes, {}
+
+    def recording_split(counts, received, slots):  # what a compiled run's graphs must take without recompiling
+        send, recv = split(counts, received, slots)
+        arrivals.setdefault(len(graphs) + 1, []).append(sum(recv))
+        return send, recv
 
     def recording_parallelize(model, *args, **kwargs):
         models.append(model)
@@ -54,13 +64,22 @@ def recording(out: Path):
         graphs.append(counters["stats"]["unique_graphs"])
         return clip(params, *args, **kwargs)
 
-    train.parallelize, train.clip_grad_norm_ = recording_parallelize, recording_clip
+    def recording_sharder(*args, **kwargs):  # context parallelism's cut of the sequences, for the routes' positions
+        share = sharder(*args, **kwargs)
+        routes.ranges = share.keywords["ranges"] if share is not None else None
+        return share
+
+    train.parallelize, train.clip_grad_norm_, train.sharder = recording_parallelize, recording_clip, recording_sharder
+    expert_parallel.split_sizes = recording_split
     try:
         yield
     finally:
-        train.parallelize, train.clip_grad_norm_ = parallelize, clip
+        train.parallelize, train.clip_grad_norm_, train.sharder = parallelize, clip, sharder
+        expert_parallel.split_sizes = split
         scales.stop()
         routes.stop()
+        if arrivals:
+            (out / f"arrivals.{os.environ.get('RANK', '0')}.json").write_text(json.dumps(arrivals))
         if int(os.environ.get("RANK", "0")) == 0:
             (out / "graphs.json").write_text(json.dumps(graphs))
 
@@ -154,6 +173,32 @@ def assert_grads_match(grads: dict, ref: dict, tolerance: float) -> None:
     name = max(worst, key=worst.get)
     print(f"worst relative gradient difference: {worst[name]:.2e} ({name})")
     assert worst[name] <= tolerance, f"{name}: {worst[name]:.2e}"
+
+
+# What a step logs that is a function of the numbers alone (not of time or memory)
+NUMBERS = ("loss", "grad_norm", "aux_loss", "router_z_loss", "routed_slots", "expert_load/")
+
+
+def assert_same_bits(got: Path, ref: Path) -> None:
+    """Two runs of one layout that must compute the same numbers (compiled and eager, checkpointed and not): every
+    token's experts and margin at step 1, every parameter's gradient there, and every step's loss, grad norm, router
+    losses and load (which DeepSeek-V3's bias is a function of), bit for bit."""
+    routes, want = load_routes(got), load_routes(ref)
+    assert want and routes.keys() == want.keys()
+    for layer, sequences in want.items():
+        assert routes[layer].keys() == sequences.keys(), layer
+        for seq, (experts, margin) in sequences.items():
+            assert torch.equal(routes[layer][seq][0], experts) and torch.equal(routes[layer][seq][1], margin), seq
+    grads, ref_grads = load_grads(got), load_grads(ref)
+    assert grads.keys() == ref_grads.keys()
+    assert [n for n, g in grads.items() if g is None or not torch.equal(g, ref_grads[n])] == []
+
+    def numbers(folder: Path) -> list[dict]:
+        return [{k: v for k, v in m.items() if k.startswith(NUMBERS)} for m in read_metrics(folder) if "loss" in m]
+
+    assert numbers(got) == numbers(ref)
+    print(f"{got.name}: {len(want)} layers' routes, {len(grads)} gradients and {len(numbers(got))} steps' metrics "
+          f"the bits of {ref.name}'s")
 
 
 if __name__ == "__main__":

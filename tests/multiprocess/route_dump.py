@@ -8,7 +8,7 @@ its tokens' experts (seq, k), their margins (seq,), their positions in the seque
 its k-th expert's score is above the best one it did not choose. A sequence is named by its index in the data's one
 global order (data/loader.py: dp rank r takes a contiguous slice of the step's windows and cuts it into
 micro-batches), and where a sequence is split across ranks each records the positions of the tokens it routes
-(context parallelism's cut, the loader's; then sequence parallelism's, TP rank t holding the t-th contiguous part, the
+(context parallelism's cut, the loader's or the step's; then sequence parallelism's, TP rank t holding the t-th contiguous part, the
 tp dim being the mesh's innermost), so any layout's records line up with one process's. `load_routes` joins the
 ranks' files.
 """
@@ -26,6 +26,9 @@ class RouteRecorder:
     def __init__(self, out: Path):
         self.out, self.routes, self.sequences, self.local, self.names, self.patched = out, {}, [], 1, {}, []
         self.positions = None  # of the tokens of each sequence this rank's loader holds
+        # Context parallelism's cut of a sequence on this rank (grad_dump.recording: train.sharder's), made by the
+        # loader, or by the step where it needs whole windows first (block_causal, multi-token prediction).
+        self.ranges = None
 
     def start(self, models: list, first_step) -> None:
         self.names = {id(m.router): n for model in models for n, m in model.named_modules() if isinstance(m, moe.MoE)}
@@ -36,14 +39,16 @@ class RouteRecorder:
         def recording_forward(router, x):
             weights, experts, scores, logits = forward(router, x)
             # A training forward's call (not validation's, or a pipeline's metadata inference), not activation
-            # checkpointing's recompute of it in backward.
-            if first_step() and moe.MoE.counting and torch.is_grad_enabled() and \
-                    torch._C._current_autograd_node() is None:
+            # checkpointing's recompute of it in backward; not one traced into a compiled block's graph, which runs
+            # no Python (a router compiled whole records nothing; under expert parallelism it runs eager).
+            if not torch.compiler.is_compiling() and first_step() and moe.MoE.counting and \
+                    torch.is_grad_enabled() and torch._C._current_autograd_node() is None:
                 self._record(router, x, experts)
             return weights, experts, scores, logits
 
         def recording_moe_forward(layer, x):
-            self.local = x.shape[0] if x.dim() == 3 else 1  # the call's sequences: a pipeline cuts micro-batches
+            if not torch.compiler.is_compiling():  # a compiled checkpoint refuses the side effect (and records nothing)
+                self.local = x.shape[0] if x.dim() == 3 else 1  # the call's sequences: a pipeline cuts micro-batches
             return moe_forward(layer, x)
 
         def recording_next_batch(loader):
@@ -52,9 +57,8 @@ class RouteRecorder:
             first = loader.position + loader.dp_rank * (loader.global_batch // loader.dp_size)
             self.sequences = [first + i for i in range(loader.global_batch // loader.dp_size)]
             batches = next_batch(loader)
-            ranges = getattr(loader.shard, "keywords", {}).get("ranges")  # parallel/context_parallel.sharder
-            self.positions = (torch.arange(batches[0][0].shape[1]) if ranges is None else
-                              torch.cat([torch.arange(start, stop) for start, stop in ranges]))
+            self.positions = (torch.arange(batches[0][0].shape[1]) if self.ranges is None else
+                              torch.cat([torch.arange(start, stop) for start, stop in self.ranges]))
             return batches
 
         self.patched = [(moe.Router, "forward", forward), (moe.MoE, "forward", moe_forward),

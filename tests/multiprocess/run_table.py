@@ -177,23 +177,32 @@ MASKED_RUNS = {
 # 1 sequence, reduced after the last, FSDP prefetching a block ahead), both saving every 2 steps (resumed below);
 # HSDP 2 x 2 with EP 2 recomputing every block, offloaded to the host; CP 2 x FSDP 2 with EP 2 over the cp ranks
 # (head-tail chunks: each rank routes a quarter of each sequence's tokens), saving; TP 2 x FSDP 2 with EP 2 over the tp
-# ranks (sequence parallel: each routes half of each sequence), saving; TP 2 alone on 2 processes recomputing every
+# ranks (sequence parallel: each routes half of each sequence), saving, with op-level selective AC (its all-to-alls
+# and reduce-scatters kept, the mixture's own FSDP units inside the block); TP 2 alone on 2 processes recomputing every
 # block, accumulating 2 micro-batches (the mixture sharded over tp alone); PP 2 (1F1B, 2 micro-batches of 2, a block
 # a stage: the first stage's auxiliary loss trained without the loss) x FSDP 2 with EP 2, saving; EP 2 on 2
 # processes accumulating 2
-# micro-batches, recomputing every other block (op-level SAC is refused with EP). The single process accumulates 4.
+# micro-batches, recomputing every other block. The single process accumulates 4.
 # In bf16 (FSDP2's bf16 parameters against one process's autocast), EP 2 against one process, 2 steps (bf16 is this
-# CPU's slowest), curves only: bf16's roundings differ between the two and flip routing decisions. Every run balances
+# CPU's slowest), curves only: bf16's roundings differ between the two and flip routing decisions; it records its
+# gradients, routes and dispatches for its twins, which must give its bits: the same run with op-level selective AC
+# (test_moe_layouts.py) and, compiled, COMPILED_RUNS' (test_compile.py). Every run balances
 # its experts by DeepSeek-V3's bias (training/expert_load.py), which steers routing from step 2 on.
 MOE = (*MOE, "--moe.load_balance_coeff", "1e-3")
 EP2, EP4 = ("--parallelism.expert_parallel_degree", "2"), ("--parallelism.expert_parallel_degree", "4")
 EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
+OP_SAC = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
 BF16 = ("--training.mixed_precision_param", "bfloat16")
 # DeepSeek-V3's kind of mixture, trained with PaLM's z-loss on the logits (loss parallel's under TP) and ST-MoE's on the
-# routers, at weights large enough for their gradients to show in every parameter's (test_moe_layouts.py).
-E6 = ("--moe.num_experts", "6", "--moe.shared_experts", "1", "--moe.score_func", "sigmoid", "--training.z_loss", "1e-2",
-      "--moe.router_z_loss", "1e-2")
+# routers, at weights large enough for their gradients to show in every parameter's (test_moe_layouts.py), and with
+# Megatron's expert capacity at factor 1 (each expert at most 22 of a 64-token sequence's slots; some sequences
+# overflow at every step): its rows drop the same slots as one process on TP 2 x FSDP 2 x EP 2, where each tp rank
+# holds half of each sequence, and on PP 2 x CP 2 x EP 2 (the Muon leg), head-tail chunks.
+E6 = ("--moe.capacity_factor", "1", "--moe.num_experts", "6", "--moe.shared_experts", "1", "--moe.score_func",
+      "sigmoid", "--training.z_loss", "1e-2", "--moe.router_z_loss", "1e-2")
 MUON = ("--optimizer.name", "Muon")
+MXFP8 = ("--float8.moe_fqns", "experts", "--float8.emulate")
+MXFP8_HP = (*MXFP8, "--float8.moe_recipe_name", "mxfp8_wgrad_with_hp")
 # With --model.name deepseek_v3: its auxiliary loss, the z-losses (E6's) and Muon on.
 DEEPSEEK = ("--model.flavor", "debugmodel", "--moe.aux_loss_coeff", "1e-3", *E6[-4:], *MUON)
 EVERY_STEP = ("--checkpoint.enable", "--checkpoint.interval", "1")
@@ -207,7 +216,7 @@ MOE_RUNS = {
                            reference="moe_single"),
     "moe_ep2_cp2": Run(4, (*MOE, *CP2, *EP2, "--training.local_batch_size", "4", *CHECKPOINTED, *SHORT),
                        reference="moe_single"),
-    "moe_ep2_tp2": Run(4, (*MOE, *TP2, *EP2, "--training.local_batch_size", "4", *CHECKPOINTED, *SHORT),
+    "moe_ep2_tp2": Run(4, (*MOE, *TP2, *EP2, "--training.local_batch_size", "4", *OP_SAC, *CHECKPOINTED, *SHORT),
                        reference="moe_single"),
     "moe_tp2": Run(2, (*MOE, *TP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full",
                        *SHORT), reference="moe_single"),
@@ -234,24 +243,40 @@ MOE_RUNS = {
                                   reference="qwen3_moe_single", model="qwen3"),
     # DeepSeek-V3's debug model (MLA with a query latent, keys of 48 and values of 32; a dense block, then a mixture
     # of 8 experts in 4 groups, top 2 within the best 2, sigmoid, a shared expert, the selection bias, its
-    # sequence-wise auxiliary loss and the z-losses on), trained by Muon: on PP 2 x TP 2 with EP 2 over the tp ranks
-    # (MLA's latents replicated on both, its heads split; 1F1B, 2 micro-batches of 4) and on HSDP 2 x CP 2 with EP 2
-    # over the cp ranks (head-tail chunks of keys and values of unequal head sizes; Muon's matrices gathered over
-    # replicas and shards), against one process: with these the model meets every layout.
+    # sequence-wise auxiliary loss and the z-losses on; one multi-token prediction module, a mixture block too),
+    # trained by Muon: on PP 2 x TP 2 with EP 2 over the tp ranks (MLA's latents replicated on both, its heads split;
+    # 1F1B, 2 micro-batches of 4; the MTP module on the last stage with the embedding table the first shares) and on
+    # HSDP 2 x CP 2 with EP 2 over the cp ranks (head-tail chunks of keys and values of unequal head sizes; MTP's
+    # targets shifted before the cut; Muon's matrices gathered over replicas and shards), against one process: with
+    # these the model meets every layout.
     "deepseek_single": Run(1, (*DEEPSEEK, *SHORT), reference=None, model="deepseek_v3"),
     "deepseek_pp2_tp2_ep2": Run(4, (*DEEPSEEK, *PP2, *TP2, *EP2, "--training.local_batch_size", "8", *SHORT),
                                 reference="deepseek_single", model="deepseek_v3"),
     "deepseek_hsdp2_cp2_ep2": Run(4, (*DEEPSEEK, *HSDP, *CP2, *EP2, "--training.local_batch_size", "4", *SHORT),
                                   reference="deepseek_single", model="deepseek_v3"),
+    # The routed experts in MXFP8 (quantization/mxfp8_experts.py, emulated), each against one process of its recipe
+    # training the global batch as one micro-batch of 8: EP 2 over FSDP 2 (a micro-batch of 4 a rank, every block
+    # recomputed), whose experts compute both ranks' slots together in one process's order, so every scale is one
+    # process's, the weight gradients' blocks of 32 slots too; mxfp8_wgrad_with_hp on TP 2 with EP 2 over the tp ranks
+    # (each routes half of every sequence: refused with mxfp8's weight gradients), whose scales are per slot or weight.
+    "moe_mxfp8_single": Run(1, (*MOE, *MXFP8, "--training.local_batch_size", "8", *SHORT), reference=None),
+    "moe_mxfp8_ep2": Run(2, (*MOE, *MXFP8, *EP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode",
+                             "full", *SHORT), reference="moe_mxfp8_single"),
+    "moe_mxfp8_hp_single": Run(1, (*MOE, *MXFP8_HP, "--training.local_batch_size", "8", *SHORT), reference=None),
+    "moe_mxfp8_hp_ep2_tp2": Run(2, (*MOE, *MXFP8_HP, *TP2, *EP2, "--training.local_batch_size", "8", *SHORT),
+                                reference="moe_mxfp8_hp_single"),
     "moe_single_bf16": Run(1, (*MOE, *BF16, "--training.steps", "2"), reference=None, record=False),
-    "moe_ep2_bf16": Run(2, (*MOE, *EP2, *BF16, "--training.steps", "2"), reference="moe_single_bf16", record=False),
+    "moe_ep2_bf16": Run(2, (*MOE, *EP2, *BF16, "--training.steps", "2"), reference="moe_single_bf16"),
+    "moe_ep2_bf16_op_sac": Run(2, (*MOE, *EP2, *BF16, *OP_SAC, "--training.steps", "2"), reference="moe_single_bf16"),
 }
 # test_compile.py's layouts, each block compiled, in the job of the shared runs of their size: TP 2 by inductor, every
 # block recomputed, 4 steps validating every 2 (step 4 repeats step 2's work, which must build no graph), on 2
 # processes: each rank compiles and builds its C++ kernels itself, cold on CI, and dynamo never traces FSDP's hooks
 # (torch marks them disabled to it), so FSDP 2 beside it would show nothing more for two more ranks' compiles; FSDP 4
 # with every other block recomputed and HSDP 2 x 2 with op-level selective AC and bf16, by aot_eager, one step each
-# (their gradients are the point, against the single-process eager run's).
+# (their gradients are the point, against the single-process eager run's); and EP 2 in bf16 with op-level selective
+# AC, by aot_eager in pieces around the dispatch (parallel/compile.py), 2 steps, against its eager twin without AC
+# (MOE_RUNS' moe_ep2_bf16, whose bits it must give).
 AOT, ONE_STEP = ("--compile.enable", "--compile.backend", "aot_eager"), ("--training.steps", "1")
 COMPILED_RUNS = {
     "tp2_inductor": Run(2, (*TP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full",
@@ -262,6 +287,8 @@ COMPILED_RUNS = {
     "hsdp_op_sac_bf16_compiled": Run(4, (*HSDP, "--activation_checkpoint.mode", "selective",
                                          "--activation_checkpoint.selective_ac_option", "op",
                                          "--training.mixed_precision_param", "bfloat16", *AOT, *ONE_STEP)),
+    "moe_ep2_bf16_compiled": Run(2, (*MOE, *EP2, *BF16, *OP_SAC, *AOT, "--training.steps", "2"),
+                                 reference="moe_single_bf16"),
 }
 # Float8 (test_float8.py): each layout against the single-process float8 run of its recipe, every micro-batch 2
 # sequences as there (a tensorwise scale is the max of a whole micro-batch's activations), recording every parameter's

@@ -17,7 +17,8 @@ tools/comm_count.py records every collective of step 2 of a real train.py run, f
 - Expert parallelism (tiny_moe, its experts over EP 2 x FSDP 2 of the 4 ranks' dp_shard), per MoE layer: the
   counts' all-to-all over ep, the tokens' there and back in forward, the same two in backward; the experts' own FSDP
   group over efsdp (an all-gather in forward, one in backward, a reduce-scatter); after the update, the load's
-  all-reduce (training/expert_load.py).
+  all-reduce (training/expert_load.py). With op-level selective checkpointing the same (its recompute runs no
+  all-to-all: their outputs are kept), with full checkpointing 3 all-to-alls a layer more.
 - The step itself: the global gradient norm's all-reduce, and the preemption agreement's.
 Any other collective, or one more of these, fails. Bytes count the full buffer (all-gather output, reduce-scatter
 and all-reduce input): FSDP moves ~3x the parameter bytes per step (ZeRO-3: gather, gather again, reduce).
@@ -31,7 +32,7 @@ import pytest
 import torch
 
 import probes
-from launch import FLOAT8, TINY, tiny_model
+from launch import FLOAT8, TINY, curve, tiny_model
 from torchtitan_lite.models.llama3.model import FLAVORS, Transformer
 from torchtitan_lite.quantization.float8 import converted_names
 
@@ -42,6 +43,7 @@ BATCH = 2  # sequences per micro-batch (tiny.toml's local_batch_size)
 L = ARGS.n_layers
 G = L + 1
 WORLD = (0, 1, 2, 3)
+OP_SAC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 # name -> (overrides, {ranks of rank 0's group: dimension name})
 LAYOUTS = {
     "FSDP 4": ([], {WORLD: "world"}),
@@ -59,6 +61,11 @@ LAYOUTS = {
                                    "--float8.precompute_float8_dynamic_scale_for_fsdp"], {WORLD: "world"}),
     "MoE, EP 2 x FSDP 2": (["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2"],
                            {WORLD: "world", (0, 1): "ep", (0, 2): "efsdp"}),
+    "MoE, EP 2 x FSDP 2, op-level AC": (["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2",
+                                         *OP_SAC], {WORLD: "world", (0, 1): "ep", (0, 2): "efsdp"}),
+    "MoE, EP 2 x FSDP 2, full AC": (["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2",
+                                     "--activation_checkpoint.mode", "full"],
+                                    {WORLD: "world", (0, 1): "ep", (0, 2): "efsdp"}),
 }
 STEP = Counter({("all_reduce", "world"): 2})  # the grad norm, the preemption agreement
 
@@ -90,6 +97,11 @@ EXPECTED = {
         ("all_gather", "efsdp"): 2 * L, ("reduce_scatter", "efsdp"): L, ("all_to_all", "ep"): 5 * L,
         ("all_reduce", "world"): 1}),
 }
+# Op-level checkpointing keeps the all-to-alls' outputs: its recompute runs none (parallel/selective_ac.py). Full
+# checkpointing runs the forward's three again in backward (the counts, the slots out and back). Either way a block's
+# experts are gathered twice: the recompute's gather is the one backward would make.
+EXPECTED["MoE, EP 2 x FSDP 2, op-level AC"] = EXPECTED["MoE, EP 2 x FSDP 2"]
+EXPECTED["MoE, EP 2 x FSDP 2, full AC"] = EXPECTED["MoE, EP 2 x FSDP 2"] + Counter({("all_to_all", "ep"): 3 * L})
 
 
 # Every layout's run in turn, 3 steps each, in probes.py's job (its step 2 recorded: comm_count.main).
@@ -190,3 +202,13 @@ def test_expert_parallelism_sends_each_tokens_k_slots_and_the_counts(calls):
     for n in (slots,) * (2 * L):
         received.remove(n)
     assert len(received) == 2 * L and all(0 <= n <= 2 * slots for n in received)
+
+
+def test_op_level_checkpointing_under_expert_parallelism_recomputes_the_same_numbers(calls, probed):
+    """Beside its count of all-to-alls (the run's without checkpointing, above), the recompute gives the forward's
+    numbers: the three runs' curves (fp32, 3 steps, logged at the first and the last) bit for bit; in bf16 every
+    gradient too (test_moe_layouts.py)."""
+    plain = curve(probed / "collectives" / "MoE, EP 2 x FSDP 2")
+    assert sorted(plain) == [1, 3]
+    for checkpointed in ("MoE, EP 2 x FSDP 2, op-level AC", "MoE, EP 2 x FSDP 2, full AC"):
+        assert curve(probed / "collectives" / checkpointed) == plain, checkpointed

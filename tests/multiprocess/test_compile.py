@@ -7,14 +7,17 @@ compared parameter by parameter with the single-process eager run's. The layouts
   single-process eager run's, and graphs that stop growing;
 - TP 2 alone, validating and saving every 2 steps, and resumed bitwise from its step 2 by a new job; FSDP 4 with
   every other block recomputed; HSDP 2 x 2 with selective op AC and FSDP's bf16 mixed precision: traced by
-  aot_eager, which runs AOTAutograd (where both TP bugs lived) without generating code.
+  aot_eager, which runs AOTAutograd (where both TP bugs lived) without generating code;
+- a mixture of experts on EP 2 in bf16 with selective op AC, compiled in pieces around the dispatch
+  (parallel/compile.py) by aot_eager, whose graphs run eager's ops: against the same layout eager without AC, bit for
+  bit (routes first), and compiling nothing after step 1 while every dispatch brings other slot counts.
 """
 
 import json
 
 import pytest
 
-from grad_dump import assert_grads_match, load_grads
+from grad_dump import assert_grads_match, assert_same_bits, load_grads
 from launch import STEPS, assert_same_curve, curve, losses
 
 pytestmark = pytest.mark.reads("shared_2p", "resumed_2p")  # tp2_compiled, its resumed run, the inductor run
@@ -83,3 +86,23 @@ def test_compiled_run_resumes_on_its_exact_curve(aot_tp2_run, runs):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_compiled_layout_trains_every_weight_as_eager(layout, eager_grads, runs):
     assert_grads_match(load_grads(runs[layout]), eager_grads(layout), LAYOUTS[layout])
+
+
+def test_compiled_expert_parallelism_gives_eager_expert_parallelisms_bits(runs):
+    """EP 2's dispatch (the split sizes read on the host, the all-to-alls) and the router, the sort and the losses
+    around it eager, the rest compiled: every route, gradient, loss, router loss and load the eager run's."""
+    assert_same_bits(runs["moe_ep2_bf16_compiled"], runs["moe_ep2_bf16"])
+
+
+def test_compiled_expert_parallelism_compiles_nothing_after_step_1_though_the_split_sizes_change(runs):
+    """Step 1 builds 3 graphs, each shared by the 2 blocks: the norms, attention, and the experts' grouped GEMM with
+    its slots' count dynamic (op-level AC's recompute reruns them, building nothing). The experts' graph takes a rank
+    other slot counts at every layer and micro-batch (grad_dump's record of each dispatch, recomputes too), step 2
+    counts step 1 never saw, and step 2 compiles nothing: no graph for a count."""
+    folder = runs["moe_ep2_bf16_compiled"]
+    assert json.loads((folder / "graphs.json").read_text()) == [3, 3]
+    for rank in sorted(folder.glob("arrivals.*.json")):
+        arrivals = json.loads(rank.read_text())
+        print(f"{rank.name}: slots arrived by step {arrivals}")
+        assert sorted(arrivals) == ["1", "2"] and set(arrivals["2"]) - set(arrivals["1"]), arrivals
+        assert len(set(arrivals["1"])) == 4  # 2 layers x 2 micro-batches, each recomputed once

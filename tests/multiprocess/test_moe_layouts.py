@@ -1,7 +1,8 @@
 """A mixture of experts (models/common/moe.py: the tests' model with every block a mixture of 8 experts, top 2, and
 Qwen3-MoE's kind, 16 experts, top 4) on every kind of layout (data, context, tensor and pipeline parallel), with
 expert parallelism and without, gives its single-process run: first every token's routing decision at step 1, then
-the curve within 1e-5, the grad norm within 1e-5 relative, and every parameter's gradient (router, experts) at step 1.
+the curve within 1e-5, the grad norm within 1e-5 relative, and every parameter's gradient (router, experts) at step 1;
+with the routed experts in MXFP8 too (the moe_mxfp8 rows: every scale one process's, quantization/mxfp8_experts.py).
 
 Routing is discontinuous: where a layout's router scores differ from one process's by a rounding, a token whose k-th
 and (k+1)-th scores are closer than that goes to another expert, and the numbers after it differ by more than any
@@ -11,7 +12,7 @@ margin) or a wrong number. The runs are run_table.py's MOE_RUNS."""
 import pytest
 import torch
 
-from grad_dump import assert_grads_match, load_grads
+from grad_dump import assert_grads_match, assert_same_bits, load_grads
 from launch import COMMON, TINY, assert_same_curve, ckpt, losses, metric
 from route_dump import load_routes
 from run_table import MOE_RUNS
@@ -23,7 +24,9 @@ from torchtitan_lite.models import registry
 # moe_ep2, moe_tp2 and the resumed runs; the 4-process runs are in the job that starts with the session
 pytestmark = pytest.mark.reads("shared_2p", "resumed_2p", "resumed_4p")
 TOLERANCE = 1e-5
-LAYOUTS = [name for name, run in MOE_RUNS.items() if run.reference is not None and run.record]
+# fp32's: bf16 rounds otherwise than one process's autocast; its layouts are compared with their bf16 twins instead
+LAYOUTS = [name for name, run in MOE_RUNS.items() if run.reference is not None and run.record
+           and run.config.training.mixed_precision_param == "float32"]
 BF16_TOLERANCE = 4e-3  # test_pairs.py's for bf16
 
 
@@ -84,10 +87,12 @@ def test_every_layout_balances_the_experts_by_the_same_bias_bit_for_bit(runs):
 @pytest.mark.parametrize("layout", ["moe_single", *LAYOUTS])
 def test_every_routed_slot_is_counted_once_on_every_layout(runs, layout):
     """The load logged at each step counts each token's k slots in each MoE layer once: recomputed blocks (full AC on
-    HSDP 2 x 2, every other block on EP 2) count nothing twice."""
+    HSDP 2 x 2, every other block on EP 2) count nothing twice; a multi-token prediction module's mixture is a layer
+    too (DeepSeek-V3's, numbered after the blocks)."""
     cfg = load_config(["--job.config_file", str(TINY), *COMMON, *MOE_RUNS[layout].argv])
     args = registry.get(cfg.model.name).flavors[cfg.model.flavor]
-    moe_layers = sum(args.moe.is_moe(i) for i in range(args.n_layers))
+    depth = cfg.model.mtp_depth if cfg.model.mtp_depth is not None else getattr(args, "mtp_depth", 0)
+    moe_layers = sum(args.moe.is_moe(i) for i in range(args.n_layers + depth))
     top_k = cfg.moe.top_k or args.moe.top_k  # the config's [moe] over the flavor's
     slots = cfg.training.global_batch_size * cfg.training.seq_len * top_k * moe_layers
     assert metric(runs[layout], "routed_slots") == {step: slots for step in (1, 2, 3, 4)}
@@ -108,6 +113,24 @@ def test_the_auxiliary_loss_is_the_single_processs_on_every_layout(runs, layout)
     assert worst <= 1e-6
 
 
+CAPACITY_LAYOUTS = [name for name in LAYOUTS if MOE_RUNS[name].config.moe.capacity_factor]
+
+
+@pytest.mark.parametrize("layout", CAPACITY_LAYOUTS)
+def test_an_expert_capacity_drops_the_single_processs_slots_on_every_layout(runs, layout):
+    """Megatron's capacity at factor 1 (run_table's E6: each expert at most 22 of a 64-token sequence's slots) drops
+    slots at every step, and the same fraction on the layout as on one process, exactly: the capacity is each
+    sequence's, and a tp rank holding half of a sequence counts the other half's earlier slots (with one rank's own
+    counts alone, 0.1016 of the slots dropped at step 1 instead of 0.0718, measured under CP 2). Its routes and
+    gradients are among those compared above; under CP and PP it is test_muon.py's resumed leg."""
+    assert any(MOE_RUNS[name].dims.tp > 1 and MOE_RUNS[name].dims.ep > 1 for name in CAPACITY_LAYOUTS)
+    got, ref = metric(runs[layout], "dropped"), metric(runs[MOE_RUNS[layout].reference], "dropped")
+    assert got.keys() == ref.keys() == {1, 2, 3, 4} and all(ref[s] > 0 for s in ref), ref
+    print(f"{layout}: {ref[1]:.4f} of the slots dropped at step 1, as on one process at every step")
+    assert got == ref
+    assert metric(runs["moe_single"], "dropped") == {}  # dropless: not logged
+
+
 Z_LAYOUTS = [name for name in LAYOUTS if MOE_RUNS[name].config.training.z_loss > 0]
 
 
@@ -126,11 +149,53 @@ def test_the_z_losses_are_the_single_processs_on_every_layout(runs, layout):
         assert worst <= 1e-6, name
 
 
+MTP_LAYOUTS = [name for name in LAYOUTS if MOE_RUNS[name].model == "deepseek_v3"]
+
+
+@pytest.mark.parametrize("layout", MTP_LAYOUTS)
+def test_multi_token_prediction_is_the_single_processs_on_every_layout(runs, layout):
+    """DeepSeek-V3's debug model trains one MTP module (a mixture block: its routes are among those compared first,
+    its gradients among those above, the embedding's and output's with its share), its targets shifted on whole
+    windows before context parallelism cuts them, the module on the last pipeline stage with the embedding table
+    the first stage shares. Its loss, logged apart, is one process's within 1e-6 at every step; the formula is
+    tests/test_mtp.py's."""
+    assert {MOE_RUNS[name].dims.cp > 1 for name in MTP_LAYOUTS} == {MOE_RUNS[name].dims.pp > 1
+                                                                     for name in MTP_LAYOUTS} == {True, False}
+    ref = runs[MOE_RUNS[layout].reference]
+    assert "mtp.0.moe" in load_routes(ref) and any(n.startswith("mtp.0.") for n in load_grads(ref))
+    got, want = metric(runs[layout], "mtp_loss"), metric(ref, "mtp_loss")
+    assert got.keys() == want.keys() == {1, 2, 3, 4}
+    worst = max(abs(got[s] - want[s]) / want[s] for s in want)
+    print(f"{layout}: mtp_loss {got[1]:.6f} at step 1, within {worst:.1e} of one process's")
+    assert worst <= 1e-6
+
+
+@pytest.mark.parametrize("run", ["moe_mxfp8_single", "moe_mxfp8_hp_single"])
+def test_mxfp8_experts_stay_near_fp32_and_are_not_it(runs, run):
+    """The routed experts in MXFP8 (emulated) against the fp32 mixture, 4 steps of the same batches ("moe_single"
+    accumulates them in 4 micro-batches, which fp32's layouts show changes them by 1e-5 at most): measured, the
+    largest relative gap 6.1e-4 for mxfp8 and 6.3e-4 for mxfp8_wgrad_with_hp, step 1 within 2.7e-6. MXFP8's e4m3
+    rounds each element by up to 2**-4, but a matmul sums hundreds, and a layer's output was 23.7 dB from fp32
+    (tests/test_mxfp8_experts.py). Experts that silently stayed in fp32 would give a gap of 1e-5 at most."""
+    got, fp32 = metric(runs[run], "loss"), metric(runs["moe_single"], "loss")
+    gaps = {step: abs(loss - fp32[step]) / fp32[step] for step, loss in got.items()}
+    print(f"{run}: relative gap to fp32 {max(gaps.values()):.2e} at most, step 1 {gaps[1]:.2e}")
+    assert sorted(gaps) == [1, 2, 3, 4] and 5e-5 < max(gaps.values()) <= 5e-3
+
+
 def test_expert_parallelism_in_bf16_follows_one_process_in_bf16(runs):
     """FSDP2's bf16 parameters and all-to-alls of bf16 slots against one process under autocast, within the bf16
     tolerance of the dense model's pairs (test_pairs.py); no route or gradient compared, bf16's roundings differ."""
     assert sorted(losses(runs["moe_ep2_bf16"])) == [1, 2]  # step 2: the first after an update
     assert_same_curve(runs["moe_ep2_bf16"], runs["moe_single_bf16"], BF16_TOLERANCE)
+
+
+def test_op_level_checkpointing_under_expert_parallelism_gives_the_run_without_it_bit_for_bit(runs):
+    """EP 2 in bf16 keeping each block's matmuls and all-to-alls and recomputing the rest in backward, the experts'
+    own FSDP units inside the block (their hooks outside the recompute's count: parallel/selective_ac.py), against
+    the same run without checkpointing: routes, gradients, every step's losses and load the same bits. That the
+    recompute runs no all-to-all is test_collectives.py's count."""
+    assert_same_bits(runs["moe_ep2_bf16_op_sac"], runs["moe_ep2_bf16"])
 
 
 @pytest.mark.parametrize("saved, resumed", [("moe_fsdp4", "moe_fsdp4_on_ep2"), ("moe_ep2_tp2", "moe_ep2_tp2_on_ep4"),

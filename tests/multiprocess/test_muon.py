@@ -3,9 +3,10 @@ either dim, FSDP the rest and the routed experts on dim 1, and EP the experts, e
 so the curve and grad norm are one process's within 1e-5, and every matrix and its momentum buffer after steps 1, 2
 and 4 within 1e-6 of its largest value (run_table.py's moe_e6_muon runs; their routes, gradients at step 1, auxiliary
 losses and z-losses are test_moe_layouts.py's). Its state saved there resumes on PP 2 x CP 2 x EP 2, offloaded to the
-host, to the same curve and weights; HSDP's replicas train by Muon in the DeepSeek-V3 rows (test_moe_layouts.py). A
-Newton-Schulz step on a shard is another update: the check fails by 1e-1 then (9.7e-2 at step 2, measured by hand; a
-transposed result all-reduced as it lay in memory, found this way, by 1e-2)."""
+host, to the same curve, weights and slots dropped over the experts' capacity; HSDP's replicas train by Muon in the
+DeepSeek-V3 rows (test_moe_layouts.py). A Newton-Schulz step on a shard is another update: the check fails by 1e-1
+then (9.7e-2 at step 2, measured by hand; a transposed result all-reduced as it lay in memory, found this way, by
+1e-2)."""
 
 import pytest
 import torch
@@ -47,6 +48,9 @@ def test_muons_state_resumes_on_pp_and_cp_on_one_processs_curve_and_weights(runs
     for name in ("z_loss", "router_z_loss"):
         got, ref = metric(runs[leg], name), metric(runs[SINGLE], name)
         assert all(abs(got[s] - ref[s]) <= 1e-6 * ref[s] for s in (3, 4)), (name, got, ref)
+    # The expert capacity (run_table's E6) drops one process's slots from head-tail chunks of each sequence
+    got, ref = metric(runs[leg], "dropped"), metric(runs[SINGLE], "dropped")
+    assert ref[3] > 0 and ref[4] > 0 and got[3] == ref[3] and got[4] == ref[4], (got, ref)
     worst = worst_differences(runs[leg], runs[SINGLE], 4)
     print(f"{leg}: Muon's weights and momentum at step 4 within {worst['muon']:.1e} of one process's, AdamW's "
           f"within {worst['adamw']:.1e}, relative")

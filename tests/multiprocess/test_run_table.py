@@ -42,13 +42,14 @@ def test_a_runs_model_reaches_its_command_line():
 
 
 def test_every_reference_is_one_process_training_what_its_runs_train():
-    """The same model (architecture, flavor, masking), sequence length, data, float8 recipe and optimizer: the layout
-    and its options are what a run changes against its reference (a precision too, where its test's tolerance says
-    so)."""
+    """The same model (architecture, flavor, masking), sequence length, data, float8 recipe, experts' MXFP8 recipe
+    and optimizer: the layout and its options are what a run changes against its reference (a precision too, where
+    its test's tolerance says so)."""
     def trains(run: Run) -> tuple:
         cfg, t = run.config, run.config.training
         float8 = cfg.float8.enable_float8_linear and cfg.float8.recipe_name
-        return cfg.model, t.seq_len, t.dataset, t.dataset_path, float8, cfg.optimizer.name, cfg.muon
+        experts = cfg.float8.moe_fqns and (cfg.float8.moe_fqns, cfg.float8.moe_recipe_name)
+        return cfg.model, t.seq_len, t.dataset, t.dataset_path, float8, experts, cfg.optimizer.name, cfg.muon
 
     for name, run in ALL_RUNS.items():
         if run.reference is None:

@@ -10,7 +10,9 @@ communication, for Shard and FSDP's _StridedShard alike. No process ever holds m
 waits on another until all have read. What is loaded is the parameters, and the persistent buffers the folder holds
 (DeepSeek-V3's selection bias, by which its model routes); others (a selection bias of a folder without one) start
 as a fresh run starts them. A parameter under two names (tied embeddings) is filled once; a folder of such a
-model has no lm_head.weight, and a stage that holds only the output projection reads the embedding for it.
+model has no lm_head.weight, and a stage that holds only the output projection reads the embedding for it. A tensor
+the folder holds twice and ours once (the copies in DeepSeek-V3's MTP layers: HFAdapter.copies) is read under its
+first name alone. The adapter is bound to the run's args, since some names depend on them (HFAdapter.bound).
 
 Before any process talks, `check_hf` refuses what cannot work in one line (training/preflight.py): no folder, a model
 without an adapter, a config.json of another shape than model.name/flavor (the vocabulary must hold the tokenizer's;
@@ -46,12 +48,13 @@ _RUN_KEYS = {"vocab_size", "max_position_embeddings", "bos_token_id", "eos_token
              "router_aux_loss_coef", "output_router_logits"}
 
 
-def adapter(model: str) -> tuple[ModelSpec, HFAdapter]:
-    """The spec registered as `model` and its Hugging Face adapter, or ConversionError when it has none."""
+def adapter(model: str, args: Args | None = None) -> tuple[ModelSpec, HFAdapter]:
+    """The spec registered as `model` and its Hugging Face adapter, bound to a model of `args` where given (its names
+    may depend on them: HFAdapter.bound), or ConversionError when it has none."""
     spec = registry.get(model)
     if spec.hf is None:
         raise ConversionError(f"model {model} has no Hugging Face adapter (its spec's hf)")
-    return spec, spec.hf
+    return spec, spec.hf if args is None else spec.hf.bound(args)
 
 
 def loaded_shapes(spec: ModelSpec, args: Args, hf: HFAdapter, weights: dict) -> dict[str, tuple[int, ...]]:
@@ -119,6 +122,8 @@ def sources(hf_dir: Path, hf: HFAdapter, config: dict, wanted: dict[str, tuple],
     read the output projection from the embedding."""
     source: dict[str, str] = {}
     for name in weights:
+        if name in hf.copies:  # a tensor ours holds once, read under its own name (models/deepseek_v3/hf.py: why)
+            continue
         ours = hf.our_name(name)
         if ours is None and not name.endswith("rotary_emb.inv_freq"):  # old folders saved RoPE's buffer: derived
             raise ConversionError(f"{hf_dir} holds {name}, which our {model} model has no place for")
@@ -170,7 +175,7 @@ def check_hf(cfg: JobConfig, args: Args) -> None:
 
 def check_folder(hf_dir: Path, cfg: JobConfig, args: Args) -> None:
     """The folder's config.json builds the run's model, and the folder holds every parameter of it."""
-    spec, hf = adapter(cfg.model.name)
+    spec, hf = adapter(cfg.model.name, args)
     config = read_config(hf_dir)
     theirs = hf.args_from_config(config)
     if theirs.vocab_size != args.vocab_size:
@@ -183,6 +188,9 @@ def check_folder(hf_dir: Path, cfg: JobConfig, args: Args) -> None:
     run = f"model.name {cfg.model.name}, model.flavor {cfg.model.flavor}"
     flavor = hf.flavor_of(theirs)
     hint = f": set model.flavor {flavor}" if flavor and flavor != cfg.model.flavor else ""
+    # a depth no flavor has (a folder saved without its MTP modules) is a setting, not a flavor
+    if not hint and getattr(theirs, "mtp_depth", 0) != getattr(args, "mtp_depth", 0):
+        hint = f": set model.mtp_depth {theirs.mtp_depth}"
     ours_shapes, their_shapes = (expected_shapes(spec, a, parameters=True) for a in (args, theirs))
     for name in {**ours_shapes, **their_shapes}:
         if ours_shapes.get(name) != their_shapes.get(name):
@@ -230,8 +238,8 @@ def load_hf(model: nn.Module, hf_dir: str, model_name: str) -> None:
 
 def _fill(model: nn.Module, hf_dir: Path, model_name: str) -> tuple[list[str], list[str]]:
     """(the parameters this rank filled, every parameter of the model), each tensor read once."""
-    spec, hf = adapter(model_name)
     args = model.args  # the whole model's, on every pipeline stage
+    spec, hf = adapter(model_name, args)
     config, weights = read_config(hf_dir), safetensors_index(hf_dir)
     expected = loaded_shapes(spec, args, hf, weights)
     wanted = pieces(hf, expected)

@@ -41,6 +41,9 @@ class Model:
     tokenizer_path: str = opt("", '"" = byte-level tokenizer needing no file; else a tiktoken BPE file', path=ONE)
     attn_mask_type: str = opt("causal", "block_causal = attention and positions stop at document boundaries (BOS) "
                               "inside a packed window", choices=("causal", "block_causal"))
+    mtp_depth: Optional[int] = opt(None, "DeepSeek-V3's multi-token prediction: modules predicting 2..D+1 tokens "
+                                   "ahead, trained with training.mtp_weight; 0 = off; none = the flavor's",
+                                   rule=at_least(0))
 
 
 @dataclass
@@ -74,6 +77,10 @@ class Moe:
     router_z_loss: Optional[float] = opt(None, "ST-MoE's router z-loss weight (1e-3): the mean over tokens and MoE "
                                          "layers of the gate logits' log-sum-exp squared; 0 = off; none = the "
                                          "flavor's", rule=finite_at_least(0))
+    capacity_factor: Optional[float] = opt(None, "Megatron's expert capacity factor: an expert takes at most "
+                                           "ceil(this x seq_len x top_k / num_experts) slots of each sequence, the "
+                                           "later positions' dropped and logged (dropped); 0 = dropless; none = the "
+                                           "flavor's", rule=finite_at_least(0, "0 = dropless"))
 
 
 @dataclass
@@ -136,6 +143,9 @@ class Training:
     z_loss: float = opt(0.0, "PaLM's z-loss weight (1e-4): the mean over tokens of the output logits' log-sum-exp "
                         "squared, added to the loss trained and logged apart as z_loss; 0 = off",
                         rule=finite_at_least(0, "0 = off"))
+    mtp_weight: float = opt(0.1, "the multi-token prediction loss's weight (model.mtp_depth; DeepSeek-V3: 0.3, "
+                            "then 0.1): the mean of its depths' losses, logged apart as mtp_loss",
+                            rule=finite_at_least(0))
     gc_freq: int = opt(50, "Python GC every N steps, so ranks pause together; 0 leaves automatic GC on",
                        rule=at_least(0, "0 leaves automatic GC on"))
 
@@ -226,7 +236,7 @@ class Compile:
 
 @dataclass
 class Float8:
-    """float8 matmuls through torchao (docs/float8.md)"""
+    """float8 matmuls through torchao (docs/float8.md), and MXFP8 for a mixture's routed experts (docs/moe.md)"""
     enable_float8_linear: bool = opt(False, "the blocks' linears multiply in float8 (torchao: pip install torchao)")
     recipe_name: str = opt("tensorwise", "scaling: tensorwise (one scale a tensor: fastest, float8 all-gathers), "
                            "rowwise (a scale a row), rowwise_with_gw_hp (weight gradients in high precision)",
@@ -237,8 +247,14 @@ class Float8:
                                                          "in one all-reduce after the optimizer step")
     filter_fqns: list[str] = opt([], "linears kept in high precision: those whose name contains an entry (each must "
                                  "match one); the output layer never converts")
-    emulate: bool = opt(False, "float8 matmuls emulated in high precision, for the CPU and GPUs below SM89: the "
-                        "numerics without the speed")
+    emulate: bool = opt(False, "float8 (and MXFP8) matmuls emulated in high precision, for the CPU and GPUs below "
+                        "SM89 (MXFP8: other than SM100): the numerics without the speed")
+    moe_fqns: list[str] = opt([], "routed experts whose grouped matmuls run in MXFP8 (torchao's moe_training, "
+                              "torchtitan's quantize.grouped_mm.mx.fqns): those whose name contains an entry, e.g. "
+                              "experts (each must match some); [] = off")
+    moe_recipe_name: str = opt("mxfp8", "the experts' MXFP8: mxfp8 (every matmul, forward and backward) or "
+                               "mxfp8_wgrad_with_hp (weight gradients in high precision; also under TP and CP)",
+                               choices=("mxfp8", "mxfp8_wgrad_with_hp"))
 
 
 @dataclass

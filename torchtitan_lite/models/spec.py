@@ -9,7 +9,8 @@ Besides the spec's functions, the layers rely on a few things of the model itsel
 - `model_class(args)` builds the whole model (train.py builds it on meta); its `args` attribute is those args, which
   hold at least `Args`' fields.
 - `layers`: a ModuleDict of its blocks keyed "0".."n-1", the units that activation checkpointing, compile, FSDP and
-  pipeline stages work on; `init_weights(seed, buffer_device)` initializes every parameter identically on any mesh
+  pipeline stages work on; a model with blocks outside it (the decoder's multi-token prediction modules) says so by
+  `blocks()` (`blocks` below); `init_weights(seed, buffer_device)` initializes every parameter identically on any mesh
   (models/init.py) and recomputes the buffers.
 - A pipeline stage is the whole model with the blocks it does not own dropped, and the modules registered before
   `layers` set to None on every stage but the first, those after it on every stage but the last (the last keeps one
@@ -31,6 +32,11 @@ import torch
 from torch import nn
 
 from torchtitan_lite.config import ConfigError, did_you_mean
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """Every block `model` holds, the units parallelism wraps: its `blocks()` where it has one, else its layers."""
+    return model.blocks() if hasattr(model, "blocks") else list(model.layers.values())
 
 
 class Args(Protocol):
@@ -75,6 +81,18 @@ class HFAdapter:
     # args -> tensors their model holds where ours has none, by their name, which an export writes as given
     # (DeepSeek-V3's selection bias of zeros, for a model trained without one)
     absent: Callable[[Any], dict[str, torch.Tensor]] = lambda args: {}
+    # (this adapter, args) -> the adapter of a model of those args, for a layout whose names depend on them
+    # (DeepSeek-V3's MTP modules are numbered after the model's blocks); None: the same names whatever the args
+    bind: Callable[[HFAdapter, Any], HFAdapter] | None = None
+    # their name -> ours, of a tensor their folder holds a second time (DeepSeek-V3's MTP modules hold the embedding
+    # and output projection they share with the main model): an export writes ours again under their name, an import
+    # reads ours from its own name and skips the copy. Set by `bind`.
+    copies: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def bound(self, args) -> HFAdapter:
+        """The adapter of a model of `args`: what a conversion uses once it knows them (bind's result; itself when
+        the names do not depend on the args, or it is already bound)."""
+        return self if self.bind is None else self.bind(self, args)
 
 
 @dataclass(frozen=True)

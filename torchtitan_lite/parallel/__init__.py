@@ -5,6 +5,9 @@
 - stage_ties.py: a parameter the first and last stages share (tied embeddings): their gradients added
 - context_parallel.py: each sequence split across the cp ranks, keys and values all-gathered per block
 - expert_parallel.py: a mixture of experts' routed experts split across ranks, tokens sent to them by all-to-all
+- compile.py: torch.compile of each block, whole, or in pieces around expert parallelism's dispatch
+- selective_ac.py: what op-level activation checkpointing keeps, and its count of ops that FSDP's hooks skip
+- sequence_slots.py: a sequence split across ranks: the slots other ranks hold at earlier positions (expert capacity)
 
 Imports the layers below (config, runtime, models, data); checkpointing and training build on it.
 """

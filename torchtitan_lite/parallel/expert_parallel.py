@@ -18,20 +18,22 @@ the ep ranks' tokens by the all-to-all's backward and then over efsdp by FSDP, n
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan_lite.models.common.moe import GroupedExperts, swiglu_experts
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, compute: Callable = swiglu_experts) -> list[nn.Module]:
     """Every GroupedExperts of `model` (on the meta device) split over `ep_mesh` (1-D): its weights become DTensors
-    holding this rank's experts, its forward the dispatch, computation and combine. Returns the modules."""
+    holding this rank's experts, its forward the dispatch, `compute` (swiglu_experts, or its compiled graph:
+    parallel/compile.py) and combine. Returns the modules."""
     n, rank, group = ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group()
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     for module in experts:
@@ -39,24 +41,25 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
             local = param.detach().chunk(n)[rank]
             module.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)],
                                                                             run_check=False)))
-        module.forward = functools.partial(_forward, module, group, n)
+        module.forward = functools.partial(_forward, module, group, n, compute)
     return experts
 
 
-def _forward(module: GroupedExperts, group: dist.ProcessGroup, n: int, x: torch.Tensor,
+def _forward(module: GroupedExperts, group: dist.ProcessGroup, n: int, compute: Callable, x: torch.Tensor,
              counts: torch.Tensor) -> torch.Tensor:
     """GroupedExperts.forward under expert parallelism: `x`, this rank's slots sorted by expert (all E experts),
     counts[e] of them for expert e; returns their outputs in the same order."""
     local_experts = counts.numel() // n
-    # received[i, e]: the slots rank i sends for this rank's e-th expert
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    received = received.view(n, local_experts)
+    # received[i, e]: the slots rank i sends for this rank's e-th expert. A functional collective, not c10d's
+    # in-place one: op-level checkpointing saves its output (parallel/selective_ac.py), where a recompute would lose
+    # the write into an empty tensor.
+    received = wait_tensor(all_to_all_single(counts, None, None, group)).view(n, local_experts)
     send, recv = split_sizes(counts, received, x.shape[0])
     arrived = all_to_all_single_autograd(x, recv, send, group)
     order = regroup_by_expert(received, sum(recv))
-    out = swiglu_experts(arrived[order], received.sum(0),
-                         *(w.to_local() if isinstance(w, DTensor) else w for w in (module.w1, module.w2, module.w3)))
+    out = compute(arrived[order], received.sum(0),
+                  *(w.to_local() if isinstance(w, DTensor) else w for w in (module.w1, module.w2, module.w3)),
+                  module.grouped_mm)
     back = torch.empty_like(out).index_copy(0, order, out)
     return all_to_all_single_autograd(back, send, recv, group)
 

@@ -1,7 +1,8 @@
 """Parallelism applied from outside the model, in one order: TP, CP, EP, activation checkpointing, compile, FSDP.
 
 What is the model's own comes from its spec (models/spec.py): which module TP splits which way (its plan). What is
-done to every model is here: the blocks (`model.layers`) are what checkpointing, compile and FSDP wrap.
+done to every model is here: the blocks (`blocks(model)`: its layers, then multi-token prediction's modules) are
+what checkpointing, compile and FSDP wrap.
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan_lite.config import JobConfig, Parallelism, Training
-from torchtitan_lite.models.common.moe import MoE
-from torchtitan_lite.models.spec import TPStyles
+from torchtitan_lite.models.common.moe import MoE, swiglu_experts
+from torchtitan_lite.models.spec import TPStyles, blocks
+from torchtitan_lite.parallel import selective_ac
+from torchtitan_lite.parallel.compile import apply_compile, compiled_experts
 from torchtitan_lite.parallel.context_parallel import apply_cp
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.expert_parallel import apply_ep
+from torchtitan_lite.parallel.sequence_slots import EarlierSlots
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.precision import DTYPES
 
@@ -44,10 +48,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
     if dims.cp > 1:
         apply_cp(model, mesh["cp"], cfg.training.seq_len, cfg.parallelism.context_parallel_load_balancer)
     moe = [module for module in model.modules() if isinstance(module, MoE)]
-    if moe and dims.cp * dims.tp > 1:  # each rank routes part of every sequence: its auxiliary loss sums over them
-        total = partial(dist.all_reduce, group=dims.sequence_mesh(mesh).get_group())
+    if moe and dims.cp * dims.tp > 1:  # each rank routes part of every sequence: its auxiliary loss sums over them,
+        group = dims.sequence_mesh(mesh).get_group()  # and its capacity counts the other parts' slots
+        total = partial(dist.all_reduce, group=group)
+        balancer = cfg.parallelism.context_parallel_load_balancer
+        earlier = EarlierSlots.of_mesh(mesh, group, cfg.training.seq_len, balancer)
         for module in moe:
-            module.sum_over_sequence = total
+            module.sum_over_sequence, module.earlier_slots = total, earlier
     # What FSDP shards on a mesh of its own, before the blocks: expert parallelism's experts, and under TP a mixture of
     # experts, whose tp ranks route different tokens (sequence parallel): sharded over them as over data-parallel
     # ranks, which sums its gradients over them too.
@@ -55,17 +62,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
     if dims.ep > 1:
         experts_mesh = dims.experts_mesh(mesh)
         fsdp_dims = ("dp_replicate", "efsdp") if dims.dp_replicate > 1 else ("efsdp",)
-        own.append((apply_ep(model, experts_mesh["ep"]), experts_mesh[fsdp_dims]))
+        compute = compiled_experts(cfg.compile.backend) if cfg.compile.enable else swiglu_experts
+        own.append((apply_ep(model, experts_mesh["ep"], compute), experts_mesh[fsdp_dims]))
     if moe and dims.tp > 1:
         own.append((moe, dims.moe_mesh(mesh)))
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option,
                  keep_attention=cfg.compile.enable and dims.tp > 1)
-    if cfg.compile.enable:
-        for block in model.layers.values():
-            block.compile(backend=cfg.compile.backend, fullgraph=True)  # in place: parameter names stay unchanged
+    if cfg.compile.enable:  # in pieces around the dispatch of expert parallelism (compile.py)
+        apply_compile(model, cfg.compile.backend, around_dispatch=dims.ep > 1)
     if dims.fsdp or own:
         apply_fsdp(model, dims.fsdp_mesh(mesh) if dims.fsdp else None, cfg, own)
+    if cfg.activation_checkpoint.mode == "selective" and cfg.activation_checkpoint.selective_ac_option == "op":
+        selective_ac.uncount_inner_units(blocks(model))  # after FSDP: around its hooks
 
 
 def warn_ignored_options(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -97,6 +106,7 @@ def warn_ignored_options(cfg: JobConfig, dims: ParallelDims) -> None:
 
 
 BLOCKS = "layers.*."  # a TP plan's prefix of the entries that hold for every block
+MTP_BLOCKS = "mtp.*."  # and of those that hold for multi-token prediction's modules besides (models/common/mtp.py)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable, loss_parallel: bool) -> None:
@@ -104,12 +114,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable, loss_para
     tensorwise float8 block takes torchao's styles, which cast to float8 before they gather (float8.py)."""
     styles = TPStyles(ColwiseParallel, RowwiseParallel, PrepareModuleInput, SequenceParallel, EmbeddingParallel,
                       Replicated)
-    root = {k: v for k, v in tp_plan(styles, loss_parallel).items() if not k.startswith(BLOCKS) and _held(model, k)}
+    root = {k: v for k, v in tp_plan(styles, loss_parallel).items()
+            if not k.startswith((BLOCKS, MTP_BLOCKS)) and _held(model, k)}
     parallelize_module(model, tp_mesh, root)
-    for block in model.layers.values():
+    mtp = set(map(id, model.mtp.values())) if getattr(model, "mtp", None) is not None else set()
+    for block in blocks(model):
         colwise, rowwise, prepare = float8.tp_styles(block) or styles[:3]
         plan = tp_plan(styles._replace(colwise=colwise, rowwise=rowwise, prepare_input=prepare), loss_parallel)
-        plan = {k.removeprefix(BLOCKS): v for k, v in plan.items() if k.startswith(BLOCKS)}
+        prefixes = (BLOCKS, MTP_BLOCKS) if id(block) in mtp else (BLOCKS,)
+        plan = {k.split(".", 2)[2]: v for k, v in plan.items() if k.startswith(prefixes)}
         parallelize_module(block, tp_mesh, {k: v for k, v in plan.items() if _held(block, k)})
     if hasattr(model, "tie_weights"):  # each module holds a DTensor of its own now: tied ones become one again
         model.tie_weights()
@@ -142,7 +155,10 @@ class Replicated(ParallelStyle):
                          if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
 
         def output(mod, out, mesh):
-            return out.to_local(grad_placements=[Partial()]) if self.use_local_output else out
+            if not self.use_local_output:
+                return out
+            # A replicated output's gradient each rank gives in part; a sequence shard's is the rank's own.
+            return out.to_local(grad_placements=[Partial()] if out.placements[0].is_replicate() else None)
 
         return distribute_module(module, device_mesh, None, inputs, output)
 
@@ -174,26 +190,26 @@ def apply_ac(model: nn.Module, mode: str, option: str, keep_attention: bool = Fa
     """Full: recompute every block in backward. Selective N: every N-th block. Selective "op": keep matmul and
     attention outputs, recompute the cheap element-wise ops.
 
+    Selective "op" keeps the collectives' outputs too (expert parallelism's all-to-alls, TP's reduce-scatters) and
+    copies to the host: selective_ac.py.
+
     `keep_attention` (compiled blocks under TP): recomputed blocks keep their attention output too. torch 2.13 bug:
     recomputing a random-tagged op inside a compiled block stashes its RNG state among the saved values after the
     DeviceMesh that TP's DTensors save, an order AOTAutograd's runtime misreads ("expected all
     tensors_saved_with_vc_check to be Tensors"). Kept, the kernel is never recomputed; the cost is one more
     activation per block, the size of the block's input under sequence parallelism."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     keep = ATTENTION_OPS if keep_attention else ()
     if mode == "selective" and option == "op":
-        keep = (torch.ops.aten.mm.default, *ATTENTION_OPS)
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    kwargs = {"context_fn": partial(create_selective_checkpoint_contexts, policy)} if keep else {}
+        keep = (torch.ops.aten.mm.default, *ATTENTION_OPS, *selective_ac.COLLECTIVES)
+    policy = selective_ac.policy_keeping(keep)
+    kwargs = {"context_fn": partial(selective_ac.contexts, policy)} if keep else {}
     every = int(option) if mode == "selective" and option != "op" else 1
-    for name, block in list(model.layers.items()):
-        if int(name) % every == 0:  # the full model's block index: a pipeline stage holds some blocks
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+    for held in (model.layers, getattr(model, "mtp", None) or {}):  # an MTP module's index is its depth's
+        for name, block in list(held.items()):
+            if int(name) % every == 0:  # the full model's block index: a pipeline stage holds some blocks
+                held[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh | None, cfg: JobConfig,
@@ -209,10 +225,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh | None, cfg: JobConfig,
     root_mp = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype, DTYPES.get(t.mixed_precision_output),
                                    mp.cast_forward_inputs)
     offload = CPUOffloadPolicy(pin_memory=p.fsdp_offload_pin_memory) if p.fsdp_cpu_offload else OffloadPolicy()
-    blocks = list(model.layers.values())
+    held = blocks(model)
     # These reshard after forward unless "never": an hpZ group size N is the dense weights' (it divides dp_shard,
     # not necessarily the experts' efsdp).
-    gate_mp = fp32_gate_policy(mp, compiled=cfg.compile.enable)
+    # Under expert parallelism (own units) routers stay eager between compiled pieces (compile.py).
+    gate_mp = fp32_gate_policy(mp, compiled=cfg.compile.enable and not own)
     for modules, mesh in own:
         for module in modules:
             reshard = p.fsdp_reshard_after_forward != "never"
@@ -220,7 +237,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh | None, cfg: JobConfig,
             fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload,
                         shard_placement_fn=experts_dim(mesh), reshard_after_forward=reshard)
     if dp_mesh is not None:
-        _shard_blocks(model, blocks, dp_mesh, p, mp, root_mp, offload, gate_mp)
+        _shard_blocks(model, held, dp_mesh, p, mp, root_mp, offload, gate_mp)
     # The loss is already normalized by the global token count, so gradients must be summed across data-parallel
     # ranks, not averaged: one exact rule for every layout and accumulation. Plain SUM collectives, since gloo
     # has no PREMUL_SUM (and NCCL's SUM is its zero-copy path).
@@ -254,8 +271,9 @@ def _shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh
 def fp32_gate_policy(mp: MixedPrecisionPolicy, compiled: bool) -> MixedPrecisionPolicy | None:
     """The policy of the router gates' own FSDP units (fp32_gates): `mp` with fp32 parameters, where `mp` computes in
     a lower dtype; None where it does not (fp32 runs keep their units and collectives as they were) or where the blocks
-    are compiled: a unit inside a block's one graph would call FSDP's hooks, which dynamo does not trace, and there
-    moe.gate_logits upcasts the block's bf16 cast of the weight instead (torchtitan's way)."""
+    are compiled whole (`compiled`): a unit inside a block's one graph would call FSDP's hooks, which dynamo does not
+    trace, and there moe.gate_logits upcasts the block's bf16 cast of the weight instead (torchtitan's way). Blocks
+    compiled in pieces around EP's dispatch keep their routers eager, and these units (compile.py)."""
     if compiled or mp.param_dtype in (None, torch.float32):
         return None
     return MixedPrecisionPolicy(torch.float32, mp.reduce_dtype, None, mp.cast_forward_inputs)

@@ -135,7 +135,8 @@ def split_stages(model_class: Callable[..., nn.Module], model_args, pp_rank: int
         part.layers = nn.ModuleDict({str(i): part.layers[str(i)] for i in range(first, first + blocks[stage])})
         # The last stage keeps a module before the blocks that holds a parameter tied to one after them (tied
         # embeddings), unused by its forward, so that the parameter keeps the name it has on the first stage and in
-        # one process (named_parameters names a tied parameter by its first module): in checkpoints and the optimizer.
+        # one process (named_parameters names a tied parameter by its first module): in checkpoints and the optimizer;
+        # and the embedding table, which multi-token prediction's modules use.
         kept = {name for name in before if stage == n_stages - 1 and ties & _ids(getattr(part, name))}
         for name in (before if stage > 0 else []) + (after if stage < n_stages - 1 else []):
             if name not in kept:
@@ -152,9 +153,11 @@ def _ids(module: nn.Module | None) -> set[int]:
 
 
 def _ties(model: nn.Module, before: list[str], after: list[str]) -> set[int]:
-    """The parameters (their ids) held both before and after the blocks: those the first and the last stage share."""
-    return (set().union(*(_ids(getattr(model, n)) for n in before)) &
-            set().union(*(_ids(getattr(model, n)) for n in after)))
+    """The parameters (their ids) held both before and after the blocks, or used after them: those the first and the
+    last stage share. Multi-token prediction's modules (after the blocks) embed tokens by the embedding table."""
+    shared = (set().union(*(_ids(getattr(model, n)) for n in before)) &
+              set().union(*(_ids(getattr(model, n)) for n in after)))
+    return shared | (_ids(model.tok_embeddings) if getattr(model, "mtp", None) is not None else set())
 
 
 def merge_stages(parts: list[nn.Module]) -> nn.Module:

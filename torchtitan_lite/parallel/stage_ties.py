@@ -1,5 +1,5 @@
 """Parameters the first and last pipeline stages both hold (tied embeddings: the embedding table is the output
-projection's weight), kept one parameter across the stages.
+projection's weight; multi-token prediction's modules embed tokens too), kept one parameter across the stages.
 
 Both stages start from the same values (initialization and checkpoints name the parameter alike on every stage:
 pipeline.split_stages) and take the same update when they hold the same gradient: the sum of the two stages'

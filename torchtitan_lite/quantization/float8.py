@@ -14,7 +14,8 @@ the numbers: a shard's max is not the tensor's. So every scale is taken over the
 
 gloo has no float8 type, so a float8 all-gather is made to move the same bytes as uint8 on every backend
 (`_install_byte_gather`): the CPU tests run the GPU's path, and NCCL moves bytes alike whatever their dtype. torchao is an
-optional dependency; it is imported only where float8 is on.
+optional dependency; it is imported only where float8 is on. The routed experts' grouped matmuls are
+mxfp8_experts.py's.
 """
 
 from __future__ import annotations
@@ -87,13 +88,18 @@ def check(cfg: JobConfig, model: nn.Module, dims) -> None:
 
 def ignored_options(cfg: JobConfig, fsdp: bool) -> list[str]:
     """[float8] options set away from their defaults that this run never reads (parallelize.warn_ignored_options)."""
-    f8 = cfg.float8
-    if not enabled(cfg):
-        default = type(f8)()  # not the fields' .default: a list option has a default_factory instead
-        changed = [f"float8.{f.name}" for f in dataclasses.fields(f8)
-                   if getattr(f8, f.name) != getattr(default, f.name)]
-        return [f"float8.enable_float8_linear is off: {', '.join(changed)} ignored"] if changed else []
+    f8, default = cfg.float8, type(cfg.float8)()  # not the fields' .default: a list option has a default_factory
+    # The routed experts' MXFP8 (mxfp8_experts.py) is on with moe_fqns alone, and float8.emulate serves it too.
+    experts = {"moe_fqns", "moe_recipe_name", *(("emulate",) if f8.moe_fqns else ())}
     reasons = []
+    if not f8.moe_fqns and f8.moe_recipe_name != default.moe_recipe_name:
+        reasons.append("float8.moe_fqns is empty: float8.moe_recipe_name ignored")
+    if not enabled(cfg):
+        changed = [f"float8.{f.name}" for f in dataclasses.fields(f8)
+                   if f.name not in experts and getattr(f8, f.name) != getattr(default, f.name)]
+        if changed:
+            reasons.append(f"float8.enable_float8_linear is off: {', '.join(changed)} ignored")
+        return reasons
     if not fsdp and f8.enable_fsdp_float8_all_gather:
         reasons.append("no FSDP in this layout: float8.enable_fsdp_float8_all_gather ignored")
     if f8.precompute_float8_dynamic_scale_for_fsdp and not all_gathers_float8(cfg, fsdp):
@@ -107,22 +113,22 @@ def has_float8_matmul() -> bool:
 
 
 @functools.cache
-def _import_torchao() -> None:
-    """Imports torchao with its import-time warnings silenced: its CUDA kernels' libraries fail to load on a CPU-only
-    machine, and it registers an Enum with torch's pytree the old way; neither matters to float8 training."""
+def import_torchao(module: str = "torchao.float8") -> None:
+    """Imports torchao's `module` with its import-time warnings silenced: its CUDA kernels' libraries fail to load on a
+    CPU-only machine, and it registers Enums with torch's pytree the old way; neither matters to training."""
     quieted = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in quieted]
     for log in quieted:
         log.setLevel(logging.ERROR)
     try:
-        import torchao.float8  # noqa: F401
+        importlib.import_module(module)
     finally:
         for log, level in zip(quieted, levels):
             log.setLevel(level)
 
 
 def torchao_config(cfg: JobConfig, fsdp: bool):
-    _import_torchao()
+    import_torchao()
     from torchao.float8 import Float8LinearConfig
 
     config = Float8LinearConfig.from_recipe_name(cfg.float8.recipe_name)
@@ -133,7 +139,7 @@ def torchao_config(cfg: JobConfig, fsdp: bool):
 def convert(model: nn.Module, cfg: JobConfig, fsdp: bool) -> None:
     """Swaps `model`'s convertible linears (on meta, before parallelism) for torchao's Float8Linear, in place. Their
     parameters keep nn.Linear's names, so checkpoints load into a run with float8 on or off."""
-    _import_torchao()
+    import_torchao()
     from torchao.float8 import convert_to_float8_training
 
     _install_byte_gather()

@@ -43,10 +43,11 @@ _CONSOLE = [
 def _moe(values: dict) -> list[str]:
     """A mixture of experts' fields, none for a dense model: its load in one number, the busiest expert's slots over
     the mean in the layer where that is worst (metrics.jsonl keeps every layer's, expert_load/<layer>), then its
-    router losses where they are on (logged only then), before their coefficients."""
+    router losses where they are on (logged only then), before their coefficients, and with a capacity factor the
+    fraction of the slots dropped."""
     loads = [v for k, v in values.items() if k.startswith("expert_load/")]
     fields = [f"load: {max(loads):.2f}"] if loads else []
-    return fields + [f"{k}: {values[k]:.4f}" for k in ("aux_loss", "router_z_loss") if k in values]
+    return fields + [f"{k}: {values[k]:.4f}" for k in ("aux_loss", "router_z_loss", "dropped") if k in values]
 
 
 class Eta:
@@ -156,6 +157,7 @@ class MetricLogger:
                       f"loss: {values['loss']:.4f}"]
             fields += [f"{label}: {fmt.format(values[k])}" for k, label, fmt in _CONSOLE if k in values]
             fields += _moe(values)
+            fields += [f"mtp_loss: {values['mtp_loss']:.4f}"] if "mtp_loss" in values else []
             fields += [f"eta: {_clock(eta)}"] if eta is not None else []
             logger.info("  ".join(fields))
         if "val_loss" in values:  # a mixture's sources beside it (val_loss/NAME)

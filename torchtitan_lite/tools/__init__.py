@@ -2,6 +2,7 @@
 - memory.py: the memory a config would need per rank, from the trainer's own code run on fake tensors
 - memory_tracker.py: the tracker memory.py runs a step under: the device's peak, and each block's
 - memory_extrapolate.py: a model of alike blocks estimated from a few of them, where that is exact
+- memory_routing.py: the routing a mixture of experts is traced with (balanced, or its worst case's bound)
 - generation.py: text generation from a trained model, decoded with a KV cache
 - hf_convert.py: our DCP checkpoints to and from a Hugging Face Llama folder, streamed one tensor at a time
 - sync_count.py: every host-device sync of a run's steps, with the line that asked for it (benchmarks and tests)

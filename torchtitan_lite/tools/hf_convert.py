@@ -149,7 +149,7 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: Args, bos_id: int, eos
     the model `model` (model.name) as the Hugging Face folder `out`, cast to `dtype` (default: as saved).
     add_files(folder) adds files (a tokenizer)."""
     ckpt = str(ckpt)
-    spec, hf = adapter(model)
+    spec, hf = adapter(model, args)
     check_free(out)  # before anything is read: a taken OUT fails at once
     if not os.path.isfile(os.path.join(ckpt, ".metadata")):
         raise ConversionError(f"{ckpt} is not a DCP checkpoint (no .metadata)")
@@ -168,6 +168,9 @@ def export_to_hf(ckpt: str | Path, out: str | Path, args: Args, bos_id: int, eos
     config = hf.config(args, bos_id, eos_id, dtype)  # first: a model their layout cannot hold is refused unread
     tied = tied_names(spec, args)  # written once, as transformers' save_pretrained writes tied embeddings
     ours_of = {hf.hf_name(piece): entry for piece, entry in pieces(hf, expected).items() if entry[0] not in tied}
+    # Their second copy of a tensor ours holds once (DeepSeek-V3's MTP embedding and head): read from the
+    # checkpoint again when its turn comes, so that one tensor at a time is still all that is held
+    ours_of |= {theirs: (ours, None, expected[ours]) for theirs, ours in hf.copies.items()}
     absent = hf.absent(args)  # theirs holds them, ours does not: written as the adapter gives them
     # Persistent buffers (DeepSeek-V3's selection bias) stay fp32 whatever `dtype`, as published and as transformers
     # keeps them: steps of 1e-3 rounded to bf16 would route otherwise.
@@ -263,6 +266,7 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype = tor
     check_free(out)
     config = read_config(hf_dir)
     args = hf.args_from_config(config)
+    hf = hf.bound(args)
     weights, expected = safetensors_index(hf_dir), expected_shapes(spec, args)
     source = sources(hf_dir, hf, config, pieces(hf, expected), weights, model)  # our piece -> Hugging Face name
     progress = _Progress(sum(math.prod(s) for s in expected.values()) * dtype.itemsize, "import")

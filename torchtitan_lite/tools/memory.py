@@ -61,14 +61,13 @@ size (tests/test_memory.py counts the gathered bytes).
 A mixture of experts (models/common/moe.py) is traced as its routing is balanced, which fake tensors cannot decide: each
 expert gets an equal share of the slots, so under expert parallelism each rank sends and receives its own slot count
 through the all-to-alls, the largest buffers the dispatch holds (an imbalanced step holds more on the busy experts'
-ranks); or, asked (`routing="worst"`, the script's --routing worst), at dropless routing's bound, every rank's tokens
-sent to the traced rank's experts; the grouped GEMM runs as one matmul of the same output and saved operands. The state (the experts' weights,
-split over ep and FSDP-sharded over the rest, and their optimizer state) does not depend on the routing.
+ranks); or, asked (`routing="worst"`, the script's --routing worst), at its bound: every rank's tokens sent to the
+traced rank's experts, dropless or as many as a capacity factor lets through (memory_routing.py). The state (the
+experts' weights, split over ep and FSDP-sharded over the rest, and their optimizer state) does not depend on it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 from dataclasses import dataclass, replace
@@ -83,9 +82,8 @@ from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.hf_tokenizer import run_tokenizer, run_vocab_size
 from torchtitan_lite.data.tokenizer import build_tokenizer
 from torchtitan_lite.models import documents, registry
-from torchtitan_lite.models.common import moe
 from torchtitan_lite.models.spec import Args
-from torchtitan_lite.parallel import context_parallel, expert_parallel
+from torchtitan_lite.parallel import context_parallel
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize
 from torchtitan_lite.parallel.pipeline import merge_stages, microbatches, schedule_name, split_stages
@@ -93,10 +91,12 @@ from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.metrics import held_bytes
 from torchtitan_lite.runtime.precision import UpdateGuard
 from torchtitan_lite.tools import memory_extrapolate as extrapolation
+from torchtitan_lite.tools.memory_routing import routed
 from torchtitan_lite.tools.memory_tracker import DevicePeak, FSDPTracker, Tracker
 from torchtitan_lite.training.optim import clip_grad_norm_
 from torchtitan_lite.training.optimizers import build_optimizer
 from torchtitan_lite.training.preflight import check_layout
+from torchtitan_lite.training.mtp import MTP
 from torchtitan_lite.training.step import Inputs, Numerics, Step
 from torchtitan_lite.training.z_loss import ZLoss
 
@@ -119,7 +119,7 @@ class Estimate:
     host_bytes: int
     mask_bytes: int = 0  # block_causal: the document mask of one micro-batch (already in activations and peak)
     traced: tuple[int, ...] = ()  # the blocks traced: all of them, or the few counts the figures are extrapolated from
-    routing: str = "balanced"  # a mixture's routing the figures hold: "balanced", or "worst" (_routed)
+    routing: str = "balanced"  # a mixture's routing the figures hold: "balanced", or "worst" (memory_routing.py)
 
 
 def model_args(cfg: JobConfig) -> tuple[Args, str]:
@@ -149,7 +149,7 @@ def estimate_memory(cfg: JobConfig, world_size: int, extrapolate: bool | None = 
     Raises ConfigError for a config the trainer would reject. Needs no process group (it makes a fake one).
     `extrapolate`: whether a model of alike blocks may be traced with a few of them (memory_extrapolate.py); by
     default where the few together are fewer than the model's, True wherever its rule allows, False never.
-    `routing`: a mixture of experts' routing the step is traced with (_routed): "balanced" or "worst"."""
+    `routing`: a mixture of experts' routing the step is traced with (memory_routing.py): "balanced" or "worst"."""
     cfg = copy.deepcopy(cfg)
     cfg.compile.enable = False  # fake tensors cannot be compiled: the estimate is of the eager model
     if cfg.parallelism.fsdp_cpu_offload:
@@ -215,7 +215,7 @@ def _trace(cfg: JobConfig, dims: ParallelDims, args: Args, vocab_note: str, of: 
         for part in parts:
             part.document_mask = documents.explicit_mask if dims.cp > 1 else lambda ids, dtype: None
         moe_args = registry.get(cfg.model.name).moe(args)
-        with fake, _routed(routing, moe_args.top_k if moe_args else 1), \
+        with fake, routed(routing, moe_args, cfg.training.seq_len), \
                 tracker_class(model, optimizer, host, segments=of is not None) as tracker:
             activations, held = _two_steps(parts, optimizer, cfg, dims, args, numerics, guard, tracker)
     finally:
@@ -227,27 +227,6 @@ def _trace(cfg: JobConfig, dims: ParallelDims, args: Args, vocab_note: str, of: 
                     **held, activation_bytes=activations + added, transient_bytes=transient,
                     peak_bytes=tracker.device_peak + added, host_bytes=state if offload else 0, mask_bytes=mask,
                     traced=(args.n_layers,), routing=routing), segments
-
-
-@contextlib.contextmanager
-def _routed(routing: str, top_k: int):
-    """A mixture of experts as fake tensors can run it, holding no routing (the grouped GEMM as one matmul of the same
-    output, saving the same operands: a fake grouped_mm takes bf16 alone, and the per-expert loop reads the counts).
-    "balanced": every expert gets an equal share of the slots (the balance load balancing aims at), so each
-    expert-parallel rank sends and receives its own slot count, evenly split. "worst": dropless routing's bound
-    for the rank traced, every rank's tokens sent to its experts, min(top_k, local experts) slots a token, so it
-    receives ep x T x min(k, E/ep) slots for its T x k (4x balanced for Mixtral's 8 experts, top 2, on EP 8); it
-    sends its own evenly. Without expert parallelism a rank computes its own slots whatever the routing: the two
-    are one. No other op's memory depends on the routing."""
-    def split(counts: torch.Tensor, received: torch.Tensor, slots: int) -> tuple[list[int], list[int]]:
-        n, local = received.shape
-        sent = [slots // n + (i < slots % n) for i in range(n)]
-        return sent, ([slots // top_k * min(top_k, local)] * n if routing == "worst" else sent)
-
-    with mock.patch.object(moe, "grouped_mm_fits", lambda x, w: True), \
-            mock.patch.object(moe, "grouped", lambda x, w, counts: x @ w[0].transpose(-2, -1)), \
-            mock.patch.object(expert_parallel, "split_sizes", split):
-        yield
 
 
 def _document_mask(cfg: JobConfig, dims: ParallelDims, dtype: torch.dtype) -> tuple[int, int]:
@@ -310,7 +289,8 @@ def _model_step(model: nn.Module, cfg: JobConfig, dims: ParallelDims, args: Args
                 guard: UpdateGuard, tracker: DevicePeak) -> int:
     """One micro-batch of rank 0's tokens through the trainer's step; returns the activation bytes."""
     training = cfg.training
-    inputs, seq_share = Inputs.build(_bos(cfg, args), _rank0_share(cfg, dims))
+    inputs, seq_share = Inputs.build(_bos(cfg, args), _rank0_share(cfg, dims),
+                                     MTP.from_config(args, training.mtp_weight))
     step = _MeasuredStep(model, torch.device("cpu"), numerics, guard.scale,
                          defer_reduce=dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce, tracker=tracker,
                          inputs=inputs, z_loss=ZLoss.from_config(training.z_loss))

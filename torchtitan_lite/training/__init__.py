@@ -6,10 +6,12 @@
 - optimizers.py: the optimizers by name (optimizer.name), each over the model's parameter groups
 - muon.py: Muon, each matrix orthogonalized whole however it is sharded, AdamW on the rest
 - z_loss.py: PaLM's z-loss on the output logits, trained and logged apart from the loss, exact on sharded logits
+- mtp.py: multi-token prediction's objective (DeepSeek-V3): each depth's shifted targets and loss, logged apart
 - update.py: the optimizer step and what acts around it: unscaling, clipping, the votes to skip it, its hooks
 - steps.py: the loop's steps, and what happens between two of them (gc, signals, the profiler's step)
 - validation.py: the loss on held-out data, the same batches at every validation
-- source_losses.py: what a logging step sums beside the loss: the z-loss, a mixture's loss, tokens and epochs per source
+- source_losses.py: what a logging step sums beside the loss: the z-loss, MTP's loss, a mixture's loss, tokens and
+  epochs per source
 - expert_load.py: a mixture of experts' load each step, DeepSeek-V3's bias balancing, its router losses' values
 - replicas.py: replica groups (torchft): who is alive each step, their gradients summed, a step committed or retried,
   a restarted group healed from a live one

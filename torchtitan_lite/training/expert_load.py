@@ -12,6 +12,11 @@ layer, the busiest expert's slots over the mean; and every slot counted, which a
 step's other figures, and so is the Switch/Mixtral auxiliary loss (moe.aux_loss_coeff > 0; models/moe.balance_loss): a
 mean over the global batch's sequences, each sequence's from its own tokens, and over the MoE layers, whose factor is
 set here; and ST-MoE's router z-loss (moe.router_z_loss > 0), a mean over the global batch's tokens and the MoE layers.
+
+With a capacity factor (models/common/capacity.py) the counts are still the router's choices, the slots dropped over
+capacity among them: the bias is there to even out the routing that makes the drops, and counting the kept slots
+alone would show an overloaded expert at its capacity, hiding the overload it must correct (Megatron counts the kept
+ones). The dropped slots are counted apart and logged as `dropped`, their fraction of the step's slots.
 """
 
 from __future__ import annotations
@@ -52,13 +57,15 @@ class ExpertLoad:
         if not self.total:
             return
         routers = [layer.router for _, layer in self.layers]
-        # Every layer's counts, auxiliary loss and router z-loss in one all-reduce: (layers, experts + 2).
-        load = torch.stack([torch.cat([r.tokens_per_expert, layer.aux_sum.view(1), layer.z_sum.view(1)])
+        # Every layer's counts, auxiliary loss, router z-loss, dropped slots and whether it has a capacity, in one
+        # all-reduce: (layers, experts + 4).
+        load = torch.stack([torch.cat([r.tokens_per_expert, torch.stack([layer.aux_sum, layer.z_sum, layer.drop_sum]),
+                                       torch.tensor([float(layer.args.capacity_factor > 0)], device=self.device)])
                             for r, (_, layer) in zip(routers, self.layers)]) if self.layers else None
         if self.group is not None and load is not None:
             dist.all_reduce(load, group=self.group)
         if load is not None:
-            for router, counts in zip(routers, load[:, :-2]):
+            for router, counts in zip(routers, load[:, :-4]):
                 if router.args.load_balance_coeff > 0:
                     delta = router.args.load_balance_coeff * torch.sign(counts.mean() - counts)
                     router.expert_bias += delta - delta.mean()
@@ -66,23 +73,27 @@ class ExpertLoad:
             for _, layer in self.layers:
                 layer.aux_sum.zero_()
                 layer.z_sum.zero_()
-        # The slots and the auxiliary losses of all layers: under PP summed over the stages (a stage may hold none).
-        totals = torch.zeros(3, device=self.device) if load is None else torch.stack(
-            [load[:, :-2].sum(), load[:, -2].sum(), load[:, -1].sum()]).to(self.device)
+                layer.drop_sum.zero_()
+        # The slots, the auxiliary losses and the dropped slots of all layers, and the layers with a capacity: under PP
+        # summed over the stages (a stage may hold none).
+        totals = torch.zeros(5, device=self.device) if load is None else torch.cat(
+            [load[:, :-4].sum().view(1), load[:, -4:].sum(0)]).to(self.device)
         if self.stages is not None:
             dist.all_reduce(totals, group=self.stages)
-        self.load, self.totals = (None if load is None else load[:, :-2]), totals
+        self.load, self.totals = (None if load is None else load[:, :-4]), totals
 
     def fields(self) -> dict[str, float]:
         """The last step's load: per layer (this rank's stage's under PP), its busiest expert's slots over the mean;
-        the slots counted in all layers; and the auxiliary loss and router z-loss (before their coefficients) when
-        on."""
+        the slots counted in all layers; the auxiliary loss and router z-loss (before their coefficients) when on; and
+        with a capacity factor, the fraction of the slots dropped."""
         if self.totals is None:
             return {}
-        slots, aux, z = self.totals.tolist()
+        slots, aux, z, dropped, capacities = self.totals.tolist()
         # A stage of dense blocks alone: the others' say (a loss that is on is positive).
         aux_on, z_on = (self.aux_on, self.z_on) if self.layers else (aux > 0, z > 0)
         out = {"routed_slots": slots, **({"aux_loss": aux} if aux_on else {}), **({"router_z_loss": z} if z_on else {})}
+        if capacities:  # summed over every rank and stage, so every rank knows, whichever layers it holds
+            out["dropped"] = dropped / slots
         if self.load is not None:
             busiest = (self.load.max(1).values / self.load.mean(1)).tolist()
             out |= {f"expert_load/{name}": b for (name, _), b in zip(self.layers, busiest)}

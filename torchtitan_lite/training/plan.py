@@ -28,7 +28,7 @@ from torchtitan_lite.models import registry
 from torchtitan_lite.models.common.moe import inactive_params
 from torchtitan_lite.models.spec import Args, ConversionError, ModelSpec
 from torchtitan_lite.parallel.dims import ParallelDims
-from torchtitan_lite.quantization import float8
+from torchtitan_lite.quantization import float8, mxfp8_experts
 from torchtitan_lite.runtime.metrics import cpu_peak
 from torchtitan_lite.runtime.process import cpu_threads
 from torchtitan_lite.training.step import Numerics
@@ -64,6 +64,8 @@ def _model(cfg: JobConfig, n_params: int, active: int, dims: ParallelDims) -> st
               cfg.training.mixed_precision_param]
     if float8.enabled(cfg):
         extras.append(f"float8 {cfg.float8.recipe_name} matmuls" + (" (emulated)" if cfg.float8.emulate else ""))
+    if mxfp8_experts.enabled(cfg):
+        extras.append(f"{cfg.float8.moe_recipe_name} routed experts" + (" (emulated)" if cfg.float8.emulate else ""))
     if cfg.compile.enable:
         extras.append(f"compiled ({cfg.compile.backend})")
     if cfg.activation_checkpoint.mode != "none":

@@ -14,11 +14,12 @@ from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.data.mixture import build_data
 from torchtitan_lite.data.hf_tokenizer import run_tokenizer, run_vocab_size
 from torchtitan_lite.models import registry
+from torchtitan_lite.models.common import capacity
 from torchtitan_lite.models.spec import Args
 from torchtitan_lite.parallel.context_parallel import check_cp
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import check_pipeline
-from torchtitan_lite.quantization import float8
+from torchtitan_lite.quantization import float8, mxfp8_experts
 from torchtitan_lite.runtime.profiling import check_profiling
 from torchtitan_lite.runtime.wandb_run import check_wandb
 from torchtitan_lite.training.optimizers import check_optimizer
@@ -45,41 +46,37 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
     if float8.enabled(cfg):
         with torch.device("meta"):
             float8.check(cfg, spec.model_class(model_args), dims)
+    if mxfp8_experts.enabled(cfg):
+        with torch.device("meta"):
+            mxfp8_experts.check(cfg, spec.model_class(model_args), dims)
 
 
 def check_moe(cfg: JobConfig, dims: ParallelDims, moe) -> None:
     """What a mixture-of-experts model trains with so far: every layout (a token's route and experts are its own,
-    whichever rank holds it) and expert parallelism within it, any precision, compile in bf16 without EP or TP.
+    whichever rank holds it) and expert parallelism within it, any precision and activation checkpointing, compile in
+    bf16 without TP (under EP in pieces around the dispatch: parallel/compile.py), its losses and balancing too.
 
-    What no other setting makes possible is refused first (compile with EP or TP, float8, op-level selective
-    checkpointing with EP or TP): a user who fixed the precision or the losses for compile would only meet it next."""
+    What no other setting makes possible is refused first (compile with TP, float8): a user who fixed the precision
+    for compile would only meet it next."""
     flavor = f"the model (model.flavor {cfg.model.flavor}, [moe]) is a mixture of experts, which trains"
-    if dims.ep > 1 and cfg.compile.enable:
-        raise ConfigError(f"{flavor} with expert parallelism eager so far (its all-to-all's split sizes are read on "
-                          "the host): drop compile.enable or set parallelism.expert_parallel_degree 1")
     if dims.tp > 1 and cfg.compile.enable:
         raise ConfigError(f"{flavor} eager under tensor parallelism so far (there each mixture is an FSDP unit of "
                           "its own inside its block, whose hooks torch 2.13's dynamo refuses to trace): drop "
                           "compile.enable or set parallelism.tensor_parallel_degree 1")
     if float8.enabled(cfg):
-        raise ConfigError(f"{flavor} without float8 so far (float8 converts nn.Linear, not the routed experts' "
-                          "grouped weights): drop float8.enable_float8_linear")
-    ac = cfg.activation_checkpoint
-    if dims.ep * dims.tp > 1 and ac.mode == "selective" and ac.selective_ac_option == "op":
-        raise ConfigError("op-level selective activation checkpointing recomputes a block's ops one for one, and "
-                          "under expert or tensor parallelism the experts' own FSDP hooks inside the block run other "
-                          "ops when recomputed (torch 2.13 refuses the mismatch): use activation_checkpoint.mode "
-                          "full, or selective with a block interval")
+        raise ConfigError(f"{flavor} without float8 so far on its linears (float8 would convert routers' gates, "
+                          "which score in fp32, and shared experts: untested): drop float8.enable_float8_linear; "
+                          "float8.moe_fqns runs the routed experts in MXFP8")
     dims.check_experts(moe.num_experts)
+    capacity.check(moe, cfg.training.seq_len)
     if cfg.compile.enable and cfg.training.mixed_precision_param != "bfloat16":
         raise ConfigError(f"{flavor} compiled in bfloat16 alone (compile's grouped GEMM takes bf16, and the "
                           "per-expert loop reads its counts on the host): set training.mixed_precision_param "
                           "bfloat16 or drop compile.enable")
-    if (moe.load_balance_coeff > 0 or moe.aux_loss_coeff > 0 or moe.router_z_loss > 0) and cfg.compile.enable:
-        raise ConfigError(f"{flavor} with load balancing and router losses eager so far (a compiled block counts "
-                          "its experts' tokens but trains neither loss, and its bias balancing is not yet tested): "
-                          "drop compile.enable or set moe.load_balance_coeff, moe.aux_loss_coeff and "
-                          "moe.router_z_loss 0")
+    if moe.capacity_factor > 0 and cfg.compile.enable:
+        raise ConfigError(f"{flavor} with a capacity factor eager so far (the kept slots, the experts' rows, are "
+                          "counted on the host: a shape a compiled graph cannot know): drop compile.enable or set "
+                          "moe.capacity_factor 0")
 
 
 def document_start(cfg: JobConfig, tokenizer) -> int | None:

@@ -14,7 +14,11 @@ A pipeline schedule is a second implementation of the same call (`PipelineStep`,
 
 What the model gets beside a micro-batch's tokens is decided once too (`Inputs`): nothing (causal), or under
 block_causal the document ids of each window (models/documents.py), computed from the whole windows before context
-parallelism cuts them, since a rank's queries must know the documents of every gathered key.
+parallelism cuts them, since a rank's queries must know the documents of every gathered key; with multi-token
+prediction, the tokens and targets of its depths (mtp.py), shifted on whole windows too.
+
+Beside the loss, the step trains terms that ride on the logits and are logged apart (`side`): the z-loss (z_loss.py)
+and multi-token prediction's loss.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import Pipeline
 from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.precision import DTYPES
+from torchtitan_lite.training.mtp import MTP
 from torchtitan_lite.training.z_loss import ZLoss
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels) of one local batch
@@ -87,24 +92,33 @@ class Numerics:
 @dataclass(frozen=True)
 class Inputs:
     """What the model gets from a micro-batch (inputs, labels) on the device: (inputs, labels, model keywords).
-    Causal: the loader's batch as it is. block_causal (`bos_id` set): each window's document ids too; under context
-    parallelism the loader then hands whole windows and `shard` cuts them here, after the ids are known."""
+    Causal: the loader's batch as it is. block_causal (`bos_id` set): each window's document ids too. With `mtp`,
+    in training, the depths' tokens (`mtp_tokens`) and the labels with each depth's targets after them (mtp.MTP).
+    With either, under context parallelism, the loader hands whole windows and `shard` cuts them here, after."""
     bos_id: int | None = None
     shard: Callable[[torch.Tensor], torch.Tensor] | None = None
+    mtp: MTP | None = None
 
     @classmethod
-    def build(cls, bos_id: int | None, seq_share: Callable | None) -> tuple[Inputs, Callable | None]:
-        """(the step's Inputs, the loader's shard) for the document-start id `bos_id` (None: causal) and context
-        parallelism's `seq_share` (None without it)."""
-        return (cls(), seq_share) if bos_id is None else (cls(bos_id, seq_share), None)
+    def build(cls, bos_id: int | None, seq_share: Callable | None,
+              mtp: MTP | None = None) -> tuple[Inputs, Callable | None]:
+        """(the step's Inputs, the loader's shard) for the document-start id `bos_id` (None: causal), context
+        parallelism's `seq_share` (None without it) and multi-token prediction's objective (None without)."""
+        if bos_id is None and mtp is None:
+            return cls(), seq_share
+        return cls(bos_id, seq_share, mtp), None
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        if self.bos_id is None:
-            return inputs, labels, {}
-        documents = document_ids(inputs, self.bos_id)
+        kwargs = {}
+        if self.bos_id is not None:
+            kwargs["documents"] = document_ids(inputs, self.bos_id)
+        if self.mtp is not None and torch.is_grad_enabled():  # validation measures the main model's loss alone
+            kwargs["mtp_tokens"], labels = self.mtp.targets(labels)
         if self.shard is not None:
             inputs, labels = self.shard(inputs), self.shard(labels)
-        return inputs, labels, {"documents": documents}
+            if "mtp_tokens" in kwargs:
+                kwargs["mtp_tokens"] = self.shard(kwargs["mtp_tokens"])
+        return inputs, labels, kwargs
 
 
 class Step:
@@ -118,9 +132,11 @@ class Step:
                  scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss, defer_reduce: bool = False,
                  inputs: Inputs = Inputs(), z_loss: ZLoss | None = None):
         self.model, self.device, self.numerics, self.inputs = model, device, numerics, inputs
-        # PaLM's z-loss on the logits (training.z_loss), trained beside the loss; `z_sum`: its value at the last
-        # train_step on this rank, summed like the loss (logged apart: source_losses.py).
-        self.z_loss, self.z_sum = z_loss, torch.zeros((), device=device)
+        # What rides on the logits beside the loss: PaLM's z-loss (training.z_loss) and multi-token prediction's
+        # (the inputs'); `side_sums`: their values at the last train_step on this rank, each summed like the loss
+        # (logged apart: source_losses.py).
+        self.z_loss, self.mtp = z_loss, inputs.mtp
+        self.side_sums = [torch.zeros((), device=device) for _ in self.side]
         self.scale = scale  # fp16's loss scaling (precision.UpdateGuard.scale)
         # During a train_step given a list of rows: where each micro-batch's row_losses go.
         self.rows: list[torch.Tensor] | None = None
@@ -130,6 +146,11 @@ class Step:
         # loss's scale as its gradient (models/moe.WithLoss).
         self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)] if model is not None else []
 
+    @property
+    def side(self) -> list:
+        """The terms trained beside the loss (ZLoss, MTP), in the order they are logged."""
+        return [term for term in (self.z_loss, self.mtp) if term is not None]
+
     def train_step(self, batches: list[Batch], tokens: int, rows: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch; `tokens` is the step's global token count. With `rows`, each
         micro-batch's sequence losses are appended to it (row_losses: a mixture's per source, source_losses.py)."""
@@ -138,8 +159,8 @@ class Step:
         seed = self.scale(torch.ones((), device=self.device))
         for layer in self.moe_layers:
             layer.aux_seed = seed
-        if self.z_loss is not None:
-            self.z_loss.seed, self.z_loss.values = seed, []
+        for term in self.side:
+            term.seed, term.values = seed, []
         try:
             for i, (inputs, labels) in enumerate(batches):
                 if self.defer_reduce:
@@ -148,9 +169,9 @@ class Step:
                     loss_sum += self.forward_backward(inputs, labels, tokens)
         finally:
             self.rows = None
-        if self.z_loss is not None:  # the last ones: a pipeline's shape inference computes one loss of its own first
-            values = self.z_loss.values[-len(batches) * self.losses_per_batch:]
-            self.z_sum = torch.stack(values).sum() if values else torch.zeros((), device=self.device)
+        # The last ones: a pipeline's shape inference computes one loss of its own first.
+        self.side_sums = [torch.stack(values).sum() if (values := term.values[-len(batches) * self.losses_per_batch:])
+                          else torch.zeros((), device=self.device) for term in self.side]
         return loss_sum
 
     @torch.no_grad()
@@ -169,6 +190,8 @@ class Step:
         return self.token_loss(self.model(inputs, **kwargs), labels, tokens)
 
     def token_loss(self, logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+        if labels.dim() == 3:  # multi-token prediction's targets after the labels (Inputs): its depths' logits too
+            logits, labels = self.mtp(logits, labels, tokens)
         if self.rows is not None:
             self.rows.append(row_losses(logits, labels))
         if self.z_loss is not None and torch.is_grad_enabled():  # training's: validation measures the loss alone

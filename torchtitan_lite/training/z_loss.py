@@ -30,6 +30,7 @@ def log_z(logits: torch.Tensor) -> torch.Tensor:
 
 class ZLoss:
     """Attaches the z-loss of each training micro-batch to its logits, and keeps the values for the log."""
+    name = "z_loss"  # its field in metrics.jsonl
 
     @classmethod
     def from_config(cls, weight: float) -> ZLoss | None:

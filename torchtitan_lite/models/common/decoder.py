@@ -23,10 +23,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from torchtitan_lite.config import ConfigError
 from torchtitan_lite.models import documents as docs
+from torchtitan_lite.models.common.block import TransformerBlock
 from torchtitan_lite.models.common.kv_cache import KVCache
-from torchtitan_lite.models.common.layers import FeedForward, RMSNorm
-from torchtitan_lite.models.common.moe import MoE, MoEArgs, configured, inactive_params
+from torchtitan_lite.models.common.layers import RMSNorm
+from torchtitan_lite.models.common.moe import MoEArgs, configured, inactive_params
+from torchtitan_lite.models.common.mtp import MTPBlock
 from torchtitan_lite.models.common.parallelize import tp_plan, tp_sizes
 from torchtitan_lite.models.common.rope import YaRN, all_rows, rope_table
 from torchtitan_lite.models.init import canonical_name, trunc_normal_
@@ -53,37 +56,7 @@ class DecoderArgs(Protocol):
     attention: type  # a block's attention, built from the args: Attention (attention.py) or MLA (mla.py)
     rope_dim: int  # a head's dimensions the rotation turns (MLA: its rotated part)
     yarn: YaRN | None  # YaRN's long-context scaling (DeepSeek-V3); None: none
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: DecoderArgs):
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = args.attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        # A mixture-of-experts block holds `moe` where a dense one holds `feed_forward` (distinct parameter names),
-        # and None for the other, as a pipeline stage does for what it does not hold (the TP plan names both).
-        self.moe_enabled = args.moe is not None and args.moe.is_moe(layer_id)
-        self.moe = self.feed_forward = None
-        if self.moe_enabled:
-            hidden = args.moe.hidden or args.ffn_hidden
-            shared = FeedForward(args.dim, args.moe.shared_experts * hidden) if args.moe.shared_experts else None
-            self.moe = MoE(args.dim, hidden, args.moe, shared)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.out_std = 0.02 / (2 * depth) ** 0.5
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache=None) -> torch.Tensor:
-        # The cache as a keyword: TP's PrepareModuleInput lays out the positional inputs alone.
-        h = x + self.attention(self.attention_norm(x), rope, mask, cache=cache)
-        return h + (self.moe if self.moe_enabled else self.feed_forward)(self.ffn_norm(h))
-
-    def init_weights(self, init) -> None:
-        self.attention_norm.init_weights(init)
-        self.ffn_norm.init_weights(init)
-        self.attention.init_weights(init, self.out_std)
-        (self.moe if self.moe_enabled else self.feed_forward).init_weights(init, self.out_std)
+    mtp_depth: int  # multi-token prediction's modules after the blocks (mtp.py); 0, or absent: none
 
 
 class Decoder(nn.Module):
@@ -93,6 +66,10 @@ class Decoder(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        # Multi-token prediction's modules, depth k's keyed k - 1 (mtp.py); None without, as a pipeline stage holds
+        # what other stages hold.
+        depth = getattr(args, "mtp_depth", 0)
+        self.mtp = nn.ModuleDict({str(k): MTPBlock(args.n_layers + k, args) for k in range(depth)}) if depth else None
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -117,10 +94,13 @@ class Decoder(nn.Module):
         self.tie_weights()
         return self
 
-    def forward(self, tokens: torch.Tensor, cache=None, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache=None, documents: torch.Tensor | None = None,
+                mtp_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of `tokens`; with a KV cache (kv_cache.py), of the positions right after the cached ones.
         `documents` (block_causal): (bs, seq) document ids of the whole window (documents.document_ids), also where
-        `tokens` is a context-parallel share of it or a pipeline stage's hidden states."""
+        `tokens` is a context-parallel share of it or a pipeline stage's hidden states. `mtp_tokens` (training with
+        multi-token prediction): (bs, seq, D), column k - 1 the tokens depth k embeds at each position (mtp.py);
+        the logits of depth k follow the main model's on the batch dim, (1 + D) x bs rows in all."""
         # A pipeline stage (pipeline.py) lacks the pieces other stages own: it takes hidden states (floating point,
         # where token ids are integers; the last stage may hold a tied embedding table it does not use) and gives them.
         h = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)
@@ -134,7 +114,19 @@ class Decoder(nn.Module):
         else:  # training calls its wrapped blocks (checkpointed, compiled, sharded) with positional inputs alone
             for layer in self.layers.values():
                 h = layer(h, rope, mask)
-        return self.output(self.norm(h)) if self.output is not None else h
+        if self.output is None:
+            return h
+        out = self.norm(h)
+        if mtp_tokens is not None:  # each depth's from the one before, beside the main model's: one projection
+            outs = [out]
+            for k, block in enumerate(self.mtp.values()):
+                outs.append(block(outs[-1], rope, mask, self.tok_embeddings(mtp_tokens[..., k])))
+            out = torch.cat(outs)
+        return self.output(out)
+
+    def blocks(self) -> list[nn.Module]:
+        """Every block held, the MTP modules after the main ones: what parallelism wraps block by block."""
+        return [*self.layers.values(), *(self.mtp.values() if getattr(self, "mtp", None) is not None else ())]
 
     def kv_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty KV cache for decoding `batch` sequences of up to `max_len` positions (tools/generation.py)."""
@@ -145,7 +137,7 @@ class Decoder(nn.Module):
         mask)`, whose rotated queries, keys and values are those of the tokens this process holds, and the forward
         cuts those tokens' rotary rows with `held_rows`."""
         self.held_rope = held_rows
-        for block in self.layers.values():
+        for block in self.blocks():
             block.attention.attend = attend
 
     @torch.no_grad()
@@ -172,7 +164,7 @@ class Decoder(nn.Module):
                 init(self.tok_embeddings.weight, self.args.dim**-0.5, cutoff=3.0, name="output.weight")
             else:
                 init(self.tok_embeddings.weight, 1.0)
-        for layer in self.layers.values():
+        for layer in self.blocks():
             layer.init_weights(init)
         if self.output is not None:
             self.norm.init_weights(init)
@@ -211,8 +203,15 @@ def param_group(name: str) -> str:
 
 
 def configure(args, cfg):
-    """The config's [moe] settings over the flavor's mixture (moe.configured): the decoder's configure."""
-    return args.with_(moe=configured(args.moe, cfg.moe, cfg.model.flavor))
+    """The config's [moe] settings over the flavor's mixture (moe.configured), and model.mtp_depth where set: the
+    decoder's configure."""
+    args = args.with_(moe=configured(args.moe, cfg.moe, cfg.model.flavor))
+    if cfg.model.mtp_depth is None:
+        return args
+    if not hasattr(args, "mtp_depth"):
+        raise ConfigError(f"model.mtp_depth is set but model {cfg.model.name} has no multi-token prediction modules "
+                          "(DeepSeek-V3's): remove it")
+    return args.with_(mtp_depth=cfg.model.mtp_depth)
 
 
 def decoder_spec(name: str, flavors: Mapping[str, Any], hf: HFAdapter | None,

@@ -2,11 +2,12 @@
 outputs are summed with the router's weights, plus the shared experts' output that every token gets. Single-device
 code, like the models that use it: expert parallelism and the other layouts are applied from outside.
 
-Dropless: every token reaches each of its k experts, however uneven the routing (no capacity factor). The routed
-experts are one 3-D weight per projection, (experts, out, in), each expert's slice laid out as an nn.Linear weight:
-the token slots are sorted by expert, computed group by group, and put back. Two implementations of that one call,
-chosen once per layer: torch._grouped_mm (one kernel for every group) where the dtype and the strides allow it, and
-a loop over the experts otherwise; on the same slots they give the same bits (tests/test_moe.py).
+Dropless by default: every token reaches each of its k experts, however uneven the routing; an optional capacity
+factor bounds each expert's slots of a sequence (capacity.py). The routed experts are one 3-D weight per projection,
+(experts, out, in), each expert's slice laid out as an nn.Linear weight: the token slots are sorted by expert,
+computed group by group, and put back. Two implementations of that one call, chosen once per layer:
+torch._grouped_mm (one kernel for every group) where the dtype and the strides allow it, and a loop over the experts
+otherwise; on the same slots they give the same bits (tests/test_moe.py).
 
 Routing is discontinuous: a top-k choice flips when two scores cross, whatever the rounding that made them cross.
 The router therefore computes its scores in fp32, and the order of a token's k experts (the topk's, by score) fixes
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_lite.config import ConfigError
+from torchtitan_lite.models.common import capacity
 
 @dataclass(frozen=True)
 class MoEArgs:
@@ -38,6 +40,7 @@ class MoEArgs:
     load_balance_coeff: float = 0.0  # DeepSeek-V3's expert bias's step (1e-3); 0: no bias (training/expert_load.py)
     aux_loss_coeff: float = 0.0  # the Switch/Mixtral auxiliary loss's weight (Mixtral's config: 0.02); 0: none
     router_z_loss: float = 0.0  # ST-MoE's router z-loss weight (1e-3); 0: none
+    capacity_factor: float = 0.0  # an expert's slots of a sequence at most this x its share (capacity.py); 0: dropless
     # DeepSeek-V3's group-limited routing (node-limited under EP), in Hugging Face's names: the experts in `n_group`
     # equal groups, a token's k chosen within its `topk_group` best groups, a group scored by its two best experts;
     # 1, 1: unlimited.
@@ -125,6 +128,10 @@ def gate_logits(gate: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 class GroupedExperts(nn.Module):
     """The routed experts' SwiGLU feed-forwards, as 3-D weights (experts, out, in)."""
 
+    # The grouped matmul (x, w, counts) -> grouped()'s result that a converter swapped in (MXFP8's:
+    # quantization/mxfp8_experts.py); None: grouped() or looped(), whichever fits the operands.
+    grouped_mm = None
+
     def __init__(self, dim: int, hidden: int, num_experts: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
@@ -133,7 +140,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x`: token slots sorted by expert, counts[e] of them for expert e (every expert of these weights)."""
-        return swiglu_experts(x, counts, self.w1, self.w2, self.w3)
+        return swiglu_experts(x, counts, self.w1, self.w2, self.w3, self.grouped_mm)
 
     def init_weights(self, init, out_std: float) -> None:
         init(self.w1, 0.02)
@@ -141,14 +148,14 @@ class GroupedExperts(nn.Module):
         init(self.w3, out_std)
 
 
-def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                   w3: torch.Tensor) -> torch.Tensor:
+def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                   mm=None) -> torch.Tensor:
     """Each expert's SwiGLU of its slots: GroupedExperts' computation, on whichever experts' weights it is given
-    (expert parallelism gives a rank's own)."""
+    (expert parallelism gives a rank's own), by its grouped matmul `mm` where it has one."""
     if torch.is_autocast_enabled(x.device.type):  # autocast knows nn.Linear's matmuls, not grouped_mm
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
-    mm = grouped if grouped_mm_fits(x, w1) else looped
+    mm = mm or (grouped if grouped_mm_fits(x, w1) else looped)
     return mm(F.silu(mm(x, w1, counts)) * mm(x, w3, counts), w2, counts)
 
 
@@ -228,9 +235,12 @@ class MoE(nn.Module):
         self.aux_scale, self.z_scale, self.aux_seed = 1.0, 1.0, 1.0
         self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
         self.register_buffer("z_sum", torch.zeros(()), persistent=False)
+        self.register_buffer("drop_sum", torch.zeros(()), persistent=False)  # slots over capacity since read
         # Where a sequence's tokens are split across ranks (context, or TP's sequence parallelism), the sum over those
-        # ranks of a tensor: set from outside (parallel/parallelize.py); None where each rank holds whole sequences.
-        self.sum_over_sequence = None
+        # ranks of a tensor, and the slots at earlier positions that the other ranks hold (capacity.kept's
+        # `elsewhere`, with `seq_len`, the whole sequence's): set from outside (parallel/parallelize.py); None where
+        # each rank holds whole sequences.
+        self.sum_over_sequence = self.earlier_slots = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, k = x.shape, self.args.top_k
@@ -238,18 +248,24 @@ class MoE(nn.Module):
         weights, experts, scores, logits = self.router(tokens)
         # Each token's k slots, sorted by expert; stable, so an expert's slots keep the tokens' order.
         flat = experts.flatten()
-        order = flat.argsort(stable=True)
         # Not bincount, whose length depends on the data: a shape fake tensors and compile can know beforehand.
         counts = torch.zeros(self.args.num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
+        # With a capacity (in training mode: generation computes every slot), the dropped slots sort after every
+        # expert's and are cut off; the experts get the kept ones. Without, the code runs as it always did.
+        keep = self.within_capacity(experts, shape) if self.args.capacity_factor > 0 and self.training else None
+        if keep is None:
+            order, sent = flat.argsort(stable=True), counts
+        else:
+            kept, keep = capacity.kept_count(keep), keep.flatten()
+            order = flat.masked_fill(~keep, self.args.num_experts).argsort(stable=True)[:kept]
+            sent = torch.zeros_like(counts).scatter_add_(0, flat, keep.to(flat.dtype))
         # The auxiliary losses are computed in activation checkpointing's recompute too, which must save what the
         # forward saved; they are counted, as the tokens are, in training's forward only: not validation's, and not
-        # the recompute in backward, which would count a block's tokens twice. Compiled blocks compute no auxiliary
-        # loss (refused: training/preflight.py) but count their tokens. They are trained through the router's weights,
-        # whose backward gives them their gradient wherever this layer's output goes: as if added to the model's loss,
-        # on a pipeline stage before the last too.
-        a, compiled = self.args, torch.compiler.is_compiling()
-        training = torch.is_grad_enabled() and not compiled
+        # the recompute in backward, which would count a block's tokens twice. They are trained through the router's
+        # weights, whose backward gives them their gradient wherever this layer's output goes: as if added to the
+        # model's loss, on a pipeline stage before the last too.
+        a, compiled, training = self.args, torch.compiler.is_compiling(), torch.is_grad_enabled()
         if training and (a.aux_loss_coeff > 0 or a.router_z_loss > 0):
             terms = []
             if a.aux_loss_coeff > 0:
@@ -270,19 +286,32 @@ class MoE(nn.Module):
         # applied inside compile: parallel/parallelize.py); grad mode is a guard, so validation's graph counts nothing.
         # add_, not +=: the attribute's reassignment is a side effect a compiled checkpoint refuses.
         if torch.is_grad_enabled() and self.counting and (compiled or torch._C._current_graph_task_id() == -1):
-            self.router.tokens_per_expert.add_(counts)
-            if training and a.aux_loss_coeff > 0:
-                self.aux_sum += aux.detach()
-            if training and a.router_z_loss > 0:
-                self.z_sum += z.detach()
-        out = self.experts(tokens[order // k], counts)
+            self.router.tokens_per_expert.add_(counts)  # the router's choices, dropped slots too (docs/moe.md)
+            if keep is not None:
+                self.drop_sum.add_((~keep).sum())
+            if a.aux_loss_coeff > 0:
+                self.aux_sum.add_(aux.detach())
+            if a.router_z_loss > 0:
+                self.z_sum.add_(z.detach())
+        out = self.experts(tokens[order // k], sent)
         # Summed in x's shape, not viewed into it after: a module's output that is a view lets an in-place op on it
-        # skip FSDP's pre-backward hook (FSDP2 warns of it where it wraps this module, as under TP).
-        routed = torch.empty_like(out).index_copy_(0, order, out).view(*shape[:-1], k, shape[-1])
+        # skip FSDP's pre-backward hook (FSDP2 warns of it where it wraps this module, as under TP). A dropped slot's
+        # output is zero: it adds nothing to its token's, and its weight gets no gradient.
+        routed = torch.empty_like(out) if keep is None else out.new_zeros(flat.numel(), out.shape[-1])
+        routed = routed.index_copy_(0, order, out).view(*shape[:-1], k, shape[-1])
         y = (routed.float() * weights.view(*shape[:-1], k, 1)).sum(-2).to(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
+
+    def within_capacity(self, experts: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """Which of the slots `experts` (tokens, k) their experts take (capacity.py), (sequences, tokens, k): the
+        capacity is of the whole sequence, however many ranks hold parts of it."""
+        a, split = self.args, self.earlier_slots
+        local = experts.view(shape[0] if len(shape) == 3 else 1, -1, a.top_k)
+        whole = local.shape[1] if split is None else split.seq_len
+        limit = capacity.capacity(a.capacity_factor, whole, a.top_k, a.num_experts)
+        return capacity.kept(local, a.num_experts, limit, split)
 
     def init_weights(self, init, out_std: float) -> None:
         init(self.router.gate.weight, out_std)

@@ -47,6 +47,13 @@ def tp_plan(s: TPStyles, loss_parallel: bool) -> dict[str, Any]:
         # sums their gradients there (parallel/parallelize.py).
         "layers.*.moe": s.prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                                         use_local_output=True),
+        # A multi-token prediction module (mtp.py) is a block with these besides: its norms on the sequence shards,
+        # and the projection of the two, whole on every rank (its gradient summed over the ranks' shards), handing
+        # the block its sequence shard.
+        "mtp.*.enorm": s.sequence(),
+        "mtp.*.hnorm": s.sequence(),
+        "mtp.*.eh_proj": s.replicated(use_local_output=True),
+        "mtp.*.norm": s.sequence(),
     }
 
 

@@ -6,6 +6,11 @@ spec's HFAdapter, models/spec.py). transformers is not imported here: the tests 
   mlp.gate with the selection bias as mlp.gate.e_score_correction_bias, the shared expert as mlp.shared_experts and
   each routed expert's gate_proj, up_proj, down_proj a tensor of its own (as published, and as transformers'
   save_pretrained writes them though it fuses them in memory).
+- Multi-token prediction: num_nextn_predict_layers modules, module k as layer num_hidden_layers + k (`bind`, since
+  that index is the args'). DeepSeek's folders hold there the embedding and lm_head again; ours shares them, so an
+  export writes them twice and an import reads the main ones and skips the copies unread, as transformers' MtpModel
+  does: comparing them would read two vocabulary-sized tensors more on every rank that starts from a folder.
+  DeepseekV3ForCausalLM itself ignores that layer (its generate's use_mtp drafts with it).
 - No RoPE permutation: ours rotates consecutive pairs of the rotated part, which is transformers' rope_interleave
   (its default and what DeepSeek publishes). It returns the pairs' halves apart, but queries and keys alike, so the
   scores are ours.
@@ -31,7 +36,7 @@ from torchtitan_lite.models.common.hf import (  # noqa: F401 - split: the spec n
 from torchtitan_lite.models.common.moe import MoEArgs
 from torchtitan_lite.models.common.rope import YaRN
 from torchtitan_lite.models.deepseek_v3.model import FLAVORS, ModelArgs
-from torchtitan_lite.models.spec import ConversionError
+from torchtitan_lite.models.spec import ConversionError, HFAdapter
 
 NAMES = Names("DeepSeek-V3", {
     "attention.wq": "self_attn.q_proj", "attention.wq_a": "self_attn.q_a_proj",
@@ -47,6 +52,12 @@ NAMES = Names("DeepSeek-V3", {
 # The selection bias: a buffer, not a weight, so not in the shared table.
 _OURS_BIAS, _HF_BIAS = (re.compile(r"layers\.(\d+)\.moe\.router\.expert_bias"),
                         re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias"))
+# An MTP module's own tensors: ours under mtp.{k}., theirs under the layer after the blocks' (model.layers.{n + k}.).
+MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+           "norm.weight": "shared_head.norm.weight"}
+# What that layer holds again of the main model, theirs -> ours: the paper's MTP modules share them with it, as ours do.
+MTP_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
+_OURS_MTP, _HF_ANY_LAYER = re.compile(r"mtp\.(\d+)\.(.+)"), re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 # What DeepseekV3ForCausalLM's router computes, in our MoEArgs' terms; the rest (scale, renormalization, groups, the
 # shared experts' count, the first dense blocks) are config keys of its own.
@@ -71,6 +82,33 @@ def our_name(name: str) -> str | None:
     return NAMES.our_name(name)
 
 
+def bind(hf: HFAdapter, args: ModelArgs) -> HFAdapter:
+    """The adapter of a model of `args` (HFAdapter.bind): as DeepSeek publishes MTP module k, layer n_layers + k of
+    the folder, with a block's names (its block is one), its own four tensors, and copies of the embedding and the
+    output projection. The unbound names know no MTP module, since the layer's index depends on n_layers."""
+    n = args.n_layers
+
+    def mtp_hf_name(name: str) -> str:
+        if m := _OURS_MTP.fullmatch(name):
+            layer, part = n + int(m[1]), m[2]
+            return f"model.layers.{layer}.{MTP_OWN[part]}" if part in MTP_OWN else hf_name(f"layers.{layer}.{part}")
+        return hf_name(name)
+
+    def mtp_our_name(name: str) -> str | None:
+        m = _HF_ANY_LAYER.fullmatch(name)
+        if m is None or int(m[1]) < n:
+            return our_name(name)
+        # beyond mtp_depth too: the converters then name the tensor the folder's model has no place for
+        k, part = int(m[1]) - n, m[2]
+        own = next((ours for ours, theirs in MTP_OWN.items() if theirs == part), None)
+        block = our_name(f"model.layers.{n}.{part}")
+        return f"mtp.{k}.{own}" if own else block and f"mtp.{k}.{block.removeprefix(f'layers.{n}.')}"
+
+    copies = {f"model.layers.{n + k}.{theirs}": ours for k in range(args.mtp_depth)
+              for theirs, ours in MTP_COPIES.items()}
+    return replace(hf, hf_name=mtp_hf_name, our_name=mtp_our_name, copies=copies, bind=None)
+
+
 def to_hf_tensor(name: str, w: torch.Tensor, args: ModelArgs, inverse: bool = False) -> torch.Tensor:
     """Every weight as it is, both ways: with rope_interleave, transformers rotates the pairs ours rotates."""
     return w
@@ -82,8 +120,9 @@ def absent(args: ModelArgs) -> dict[str, torch.Tensor]:
     moe = args.moe
     if moe is None or moe.load_balance_coeff > 0:
         return {}
+    # MTP module k's block is built as block n_layers + k, the index its bias has in the folder too
     return {hf_name(f"layers.{i}.moe.router.expert_bias"): torch.zeros(moe.num_experts)
-            for i in range(args.n_layers) if moe.is_moe(i)}
+            for i in range(args.n_layers + args.mtp_depth) if moe.is_moe(i)}
 
 
 # ---- Export
@@ -105,11 +144,13 @@ def yarn_scaling(args: ModelArgs) -> dict | None:
 
 
 def deepseek_moe(args: ModelArgs) -> dict:
-    """config.json's mixture keys (a dense model: every block before first_k_dense_replace), or ConversionError."""
+    """config.json's mixture keys (a dense model: every block before first_k_dense_replace, the MTP modules' too, as
+    their layers' indices say), or ConversionError."""
     moe = args.moe
     if moe is None:
-        return {"first_k_dense_replace": args.n_layers, "n_routed_experts": 1, "num_experts_per_tok": 1,
-                "n_shared_experts": 1, "moe_intermediate_size": args.ffn_hidden, "n_group": 1, "topk_group": 1}
+        return {"first_k_dense_replace": args.n_layers + args.mtp_depth, "n_routed_experts": 1,
+                "num_experts_per_tok": 1, "n_shared_experts": 1, "moe_intermediate_size": args.ffn_hidden,
+                "n_group": 1, "topk_group": 1}
     check_routing(moe, DEEPSEEK_V3_ROUTING, "DeepSeek-V3")
     if not moe.shared_experts:
         raise _refuse_export("moe.shared_experts = 0 (its mixture always adds a shared expert)")
@@ -138,7 +179,7 @@ def hf_config(args: ModelArgs, bos_id: int, eos_id: int, dtype: torch.dtype) -> 
         "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
         "rope_scaling": yarn_scaling(args), "rope_interleave": True, "max_position_embeddings": args.max_seq_len,
         "bos_token_id": bos_id, "eos_token_id": eos_id, "tie_word_embeddings": False, "attention_bias": False,
-        "hidden_act": "silu", "num_nextn_predict_layers": 0,  # no multi-token-prediction module
+        "hidden_act": "silu", "num_nextn_predict_layers": args.mtp_depth,
         "torch_dtype": name, "dtype": name, **deepseek_moe(args),
     }
 
@@ -208,7 +249,9 @@ def model_args_from_hf(config: dict) -> ModelArgs:
                      ffn_hidden=hidden, vocab_size=vocab, max_seq_len=config.get("max_position_embeddings", 4096),
                      norm_eps=LATENT_NORM_EPS, rope_theta=theta,
                      yarn=_yarn(config, rope, refuse) if rope_type == "yarn" else None,
-                     moe=_moe_args(config, layers, refuse))
+                     moe=_moe_args(config, layers, refuse),
+                     # transformers' default where absent, as DeepSeek-V3 publishes it
+                     mtp_depth=config.get("num_nextn_predict_layers", 1))
 
 
 def matching_flavor(args: ModelArgs) -> str | None:

@@ -35,6 +35,7 @@ class ModelArgs:
     yarn: YaRN | None = YaRN()  # applied where max_seq_len exceeds its original context
     depth_init: bool = True  # output projections' std shrinks with depth (torchtitan's recipe)
     moe: MoEArgs | None = None
+    mtp_depth: int = 0  # multi-token prediction's modules (num_nextn_predict_layers; common/mtp.py)
     # The decoder's choices DeepSeek-V3 makes at every size (class attributes, not fields).
     attention = MLA
     qk_norm = False
@@ -65,14 +66,14 @@ def deepseek_moe(num_experts: int, top_k: int, hidden: int, shared: int, first_d
 FLAVORS: dict[str, ModelArgs] = {
     # For the CPU and the suite: 2 blocks at the Llama debug model's width, the first dense; a query latent; keys of
     # 48 (32 unrotated + 16 rotated) and values of 32; 8 experts of 128 in 4 groups, a token's top 2 within its best
-    # 2 groups, a shared expert.
+    # 2 groups, a shared expert; one MTP module, as 671B's.
     "debugmodel": ModelArgs(dim=256, n_layers=2, n_heads=8, q_rank=128, kv_rank=128, nope_dim=32, rope_dim=16,
-                            v_dim=32, ffn_hidden=512,
+                            v_dim=32, ffn_hidden=512, mtp_depth=1,
                             moe=deepseek_moe(8, 2, 128, shared=1, first_dense=1, n_group=4, topk_group=2)),
     # torchtitan's 16B, DeepSeek-V2-Lite's shape: softmax scores, neither renormalized nor scaled, no groups.
     "16B": ModelArgs(dim=2048, n_layers=27, n_heads=16, ffn_hidden=10944, yarn=YaRN(mscale=0.707),
                      moe=replace(deepseek_moe(64, 6, 1408, shared=2, first_dense=1, route_scale=1.0),
                                  score_func="softmax", renormalize=False)),
-    "671B": ModelArgs(dim=7168, n_layers=61, n_heads=128, q_rank=1536, ffn_hidden=18432,
+    "671B": ModelArgs(dim=7168, n_layers=61, n_heads=128, q_rank=1536, ffn_hidden=18432, mtp_depth=1,
                       moe=deepseek_moe(256, 8, 2048, shared=1, first_dense=3, n_group=8, topk_group=4)),
 }

@@ -17,16 +17,19 @@ from torchtitan_lite.runtime import metrics
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """The decoder's count (decoder.flops_per_token) with MLA's attention: each head's scores over keys of head_dim
-    and its sum over values of v_dim, so the mean of the two stands for the head size."""
+    and its sum over values of v_dim, so the mean of the two stands for the head size. Multi-token prediction's
+    modules count as blocks (their parameters are among the model's), and each depth multiplies by the output
+    projection once more."""
     n_params, n_embedding = count_params(model)
     a = model.args
-    return metrics.flops_per_token(n_params - inactive_params(model), a.n_layers, a.n_heads,
-                                   (a.head_dim + a.v_dim) / 2, seq_len, n_embedding)
+    depth = a.mtp_depth
+    return metrics.flops_per_token(n_params - inactive_params(model) + depth * model.output.weight.numel(),
+                                   a.n_layers + depth, a.n_heads, (a.head_dim + a.v_dim) / 2, seq_len, n_embedding)
 
 
 SPEC = ModelSpec(name="deepseek_v3", model_class=Decoder, flavors=FLAVORS, tp_plan=mla_tp_plan, tp_sizes=tp_sizes,
                  flops_per_token=flops_per_token, param_group=param_group, configure=configure,
                  hf=HFAdapter(hf_name=hf.hf_name, our_name=hf.our_name, to_hf_tensor=hf.to_hf_tensor,
                               config=hf.hf_config, args_from_config=hf.model_args_from_hf,
-                              flavor_of=hf.matching_flavor, split=hf.split, absent=hf.absent),
+                              flavor_of=hf.matching_flavor, split=hf.split, absent=hf.absent, bind=hf.bind),
                  published_vocab={"16B": 102_400, "671B": 129_280})
