@@ -194,7 +194,8 @@ def test_multi_token_predictions_loss_is_drawn_dotted_in_the_loss_panel(tmp_path
     import matplotlib.pyplot as plt
 
     drawn, real = [], plt.Axes.plot
-    monkeypatch.setattr(plt.Axes, "plot", lambda ax, *a, **k: drawn.append((ax, k.get("linestyle"))) or real(ax, *a, **k))
+    monkeypatch.setattr(plt.Axes, "plot",
+                        lambda ax, *a, **k: drawn.append((ax, k.get("linestyle"))) or real(ax, *a, **k))
     records = [{**r, "mtp_loss": r["loss"] + 1.0} for r in falling(12)]
     run = plot_metrics.load_run(write_metrics(tmp_path / "mtp" / "metrics.jsonl", records), "mtp")
     assert run.series["mtp_loss"] == (list(range(1, 13)), [r["mtp_loss"] for r in records])

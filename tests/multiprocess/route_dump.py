@@ -1,16 +1,16 @@
 """Every token's routing decision at step 1, for the parity tests of mixture-of-experts layouts: routing is
-discontinuous (a score difference of one rounding can flip a token's top-k choice, and a flipped token moves the curve
-by more than rounding), so a layout's numbers are compared with one process's only once every token is known to have
-gone to the same experts.
+discontinuous (a score difference of one rounding can flip a token's top-k choice, and a flipped token moves the
+curve by more than rounding), so a layout's numbers are compared with one process's only once every token is known to
+have gone to the same experts.
 
 grad_dump.recording starts a RouteRecorder: rank R writes OUT_DIR/routes.R.pt, {MoE layer: [(global sequence index,
 its tokens' experts (seq, k), their margins (seq,), their positions in the sequence)]}; a token's margin is how far
 its k-th expert's score is above the best one it did not choose. A sequence is named by its index in the data's one
 global order (data/loader.py: dp rank r takes a contiguous slice of the step's windows and cuts it into
 micro-batches), and where a sequence is split across ranks each records the positions of the tokens it routes
-(context parallelism's cut, the loader's or the step's; then sequence parallelism's, TP rank t holding the t-th contiguous part, the
-tp dim being the mesh's innermost), so any layout's records line up with one process's. `load_routes` joins the
-ranks' files.
+(context parallelism's cut, the loader's or the step's; then sequence parallelism's, TP rank t holding the t-th
+contiguous part, the tp dim being the mesh's innermost), so any layout's records line up with one process's.
+`load_routes` joins the ranks' files.
 """
 
 import os
