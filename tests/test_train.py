@@ -1,5 +1,6 @@
 """train.py in-process on one process: gradient accumulation gives one big batch's curve."""
 
+import gc
 import logging
 import re
 import subprocess
@@ -37,6 +38,21 @@ def test_accumulation_matches_one_big_batch(tmp_path):
         assert accumulated == pytest.approx(big, abs=2e-6)
     # A different global batch is a different curve: the comparison above can fail.
     assert curve(tmp_path, "other", "--training.global_batch_size", "8") != pytest.approx(big, abs=1e-3)
+
+
+def test_a_run_leaves_automatic_garbage_collection_as_it_found_it(tmp_path):
+    """The loop turns automatic collection off (it collects every training.gc_freq steps); the caller gets back what it
+    had: on in this process, off in one started with it off, as the suite's are (tests/quick_exit/sitecustomize.py),
+    where turning it on would walk every object torch made (0.17 s) on the way out."""
+    for collecting in (True, False):
+        if not collecting:
+            gc.disable()
+        try:
+            assert train.run(["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path / str(collecting)),
+                              "--training.steps", "1"]) == 0
+            assert gc.isenabled() == collecting
+        finally:
+            gc.enable()
 
 
 def test_config_error_returns_2_and_prints_one_line(tmp_path, capsys):

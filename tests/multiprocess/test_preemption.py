@@ -30,6 +30,11 @@ def test_signal_saves_the_current_step(tmp_path, signals, layout):
     # Twice Ctrl-C: step 2's checkpoint is the one to keep.
     cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--training.steps", "1000", "--checkpoint.enable",
            "--checkpoint.interval", "2" if ctrl_c_twice else "500", *layout]
+    if signals == ("SIGTERM",):  # held before step 2 while a second run is refused below, rather than train on
+        gate = tmp_path / "gate"
+        gate.mkdir(parents=True)
+        env["SUITE_GATE"] = str(gate)
+        (gate / "hold-2").touch()
     # A process group of its own, as a terminal gives a command: Ctrl-C goes to all of it, torchrun included. Ctrl-C
     # at its default, as a terminal's foreground command has it: a suite started in the background (`pytest &`)
     # ignores SIGINT, its children inherit that, and a shell that starts ignoring a signal cannot trap it.
@@ -45,13 +50,14 @@ def test_signal_saves_the_current_step(tmp_path, signals, layout):
     folder = tmp_path / "checkpoint"
     try:
         if signals == ("SIGTERM",):  # a second run into the folder of this live one is refused before it starts
-            wait_until(lambda: logged(tmp_path) >= 1, "step 1", proc)
-            second = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True)
+            wait_until(lambda: logged(tmp_path) >= 1, "step 1", proc)  # and waits before step 2 meanwhile (gate.py)
+            second = subprocess.Popen(cmd, cwd=ROOT, env={k: v for k, v in env.items() if k != "SUITE_GATE"},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             refusal = second.communicate(timeout=TIMEOUT_S)
             assert second.returncode == 2 and refusal[0] == "", refusal
             assert refusal[1].startswith(f"error: job.dump_folder {tmp_path} is in use by a live run (pid ")
             assert len(refusal[1].splitlines()) == 1, refusal[1]
+            (gate / "hold-2").unlink()
         wait_until(lambda: logged(tmp_path) >= 3, "step 3", proc)
         send(signals[0])
         if len(signals) > 1:

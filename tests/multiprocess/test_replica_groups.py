@@ -144,7 +144,7 @@ def restart_alone(folder: Path, groups: int, *overrides: str, meanwhile=lambda: 
         lighthouse.shutdown()
 
 
-def test_three_groups_survive_two_kills_in_a_row_the_second_of_the_group_serving_a_heal(tmp_path):
+def test_three_groups_survive_two_kills_in_a_row_the_second_of_the_group_serving_a_heal(runs, tmp_path):
     """`REPLICA_GROUPS=3 NGPU=1 ./run_train.sh`, a global batch of 8: 4 micro-batches, which 3 groups share 2, 1, 1
     and 2 share 2, 2 (uneven shares; the loss is over the global batch's tokens, so the sum is the batch's gradient).
     Group 0 SIGKILLs itself in step 3's all-reduce across the groups (after its backward) and the launcher starts it
@@ -157,8 +157,7 @@ def test_three_groups_survive_two_kills_in_a_row_the_second_of_the_group_serving
     fewer groups alive than min_replica_size waits for more a bounded time, and says so."""
     # A collective with a dead group fails at once, or waits this long for it (the survivors' ring, its restart).
     timeout = ("--fault_tolerance.process_group_timeout_ms", "3000")
-    reference, folder = tmp_path / "single", tmp_path / "run"
-    train_in_process(reference, *COMMON, "--training.steps", str(STEPS))
+    folder = tmp_path / "run"
     folder.mkdir()
     for marker in ("hold-q1", "hold-q5", "hold-q7", "die-serving"):
         (folder / marker).touch()
@@ -203,7 +202,7 @@ def test_three_groups_survive_two_kills_in_a_row_the_second_of_the_group_serving
     records, resumes = read_history(folder)
     assert [m["step"] for m in records] == list(range(1, STEPS + 1)) and not resumes
     assert sum('"event": "start"' in line for line in history.splitlines()) == 1
-    assert_same_curve(folder, reference, 1e-5)
+    assert_same_curve(folder, runs["single"], 1e-5)
     code, late = restart_alone(folder, 3, *timeout)
     assert code == 2 and late.strip().splitlines()[-1] == (
         "error: replica group 1 restarted and found no live group to heal from (the others have finished, or died "

@@ -3,9 +3,14 @@ group forms (it used to fail in gloo's connectFullMesh, see distributed._round_s
 complete checkpoint and finishes on the uninterrupted curve. The job is a 2-stage pipeline (GPipe): the dead rank holds
 the last stage. (An FSDP job that restarts on fewer nodes: test_multinode.py.)"""
 
+import pytest
+
 from run_table import SHARED_RUNS
 from launch import COMMON, GATE, STEPS, assert_same_curve, losses, read_metrics, resumes, torchrun
 from torchtitan_lite.runtime.run_history import history_run
+
+# pp2_gpipe's curve, made in the background: read last, rather than wait for it among the tests in front.
+pytestmark = pytest.mark.reads("shared_2p")
 
 
 def test_killed_worker_is_restarted_and_finishes_on_the_uninterrupted_curve(runs, tmp_path):

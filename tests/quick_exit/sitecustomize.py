@@ -3,12 +3,13 @@ torchrun's launcher and workers, the scripts, `train.py --check`.
 
 Such a process imports torch, which makes millions of objects and no garbage worth collecting: the cyclic collector,
 run every 700 allocations, walks them again and again (an eighth of `import train`'s CPU time, measured), and every
-rank and launcher of every job pays it on the suite's few cores. So automatic collection is off from the start;
-train.py's run turns it back on as it returns (its loop collects on a schedule of its own meanwhile), and a script
-that never does simply runs without it for its few seconds. At exit, the interpreter's last collection would walk
-every one of torch's objects once more: freezing the heap in the last atexit handler (registered first, so it runs
-last: after logging's and torch's have flushed and closed what they hold) leaves it nothing to walk. What a test sees
-is what the process did; only unreachable reference cycles, whose finalizers Python never promises to run, wait.
+rank and launcher of every job pays it on the suite's few cores. So automatic collection is off from the start, and
+stays off: train.py's run leaves it as it found it (its loop collects on a schedule of its own), and a script runs
+without it for its few seconds (several_runs.py, which trains run after run, freezes what its imports made and
+turns it on between the runs). At exit, the interpreter's last collection would walk every one of torch's objects
+once more: freezing the heap in the last atexit handler (registered first, so it runs last: after logging's and
+torch's have flushed and closed what they hold) leaves it nothing to walk. What a test sees is what the process
+did; only unreachable reference cycles, whose finalizers Python never promises to run, wait.
 
 A process of a shared job made in the background (launch.in_background) takes the lowest CPU priority, so that it
 runs on what the tests in front leave idle (it still slows them somewhat: the cores share caches and memory).
