@@ -79,7 +79,7 @@ def start_processes(cfg: JobConfig, env: Env, dims: ParallelDims):
     ft = cfg.fault_tolerance
     device = init_distributed(env, cfg.comm.init_timeout_seconds, ft.groups_per_machine if ft.enable else 1)
     group_formed(env)  # a line can now be said for a hung rank 0
-    set_determinism(cfg.training.seed, cfg.training.deterministic, device)
+    set_determinism(cfg.training.seed, cfg.training.deterministic, device, cfg.training.layout_invariant)
     mesh, dp_mesh, loss_mesh = dims.build_mesh(device.type)
     if env.rank == 0 and cfg.job.print_args:
         logger.info("resolved config:\n%s", to_toml(cfg))
@@ -169,7 +169,7 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     # The training data, and the held-out data read anew from its start at every validation.
     loader_args = (global_batch, training.local_batch_size, dp_mesh.get_local_rank(), dims.dp, seq_share,
                    device.type == "cuda")
-    data = DataLoader(source, *loader_args)
+    data = DataLoader(source, *loader_args, interleave=training.layout_invariant)
     model, parts, model_flops_per_token = build_model(cfg, model_args, mesh, dims, device)
     # block_causal: FlexAttention's block mask on a GPU, else an explicit mask.
     documents.use_kernel(parts, device.type, dims.cp, masked=bos_id is not None)
@@ -189,7 +189,7 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     numerics = Numerics.from_config(cfg, dims)
     warn_if_slow(device, numerics.compute_dtype)
     guard = UpdateGuard(device, numerics.compute_dtype, training.skip_nonfinite_steps)
-    model_step = build_step(model, parts, mesh, dims, cfg, device, numerics, guard.scale, inputs)
+    model_step = build_step(model, parts, mesh, dims, cfg, device, numerics, guard.scale, inputs, dp_mesh.get_group())
     # MFU against the peak of the units the blocks' matmuls run on: float8's when converted and not emulated, its
     # attention and output layer counted against it too (torchtitan reports none under float8; docs/float8.md).
     peak, peak_said = stated_peak_flops(device, FLOAT8 if float8.enabled(cfg) and not cfg.float8.emulate
@@ -245,7 +245,8 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     # Parameters the first and last pipeline stages share (tied embeddings) get both stages' gradients before the clip.
     clip = StageTies(parts, mesh).clip if dims.pp > 1 else lambda clip: clip
     update = Update(optimizer, scheduler, guard, clip(partial(clip_grad_norm_, params, training.max_norm,
-                                                              env.world_size)), commit=replicas.commit)
+                                                              env.world_size, in_float32=training.layout_invariant)),
+                    commit=replicas.commit)
     stages = mesh["pp"].get_group() if dims.pp > 1 and ModelSpec.moe(model_args) is not None else None
     expert_load = ExpertLoad(model, lambda: dims.token_mesh(mesh).get_group() if dims.dp * dims.cp * dims.tp > 1
                              else None, global_batch, stages, device, training.seq_len)
@@ -338,7 +339,7 @@ def checked(cfg: JobConfig, world_size: int) -> None:
 
 def run(argv: list[str] | None = None, check: bool = False) -> int:
     """Trains; with `check`, only validates the config for WORLD_SIZE processes (exit 2 and one line if it is bad)."""
-    env, stopped, collecting = Env.from_environ(), None, gc.isenabled()
+    env, stopped, collecting, threads = Env.from_environ(), None, gc.isenabled(), torch.get_num_threads()
     stop_with_launcher()
     # A check prints its plan and what warns; the job it precedes logs the rest of what it reads.
     logging.basicConfig(level=logging.WARNING if check else logging.INFO, format="%(asctime)s %(message)s",
@@ -375,6 +376,7 @@ def run(argv: list[str] | None = None, check: bool = False) -> int:
         # started with it off, as the suite's are, its first collection walks every object torch made: 0.17 s)
         if collecting:
             gc.enable()
+        torch.set_num_threads(threads)  # as main() found it (training.layout_invariant computes with one)
         restore_signals()
         if dist.is_initialized():
             dist.destroy_process_group()

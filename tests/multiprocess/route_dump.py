@@ -54,8 +54,13 @@ class RouteRecorder:
         def recording_next_batch(loader):
             if not first_step():
                 return next_batch(loader)
-            first = loader.position + loader.dp_rank * (loader.global_batch // loader.dp_size)
-            self.sequences = [first + i for i in range(loader.global_batch // loader.dp_size)]
+            per_rank, size = loader.global_batch // loader.dp_size, loader.local_batch
+            if loader.interleave:  # micro-batch m of rank r is the batch's m * dp + r (training.layout_invariant)
+                self.sequences = [loader.position + (m * loader.dp_size + loader.dp_rank) * size + i
+                                  for m in range(per_rank // size) for i in range(size)]
+            else:
+                first = loader.position + loader.dp_rank * per_rank
+                self.sequences = [first + i for i in range(per_rank)]
             batches = next_batch(loader)
             self.positions = (torch.arange(batches[0][0].shape[1]) if self.ranges is None else
                               torch.cat([torch.arange(start, stop) for start, stop in self.ranges]))
@@ -107,3 +112,23 @@ def load_routes(out: Path) -> dict[str, dict[int, tuple[torch.Tensor, torch.Tens
             assert torch.equal(positions[order], torch.arange(len(positions))), f"{layer}, sequence {seq}: {positions}"
             routes.setdefault(layer, {})[seq] = (experts[order], margin[order])
     return routes
+
+
+def assert_same_routes(got: dict, ref: dict, layout: str) -> tuple[float, float]:
+    """Every token of every sequence of the step went to the same experts in the same order; returns the smallest
+    margin seen (how close a token came to a flip) and the largest difference of a margin from one process's (how far
+    the layout moved the scores at the decision)."""
+    assert got.keys() == ref.keys() and got, f"MoE layers {sorted(got)} against {sorted(ref)}"
+    smallest, moved = float("inf"), 0.0
+    for layer, sequences in ref.items():
+        assert got[layer].keys() == sequences.keys(), f"{layer}: sequences {sorted(got[layer])} vs {sorted(sequences)}"
+        for seq, (experts, margin) in sequences.items():
+            flipped = (got[layer][seq][0] != experts).any(-1).nonzero().flatten().tolist()
+            if flipped:
+                t = flipped[0]
+                raise AssertionError(f"a flipped routing decision, not a wrong number: on {layout}, {layer}, sequence "
+                                     f"{seq}, token {t} went to experts {got[layer][seq][0][t].tolist()}, on one "
+                                     f"process to {experts[t].tolist()} (its margin {margin[t].item():.2e})")
+            smallest = min(smallest, margin.min().item())
+            moved = max(moved, (got[layer][seq][1] - margin).abs().max().item())
+    return smallest, moved

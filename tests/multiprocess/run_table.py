@@ -317,8 +317,42 @@ FLOAT8_RUNS = {
 }
 # The single-process run of the layouts of 4 pipeline stages, which train the debug model's 6 blocks, 4 steps as they.
 SINGLES = {"single_debugmodel": Run(1, (*DEBUGMODEL, *SHORT), reference=None)}
+# training.layout_invariant (test_layout_invariant.py): each layout bitwise equal to its single-process run, the loss
+# and grad norm of every step and every saved tensor (weights, AdamW's moments) at steps 2 and 4. A global batch of 12
+# micro-batches of 1 sequence: 3 micro-steps on FSDP 4 and HSDP 2 x 2 (a count no power of two), 6 on DDP 2 and FSDP 2
+# (recomputing every block). The mixture (z-loss, bias balancing) records its routes and gradients at step 1.
+INVARIANT = ("--training.layout_invariant", "--training.global_batch_size", "12", "--training.local_batch_size", "1",
+             *CHECKPOINTED, *SHORT)
+MOE_INVARIANT = (*INVARIANT, *MOE, "--training.z_loss", "1e-4")
+PIPELINE_4 = ("--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatches", "4")
+GLOBAL_4 = ("--training.global_batch_size", "4")
+INVARIANT_RUNS = {
+    "inv_single": Run(1, INVARIANT, reference=None, record=False),
+    "inv_fsdp4": Run(4, INVARIANT, reference="inv_single", record=False),
+    "inv_hsdp2x2": Run(4, (*INVARIANT, *HSDP), reference="inv_single", record=False),
+    "inv_ddp2": Run(2, (*INVARIANT, "--parallelism.data_parallel_replicate_degree", "2",
+                        "--parallelism.data_parallel_shard_degree", "1"), reference="inv_single", record=False),
+    "inv_fsdp2_ac": Run(2, (*INVARIANT, "--activation_checkpoint.mode", "full"), reference="inv_single",
+                        record=False),
+    "inv_moe_single": Run(1, MOE_INVARIANT, reference=None),
+    "inv_moe_fsdp4": Run(4, MOE_INVARIANT, reference="inv_moe_single"),
+    # Pipelines: GPipe, 3 local batches of 4 micro-batches; 1F1B, 2 of 6, every block recomputed.
+    "inv_pp2_gpipe": Run(2, (*INVARIANT, *PP2, "--parallelism.pipeline_parallel_schedule", "GPipe",
+                             *PIPELINE_4), reference="inv_single", record=False),
+    "inv_pp2_1f1b": Run(2, (*INVARIANT, *PP2, "--training.local_batch_size", "6",
+                            "--parallelism.pipeline_parallel_microbatches", "6", "--activation_checkpoint.mode",
+                            "full"), reference="inv_single", record=False),
+    # 4 stages of the debug model's 6 blocks, 2 a rank, against its own single process (4 micro-batches of 1):
+    # Interleaved1F1B, 1 local batch of 4 micro-batches; LoopedBFS, 2 of 2.
+    "inv_debug_single": Run(1, (*INVARIANT, *DEBUGMODEL, *GLOBAL_4), reference=None, record=False),
+    "inv_pp2_interleaved": Run(2, (*INVARIANT, *DEBUGMODEL, *GLOBAL_4, *PP2, "--parallelism.pipeline_parallel_schedule",
+                                   "Interleaved1F1B", *PIPELINE_4), reference="inv_debug_single", record=False),
+    "inv_pp2_looped_bfs": Run(2, (*INVARIANT, *DEBUGMODEL, *GLOBAL_4, *PP2, "--parallelism.pipeline_parallel_schedule",
+                                  "LoopedBFS", "--training.local_batch_size", "2"), reference="inv_debug_single",
+                              record=False),
+}
 ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **MOE_RUNS, **COMPILED_RUNS, **FLOAT8_RUNS,
-            **SINGLES}
+            **SINGLES, **INVARIANT_RUNS}
 
 PIPELINED, CONTEXT_PARALLEL = of_kind(SHARED_RUNS, "pipelined"), of_kind(SHARED_RUNS, "context_parallel")
 COMPILED = of_kind(SHARED_RUNS, "compiled")
@@ -353,6 +387,8 @@ RESUMED_RUNS = {
     # Qwen3's tied table, saved by PP 2 x TP 2 (held by both stages) and loaded on HSDP 2 x CP 2.
     "pp2_tp2_qwen3_on_hsdp2_cp2": Resumed("pp2_tp2_qwen3", 2, 4, (*SHARED_RUNS["hsdp2_cp2_qwen3"].overrides,
                                                                   *CHECKPOINTED), model="qwen3"),
+    # training.layout_invariant: FSDP 4's step 2 resumed on DDP 2, bitwise the single process's steps 3 and 4.
+    "inv_fsdp4_on_ddp2": Resumed("inv_fsdp4", 2, 2, INVARIANT_RUNS["inv_ddp2"].overrides),
     # Float8 weights in FSDP's state: a DTensor of torchao's float8-casting subclass, saved and loaded by DCP.
     "float8_fsdp4_ag_resumed": Resumed("float8_fsdp4_ag", 2, 4, FLOAT8_RUNS["float8_fsdp4_ag"].overrides),
 }

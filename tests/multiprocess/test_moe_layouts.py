@@ -14,7 +14,7 @@ import torch
 
 from grad_dump import assert_grads_match, assert_same_bits, load_grads
 from launch import COMMON, TINY, assert_same_curve, ckpt, losses, metric
-from route_dump import load_routes
+from route_dump import assert_same_routes, load_routes
 from run_table import MOE_RUNS
 
 from torchtitan_lite.checkpoint.reader import read_metadata, read_tensors
@@ -28,26 +28,6 @@ TOLERANCE = 1e-5
 LAYOUTS = [name for name, run in MOE_RUNS.items() if run.reference is not None and run.record
            and run.config.training.mixed_precision_param == "float32"]
 BF16_TOLERANCE = 4e-3  # test_pairs.py's for bf16
-
-
-def assert_same_routes(got: dict, ref: dict, layout: str) -> tuple[float, float]:
-    """Every token of every sequence of the step went to the same experts in the same order; returns the smallest
-    margin seen (how close a token came to a flip) and the largest difference of a margin from one process's (how far
-    the layout moved the scores at the decision)."""
-    assert got.keys() == ref.keys() and got, f"MoE layers {sorted(got)} against {sorted(ref)}"
-    smallest, moved = float("inf"), 0.0
-    for layer, sequences in ref.items():
-        assert got[layer].keys() == sequences.keys(), f"{layer}: sequences {sorted(got[layer])} vs {sorted(sequences)}"
-        for seq, (experts, margin) in sequences.items():
-            flipped = (got[layer][seq][0] != experts).any(-1).nonzero().flatten().tolist()
-            if flipped:
-                t = flipped[0]
-                raise AssertionError(f"a flipped routing decision, not a wrong number: on {layout}, {layer}, sequence "
-                                     f"{seq}, token {t} went to experts {got[layer][seq][0][t].tolist()}, on one "
-                                     f"process to {experts[t].tolist()} (its margin {margin[t].item():.2e})")
-            smallest = min(smallest, margin.min().item())
-            moved = max(moved, (got[layer][seq][1] - margin).abs().max().item())
-    return smallest, moved
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

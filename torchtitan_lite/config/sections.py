@@ -138,6 +138,8 @@ class Training:
     mixed_precision_cast_forward_inputs: bool = opt(True, "FSDP casts sharded modules' float inputs to param dtype")
     seed: int = opt(0, "random seed", rule=Rule("in [0, 2**64)", lambda v: 0 <= v < 2**64))  # what torch takes
     deterministic: bool = opt(False, "torch.use_deterministic_algorithms, for bitwise-reproducible runs")
+    layout_invariant: bool = opt(False, "every layout gives the single process's bits, summing in one order "
+                                 "(docs/layout_invariance.md); refuses what it does not cover")
     skip_nonfinite_steps: int = opt(0, "a NaN/Inf gradient norm stops the run; N > 0 skips up to N such in a row",
                                     rule=at_least(0))
     z_loss: float = opt(0.0, "PaLM's z-loss weight (1e-4): the mean over tokens of the output logits' log-sum-exp "

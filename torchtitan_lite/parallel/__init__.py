@@ -8,6 +8,7 @@
 - compile.py: torch.compile of each block, whole, or in pieces around expert parallelism's dispatch
 - selective_ac.py: what op-level activation checkpointing keeps, and its count of ops that FSDP's hooks skip
 - sequence_slots.py: a sequence split across ranks: the slots other ranks hold at earlier positions (expert capacity)
+- ordered_reduce.py: sums in one fixed order, the canonical tree; FSDP's reduce-scatter in that order
 
 Imports the layers below (config, runtime, models, data); checkpointing and training build on it.
 """

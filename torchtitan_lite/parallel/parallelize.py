@@ -34,6 +34,7 @@ from torchtitan_lite.parallel.compile import apply_compile, compiled_experts
 from torchtitan_lite.parallel.context_parallel import apply_cp
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.expert_parallel import apply_ep
+from torchtitan_lite.parallel.ordered_reduce import OrderedReduceScatter
 from torchtitan_lite.parallel.sequence_slots import EarlierSlots
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.precision import DTYPES
@@ -245,6 +246,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh | None, cfg: JobConfig,
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+            if t.layout_invariant:  # the shards' sums in the canonical tree's order (training/layout_invariant.py)
+                module.set_custom_reduce_scatter(OrderedReduceScatter())
 
 
 def _shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, p: Parallelism,

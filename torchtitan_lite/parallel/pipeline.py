@@ -196,10 +196,11 @@ class Pipeline:
     """The pipelined forward and backward of one local batch: step.PipelineStep's implementation of the step.
 
     `loss_fn(logits, labels, tokens)` gives a micro-batch's loss; each call returns this rank's share of the summed
-    loss (its value on the ranks holding the last stage, 0 elsewhere), detached."""
+    loss (its value on the ranks holding the last stage, 0 elsewhere), detached; with `leaves`, the micro-batches'
+    losses in order, unsummed (training.layout_invariant sums them in its tree)."""
 
     def __init__(self, parts: list[nn.Module], pp_mesh: DeviceMesh, device: torch.device, cfg: JobConfig,
-                 loss_fn: Callable, loss_value: Callable, scale: Callable):
+                 loss_fn: Callable, loss_value: Callable, scale: Callable, leaves: bool = False):
         from torch.distributed.pipelining import PipelineStage, schedules
 
         p = cfg.parallelism
@@ -210,7 +211,7 @@ class Pipeline:
             stage._prepare_forward_infra = _uncounted(stage._prepare_forward_infra)
         self.is_last = any(s.is_last for s in self.stages)
         self.loss_fn, self.loss_value, self.scale = loss_fn, loss_value, scale
-        self.device, self.tokens, self.losses = device, 1, []
+        self.device, self.tokens, self.losses, self.leaves = device, 1, [], leaves
         # torch 2.13's schedules wait on their sends and receives with no timeout: ours (distributed.wait).
         schedules._wait_batch_p2p = _wait
         name = schedule_name(p.pipeline_parallel_schedule)
@@ -240,6 +241,7 @@ class Pipeline:
         schedule_call(to_device(inputs, self.device), target=to_device(labels, self.device), return_outputs=False,
                       **kwargs)
         if not self.is_last:
-            return torch.zeros((), device=self.device)
+            return torch.zeros(self.microbatches if self.leaves else (), device=self.device)
         # The last m: at the first step, the stage's shape inference computes one loss of its own before them.
-        return torch.stack(self.losses[-self.microbatches:]).sum()
+        losses = torch.stack(self.losses[-self.microbatches:])
+        return losses if self.leaves else losses.sum()

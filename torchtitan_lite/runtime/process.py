@@ -169,8 +169,14 @@ def peer_timeout(error: BaseException) -> RuntimeError | None:
                         f"(gloo: {said})")
 
 
-def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:
+def set_determinism(seed: int, deterministic: bool, device: torch.device, layout_invariant: bool = False) -> None:
+    """The seed, and torch's deterministic algorithms where asked. Under training.layout_invariant on the CPU, one
+    thread a process: the CPU's GEMM gives other bits with 2 threads than with 1 at some shapes (5 to 11 rows on
+    torch 2.13's x86 build, docs/layout_invariance.md), and a run of 1 process would otherwise have every core
+    where each of N processes has a share."""
     torch.manual_seed(seed)
+    if layout_invariant and device.type == "cpu":
+        torch.set_num_threads(1)
     if deterministic:
         if device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

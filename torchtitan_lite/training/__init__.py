@@ -19,6 +19,8 @@
 - replica_quorum.py: the quorum ids torchft's Manager is shown, which a restarted lighthouse cannot confuse
 - replica_config.py: what a run of replica groups accepts, checked before any process starts; torchft, imported quiet
 - replica_writer.py: which group writes the run's folder while its claim holds, and when a new writer saves at once
+- layout_invariant.py: every layout the single process's bits: gradients and losses summed in one tree; what
+  the mode refuses
 
 May import every layer below it; only tools, train.py and scripts import it.
 """

@@ -134,7 +134,7 @@ class LRSchedule(LambdaLR):
 
 @torch.no_grad()
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int,
-                    uncounted: list[torch.Tensor] = ()) -> torch.Tensor:
+                    uncounted: list[torch.Tensor] = (), in_float32: bool = False) -> torch.Tensor:
     """Clip the global gradient norm of parameters that may live on different meshes (or be plain tensors).
 
     torch.nn.utils.clip_grad_norm_ cannot mix meshes, so each rank sums the squares of its local gradient shards,
@@ -142,7 +142,8 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int
     pipeline stages too, whose parameters are disjoint: a plain tensor is held by its stage's rank alone).
     Returns the total norm (before clipping), in float64. max_norm = 0 only measures. `uncounted`: parameters of
     `params` that another rank counts (a tied parameter's copy on the last pipeline stage: parallel/stage_ties.py),
-    clipped but not counted here.
+    clipped but not counted here. `in_float32` (training.layout_invariant) rounds the total to float32 before it
+    clips or is logged: layouts that split the squares differently differ in float64's last bits, not float32's.
 
     Each tensor's norm is accumulated in float64: the CPU's float32 norm sums a tensor in long sequential runs, whose
     rounding error grows with its size, so two layouts that split the same gradients differently would log (and
@@ -166,6 +167,8 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, world_size: int
     if world_size > 1:
         dist.all_reduce(sq)
     total = sq.sqrt()
+    if in_float32:
+        total = total.float().double()
     if max_norm > 0 and local:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(local, coef.to(local[0].device, local[0].dtype))

@@ -31,6 +31,7 @@ from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.quantization import float8, mxfp8_experts
 from torchtitan_lite.runtime.metrics import cpu_peak
 from torchtitan_lite.runtime.process import cpu_threads
+from torchtitan_lite.training import layout_invariant
 from torchtitan_lite.training.step import Numerics
 
 logger = logging.getLogger("torchtitan_lite")
@@ -186,6 +187,8 @@ def make_plan(cfg: JobConfig, dims: ParallelDims, model_args: Args, global_batch
         plan.warnings.append(f"lr_scheduler.warmup_steps {warmup} is more than training.steps {cfg.training.steps}: "
                              f"the warmup is cut to the run's {cfg.training.steps} steps (the lr reaches its peak at "
                              "the last step); set warmup_steps to what the run should warm up over")
+    if cfg.training.layout_invariant:
+        plan.lines.append(layout_invariant.COST)
     if export := hf_export(cfg, spec, model_args):
         plan.warnings.append(export)
     if peak is not None and not done:

@@ -22,6 +22,7 @@ from torchtitan_lite.parallel.pipeline import check_pipeline
 from torchtitan_lite.quantization import float8, mxfp8_experts
 from torchtitan_lite.runtime.profiling import check_profiling
 from torchtitan_lite.runtime.wandb_run import check_wandb
+from torchtitan_lite.training import layout_invariant
 from torchtitan_lite.training.optimizers import check_optimizer
 from torchtitan_lite.training.replica_config import check_replicas
 
@@ -49,6 +50,7 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model_args: Args) -> None:
     if mxfp8_experts.enabled(cfg):
         with torch.device("meta"):
             mxfp8_experts.check(cfg, spec.model_class(model_args), dims)
+    layout_invariant.check(cfg, dims, model_args)
 
 
 def check_moe(cfg: JobConfig, dims: ParallelDims, moe) -> None:

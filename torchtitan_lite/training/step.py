@@ -42,6 +42,7 @@ from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import Pipeline
 from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.precision import DTYPES
+from torchtitan_lite.training.layout_invariant import Canonical, Summed
 from torchtitan_lite.training.mtp import MTP
 from torchtitan_lite.training.z_loss import ZLoss
 
@@ -130,8 +131,11 @@ class Step:
 
     def __init__(self, model: nn.Module, device: torch.device, numerics: Numerics,
                  scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss, defer_reduce: bool = False,
-                 inputs: Inputs = Inputs(), z_loss: ZLoss | None = None):
+                 inputs: Inputs = Inputs(), z_loss: ZLoss | None = None,
+                 accumulation: Summed | Canonical | None = None):
         self.model, self.device, self.numerics, self.inputs = model, device, numerics, inputs
+        # How the micro-batches' gradients and losses add up: autograd's running sum, or the layout-invariant tree.
+        self.accumulation = accumulation or Summed()
         # What rides on the logits beside the loss: PaLM's z-loss (training.z_loss) and multi-token prediction's
         # (the inputs'); `side_sums`: their values at the last train_step on this rank, each summed like the loss
         # (logged apart: source_losses.py).
@@ -154,7 +158,8 @@ class Step:
     def train_step(self, batches: list[Batch], tokens: int, rows: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch; `tokens` is the step's global token count. With `rows`, each
         micro-batch's sequence losses are appended to it (row_losses: a mixture's per source, source_losses.py)."""
-        loss_sum, self.rows = torch.zeros((), device=self.device), rows
+        self.rows = rows
+        self.accumulation.start(self.device)
         # The auxiliary losses' gradient: what the model's loss gets, scaled like it (fp16).
         seed = self.scale(torch.ones((), device=self.device))
         for layer in self.moe_layers:
@@ -166,9 +171,10 @@ class Step:
                 if self.defer_reduce:
                     self.model.set_requires_gradient_sync(i == len(batches) - 1)
                 with self.numerics.context(self.device.type):
-                    loss_sum += self.forward_backward(inputs, labels, tokens)
+                    self.accumulation.add(self.forward_backward(inputs, labels, tokens))
         finally:
             self.rows = None
+        loss_sum = self.accumulation.finish()
         # The last ones: a pipeline's shape inference computes one loss of its own first.
         self.side_sums = [torch.stack(values).sum() if (values := term.values[-len(batches) * self.losses_per_batch:])
                           else torch.zeros((), device=self.device) for term in self.side]
@@ -214,18 +220,20 @@ class PipelineStep(Step):
 
     def __init__(self, parts: list[nn.Module], pp_mesh: DeviceMesh, device: torch.device, numerics: Numerics,
                  scale: Callable[[torch.Tensor], torch.Tensor], cfg: JobConfig, inputs: Inputs = Inputs(),
-                 z_loss: ZLoss | None = None):
+                 z_loss: ZLoss | None = None, accumulation: Summed | Canonical | None = None):
         # A schedule reduces per local batch itself.
-        super().__init__(None, device, numerics, scale, inputs=inputs, z_loss=z_loss)
+        super().__init__(None, device, numerics, scale, inputs=inputs, z_loss=z_loss, accumulation=accumulation)
         self.moe_layers = [m for part in parts for m in part.modules() if isinstance(m, MoE)]
-        self.pipeline = Pipeline(parts, pp_mesh, device, cfg, self.token_loss, loss_value, scale)
+        # The canonical order sums each micro-batch's loss in its tree: the pipeline hands them, not their sum.
+        self.pipeline = Pipeline(parts, pp_mesh, device, cfg, self.token_loss, loss_value, scale,
+                                 leaves=isinstance(accumulation, Canonical))
         self.losses_per_batch = self.pipeline.microbatches
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         return self.pipeline.forward_backward(*self._prepared(inputs, labels), tokens)
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
-        return self.pipeline.forward(*self._prepared(inputs, labels), tokens)
+        return self.pipeline.forward(*self._prepared(inputs, labels), tokens).sum()  # leaves' too: validation's sum
 
     def _prepared(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         return self.inputs(to_device(inputs, self.device), to_device(labels, self.device))
@@ -233,10 +241,12 @@ class PipelineStep(Step):
 
 def build_step(model: nn.Module, parts: list[nn.Module], mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig,
                device: torch.device, numerics: Numerics, scale: Callable[[torch.Tensor], torch.Tensor],
-               inputs: Inputs = Inputs()) -> Step:
-    """The step this rank runs: the pipeline's under PP, else the plain forward and backward of `model`."""
+               inputs: Inputs = Inputs(), dp_group=None) -> Step:
+    """The step this rank runs: the pipeline's under PP, else the plain forward and backward of `model`; under
+    training.layout_invariant, its sums in the canonical order over `dp_group`'s ranks (layout_invariant.py)."""
     z_loss = ZLoss.from_config(cfg.training.z_loss)
+    accumulation = Canonical(list(model.parameters()), dp_group) if cfg.training.layout_invariant else Summed()
     if dims.pp > 1:
-        return PipelineStep(parts, mesh["pp"], device, numerics, scale, cfg, inputs, z_loss)
+        return PipelineStep(parts, mesh["pp"], device, numerics, scale, cfg, inputs, z_loss, accumulation)
     return Step(model, device, numerics, scale, defer_reduce=dims.fsdp and cfg.parallelism.fsdp_defer_grad_reduce,
-                inputs=inputs, z_loss=z_loss)
+                inputs=inputs, z_loss=z_loss, accumulation=accumulation)

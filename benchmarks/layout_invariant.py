@@ -1,0 +1,82 @@
+"""training.layout_invariant against the default, per layout, on the CPU, through the trainer: the step's time and the
+process's peak memory, and whether the layout's curve is the single process's bitwise.
+
+    python benchmarks/layout_invariant.py [--steps 10] [--repeats 2] [--layouts single,fsdp2,fsdp4,hsdp2x2,ddp2]
+
+The debug model (6 blocks of 256) on 8 sequences of 256 tokens a step, micro-batches of 2 sequences on every layout
+(1 process accumulates 4, FSDP 2 and DDP 2 accumulate 2). Each layout's two modes run in turn, `--repeats` times
+(default, invariant, default, invariant), so that drift on a shared machine hits both alike. A run's figure is the
+median step time over its steps after the first two (metrics.jsonl's elapsed time between records) and its largest
+memory_gib (the resident set's peak, on the CPU). The mode computes with one thread a process on the CPU: the
+single process pays for it where it had every core, the others had one each already; "single_1core" binds both
+modes to one core, which leaves the mode's own cost. A line per layout:
+`LAYOUT: invariant/default step time X (a s / b s), memory Y GiB / Z GiB, bitwise to 1 process: yes|no`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ("--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--lr_scheduler.warmup_steps", "2",
+         "--lr_scheduler.decay_ratio", "0", "--metrics.log_freq", "1", "--no-validation.enable",
+         "--no-checkpoint.enable", "--parallelism.tensor_parallel_degree", "1", "--training.seq_len", "256",
+         "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+         "--training.mixed_precision_param", "float32")
+# "single_1core": one process bound to one core in both modes (taskset), the mode's own cost at equal threads.
+LAYOUTS = {"single": (1, ()), "single_1core": (1, ()), "fsdp2": (2, ()), "fsdp4": (4, ()),
+           "hsdp2x2": (4, ("--parallelism.data_parallel_replicate_degree", "2")),
+           "ddp2": (2, ("--parallelism.data_parallel_replicate_degree", "2",
+                        "--parallelism.data_parallel_shard_degree", "1"))}
+
+
+def run(folder: Path, nproc: int, *overrides: str, one_core: bool = False) -> list[dict]:
+    """The step records of a train.py run of `nproc` processes in `folder` (`one_core`: bound to core 0)."""
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+           if nproc > 1 else [sys.executable])
+    cmd = ["taskset", "-c", "0", *cmd] if one_core else cmd
+    subprocess.run([*cmd, str(ROOT / "train.py"), *MODEL, "--job.dump_folder", str(folder), *overrides],
+                   check=True, capture_output=True, cwd=ROOT)
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def step_seconds(records: list[dict]) -> float:
+    times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(records[1:], records[2:])]
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        curves = {}
+        for layout in args.layouts.split(","):
+            nproc, overrides = LAYOUTS[layout]
+            figures: dict[str, list[tuple[float, float]]] = {"default": [], "invariant": []}
+            for repeat in range(args.repeats):
+                for mode in figures:
+                    flag = ("--training.layout_invariant",) if mode == "invariant" else ()
+                    records = run(Path(tmp) / f"{layout}-{mode}-{repeat}", nproc, *overrides, *flag,
+                                  "--training.steps", str(args.steps), one_core=layout == "single_1core")
+                    figures[mode].append((step_seconds(records), max(r["memory_gib"] for r in records)))
+                    curves[layout, mode] = [(r["loss"], r["grad_norm"]) for r in records]
+            (t_default, m_default), (t_inv, m_inv) = ((statistics.median(t for t, _ in f), max(m for _, m in f))
+                                                      for f in figures.values())
+            same = curves[layout, "invariant"] == curves.get(("single", "invariant"))
+            print(f"{layout}: invariant/default step time {t_inv / t_default:.2f} ({t_inv:.3f} s / {t_default:.3f} s), "
+                  f"memory {m_inv:.2f} GiB / {m_default:.2f} GiB, bitwise to 1 process: "
+                  f"{'yes' if same else 'no' if ('single', 'invariant') in curves else 'not run'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""training.layout_invariant: every layout it covers gives the single process's bits, not a curve within 1e-5. The
+loss and grad norm of every step are equal as floats, and every tensor of the checkpoints at steps 2 and 4 (weights and
+AdamW's moments) has the same bytes. A checkpoint of one layout resumes on another bitwise. And the bitwise check
+catches what the tolerance hides: a gradient off by one part in 2**20, a reduction missed on one rank, a flipped route.
+
+The runs are the shared runs of INVARIANT_RUNS (run_table.py); the errors are made on purpose by mutants.py, in a job
+of their own."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import made_later
+from grad_dump import assert_grads_match, load_grads
+from launch import COMMON, ROOT, assert_same_curve, curve, torchrun_several
+from route_dump import assert_same_routes, load_routes
+from run_table import INVARIANT, INVARIANT_RUNS, MOE_INVARIANT, RESUMED_RUNS
+from torchtitan_lite.checkpoint.reader import read_tensors
+
+MUTANTS = ROOT / "tests" / "multiprocess" / "mutants.py"
+# FSDP 2, each with one error (mutants.py): the last part of a folder's name says which.
+ERRORS = {"fsdp2_factor": INVARIANT, "fsdp2_unreduced": INVARIANT, "moe_fsdp2_flipped": MOE_INVARIANT}
+
+
+def make_mutants(folder: Path) -> Path:
+    torchrun_several(2, [(folder / name, name.endswith("flipped"), (*COMMON, "--model.name", "llama3", *argv))
+                         for name, argv in ERRORS.items()], script=MUTANTS)
+    return folder
+
+
+made_later.register("layout_invariant_mutants", make_mutants)
+pytestmark = pytest.mark.reads("shared_2p", "resumed_2p", "layout_invariant_mutants")
+LAYOUTS = [name for name, run in INVARIANT_RUNS.items() if run.reference is not None]
+
+
+def saved(folder: Path, step: int) -> dict[str, torch.Tensor]:
+    return read_tensors(str(folder / "checkpoint" / f"step-{step}"))
+
+
+def differing(got: Path, ref: Path, step: int) -> list[str]:
+    """The saved tensors of `got` at `step` whose bytes are not `ref`'s (NaN payloads and -0.0 included)."""
+    a, b = saved(got, step), saved(ref, step)
+    assert a.keys() == b.keys() and len(b) > 20, f"{sorted(a.keys() ^ b.keys())}"
+    return [k for k in b if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or
+            not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))]
+
+
+def assert_bitwise(got: Path, ref: Path, steps=(2, 4)) -> None:
+    a, b = curve(got), curve(ref)
+    assert a and set(a) <= set(b), f"steps {sorted(a)} vs {sorted(b)}"
+    unequal = {s: (a[s], b[s]) for s in a if a[s] != b[s]}
+    assert not unequal, f"(loss, grad norm) differ at {unequal}"
+    for step in steps:
+        assert not (bad := differing(got, ref, step)), f"step {step}: {len(bad)} saved tensors differ, {bad[:3]}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_gives_the_single_process_bits(runs, layout):
+    ref = runs[INVARIANT_RUNS[layout].reference]
+    if INVARIANT_RUNS[layout].record:  # a mixture: every token went to the same experts first, then every number
+        assert_same_routes(load_routes(runs[layout]), load_routes(ref), layout)
+        print(f"{layout}: every token's experts as one process's")
+    assert_bitwise(runs[layout], ref)
+    print(f"{layout}: loss and grad norm of steps {sorted(curve(runs[layout]))} and every saved tensor at steps 2 "
+          "and 4 bitwise one process's")
+
+
+def test_a_checkpoint_of_one_layout_resumes_on_another_bitwise(runs):
+    resumed = runs["inv_fsdp4_on_ddp2"]
+    assert RESUMED_RUNS["inv_fsdp4_on_ddp2"].run == "inv_fsdp4"
+    assert sorted(curve(resumed)) == [1, 2, 3, 4]  # 1 and 2 FSDP 4's (its history, resumed), 3 and 4 DDP 2's
+    assert_bitwise(resumed, runs["inv_single"], steps=(4,))
+
+
+def test_the_default_mode_differs_where_the_invariant_one_does_not(runs):
+    """The same layouts without the mode (test_layouts.py's shared runs) differ from one process in the last bits:
+    what the mode removes is there to remove."""
+    a, b = curve(runs["fsdp4"]), curve(runs["single"])
+    assert any(a[s] != b[s] for s in a)
+
+
+def test_a_gradient_off_by_one_part_in_2_to_the_20_passes_the_tolerance_not_the_bits(runs, made):
+    folder, ref = made("layout_invariant_mutants") / "fsdp2_factor", runs["inv_single"]
+    assert_same_curve(folder, ref, 1e-5)  # what the 1e-5 parity tests would say: the same curve
+    with pytest.raises(AssertionError, match="differ"):
+        assert_bitwise(folder, ref)
+
+
+def test_a_reduction_missed_on_one_rank_breaks_the_bits(runs, made):
+    with pytest.raises(AssertionError, match="differ"):
+        assert_bitwise(made("layout_invariant_mutants") / "fsdp2_unreduced", runs["inv_single"])
+
+
+def test_a_flipped_route_is_named_as_one_before_any_number(runs, made):
+    folder, ref = made("layout_invariant_mutants") / "moe_fsdp2_flipped", runs["inv_moe_single"]
+    with pytest.raises(AssertionError, match="a flipped routing decision"):
+        assert_same_routes(load_routes(folder), load_routes(ref), "moe_fsdp2_flipped")
+    with pytest.raises(AssertionError, match="differ"):
+        assert_bitwise(folder, ref)
+
+
+def test_every_gradient_at_step_1_is_the_single_process_bits(runs):
+    """The mixture's gradients before clipping, recorded at step 1 (grad_dump.py): tolerance 0."""
+    assert_grads_match(load_grads(runs["inv_moe_fsdp4"]), load_grads(runs["inv_moe_single"]), 0.0)

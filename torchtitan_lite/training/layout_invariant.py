@@ -1,0 +1,156 @@
+"""training.layout_invariant: every layout it covers gives the single process's bits (docs/layout_invariance.md).
+
+The canonical order. A step's global batch is L micro-batches of training.local_batch_size sequences, the leaves.
+Each leaf's loss and gradients come from a forward and backward of their own, with the same shapes on every layout,
+so with the same bits. The step's gradient is the sum of the leaves in one tree, `tree_sum`: adjacent pairs first,
+then pairs of those, an odd one carried up a level. A data-parallel degree D (a power of two) gives rank r leaf
+m * D + r at micro-step m (the loader interleaves). The tree's lowest log2(D) levels then sum one micro-step's leaves
+across the ranks: FSDP's reduce-scatter does it, in the tree's order (`OrderedReduceScatter`). The levels above sum
+the micro-steps: each rank counts them in binary (`Accumulator`, at most log2(L) + 1 partial sums), which builds
+the same tree. The logged loss is the same tree over the leaves' losses, and the grad norm is rounded to float32
+(optim.clip_grad_norm_).
+
+`check` refuses, in one line, what the mode does not cover yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_lite.config import ConfigError, JobConfig
+from torchtitan_lite.parallel.dims import ParallelDims
+from torchtitan_lite.parallel.ordered_reduce import add, tree_sum
+
+# What --check says the mode costs (docs/layout_invariance.md has the figures).
+COST = ("training.layout_invariant: each micro-batch's gradients summed in one tree over ranks and micro-batches "
+        "(an all-to-all in place of each reduce-scatter, up to log2(micro-batches) + 1 gradient copies, a gather "
+        "of the step's losses)")
+
+
+class Accumulator:
+    """`tree_sum` of values pushed one at a time, holding at most log2(n) + 1 partial sums: a binary counter, whose
+    carries merge two equal blocks and whose last blocks merge from the right. On D-leaf blocks (D a power of two)
+    it builds the tree tree_sum builds over the leaves."""
+
+    def __init__(self):
+        self.blocks: list[tuple[int, object]] = []  # (leaves, their sum), sizes falling
+
+    def push(self, value) -> None:
+        size = 1
+        while self.blocks and self.blocks[-1][0] == size:
+            size, value = 2 * size, add(self.blocks.pop()[1], value)
+        self.blocks.append((size, value))
+
+    def total(self):
+        value = None
+        while self.blocks:
+            value = add(self.blocks.pop()[1], value)
+        return value
+
+
+class Canonical:
+    """The step's accumulation in the canonical order (Step's `accumulation`). Each parameter's gradient, as it
+    arrives (reduced across data-parallel ranks by then: FSDP runs the hook after its reduce-scatter; a pipeline
+    stage's after each micro-batch's backward), goes to the parameter's Accumulator and leaves .grad empty for the
+    next; `finish` sets the tree's sum. The step's loss is the tree over every leaf's loss, gathered from the `group`'s
+    ranks, on its rank 0 (0 elsewhere, so the logged loss's all-reduce adds only zeros to it)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup | None):
+        self.params, self.group = params, group
+        self.sums: dict[int, Accumulator] | None = None  # by id(param), from start() to finish()
+        self.losses: list[torch.Tensor] = []
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._take)
+
+    def _take(self, p: torch.Tensor) -> None:
+        if self.sums is not None:
+            self.sums[id(p)].push(p.grad)
+            p.grad = None  # the next micro-batch's gradient arrives alone, not added to this one
+
+    def start(self, device: torch.device) -> None:
+        self.sums, self.losses = {id(p): Accumulator() for p in self.params}, []
+
+    def add(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss, or a pipeline's local batch's: its micro-batches' losses, in order."""
+        self.losses.append(loss)
+
+    def finish(self) -> torch.Tensor:
+        sums, self.sums = self.sums, None
+        for p in self.params:
+            p.grad = sums[id(p)].total()
+        mine = torch.stack(self.losses).flatten()
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return tree_sum(list(mine))
+        ranks = dist.get_world_size(self.group)
+        every = mine.new_empty(ranks * len(mine))
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        total = tree_sum(list(every.view(ranks, -1).t().flatten()))  # leaf m * D + r: micro-step-major
+        return total if dist.get_rank(self.group) == 0 else torch.zeros_like(total)
+
+
+class Summed:
+    """The default accumulation: autograd adds each micro-batch's gradients to .grad, the losses add in turn."""
+
+    def start(self, device: torch.device) -> None:
+        self.total = torch.zeros((), device=device)
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.total += loss
+
+    def finish(self) -> torch.Tensor:
+        return self.total
+
+
+def check(cfg: JobConfig, dims: ParallelDims, model_args=None) -> None:
+    """What the mode covers so far: data parallelism (FSDP, HSDP and DDP over 2 replicas, power-of-two degrees) or
+    pipeline parallelism (every schedule, untied weights) in fp32, eager, AdamW, on pre-tokenized or in-repo data,
+    with any accumulation count and activation checkpointing. The rest sums in orders of its own, which it would
+    only approximate: refused."""
+    if not cfg.training.layout_invariant:
+        return
+    fix = "or drop training.layout_invariant (docs/layout_invariance.md says what it covers)"
+    p, t = cfg.parallelism, cfg.training
+    for name, degree in (("tensor_parallel_degree", dims.tp), ("context_parallel_degree", dims.cp),
+                         ("expert_parallel_degree", dims.ep)):
+        if degree > 1:
+            raise ConfigError(f"training.layout_invariant covers data and pipeline parallelism so far, and "
+                              f"parallelism.{name} {degree} sums in an order of its own: set it to 1, {fix}")
+    if dims.pp > 1 and dims.dp > 1:
+        raise ConfigError(f"training.layout_invariant covers pipeline parallelism without data parallelism so far "
+                          f"(FSDP under a schedule sums the micro-batches unsharded, in turn): set parallelism."
+                          f"pipeline_parallel_degree 1 or the data-parallel degrees 1, {fix}")
+    if dims.pp > 1 and (getattr(model_args, "tie_embeddings", False) or getattr(model_args, "mtp_depth", 0)):
+        raise ConfigError(f"training.layout_invariant covers pipeline parallelism without tied weights so far (the "
+                          f"stages' gradients of a tied table add in an order of their own), and model.flavor "
+                          f"{cfg.model.flavor} ties its embedding table: set parallelism.pipeline_parallel_degree 1, "
+                          f"{fix}")
+    for name, degree in (("data_parallel_shard_degree", dims.dp_shard), ("data_parallel_replicate_degree",
+                                                                         dims.dp_replicate)):
+        if degree & (degree - 1):
+            raise ConfigError(f"training.layout_invariant needs power-of-two data-parallel degrees (the ranks' sums "
+                              f"are subtrees of one tree), and parallelism.{name} is {degree}: use a power of two, "
+                              f"{fix}")
+    if dims.dp_replicate > 2:
+        raise ConfigError(f"training.layout_invariant sums replicas in one order over 2 of them so far (gloo's "
+                          f"all-reduce of more orders its own), and parallelism.data_parallel_replicate_degree is "
+                          f"{dims.dp_replicate}: use 2 replicas and a larger shard degree, {fix}")
+    refused = [("training.mixed_precision_param", t.mixed_precision_param != "float32", "set it float32"),
+               ("training.mixed_precision_reduce", t.mixed_precision_reduce != "float32", "set it float32"),
+               ("compile.enable", cfg.compile.enable, "drop it"),
+               ("float8", cfg.float8.enable_float8_linear or bool(cfg.float8.moe_fqns), "drop it"),
+               ("parallelism.fsdp_defer_grad_reduce", p.fsdp_defer_grad_reduce, "drop it"),
+               ("parallelism.fsdp_cpu_offload", p.fsdp_cpu_offload, "drop it"),
+               ("fault_tolerance.enable", cfg.fault_tolerance.enable, "drop it"),
+               ("optimizer.name", cfg.optimizer.name != "AdamW", "use AdamW"),
+               ("a Hugging Face dataset", "hf" in _datasets(cfg), "pre-tokenize it (dataset 'tokens')")]
+    for what, bad, change in refused:
+        if bad:
+            raise ConfigError(f"training.layout_invariant does not cover {what} yet (only fp32, eager, AdamW, "
+                              f"non-streaming data, one replica group are shown bitwise): {change}, {fix}")
+
+
+def _datasets(cfg: JobConfig) -> set[str]:
+    if cfg.training.dataset == "mixture":
+        return {s.dataset for s in cfg.mixture.sources}
+    return {cfg.training.dataset}
