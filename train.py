@@ -51,6 +51,7 @@ from torchtitan_lite.runtime.run_history import history_run, start_history
 from torchtitan_lite.runtime.signals import Preemption, exit_code, restore_signals, stop_with_launcher
 from torchtitan_lite.runtime.stragglers import Stragglers
 from torchtitan_lite.runtime.throughput import Throughput
+from torchtitan_lite.training import layout_invariant
 from torchtitan_lite.training.expert_load import ExpertLoad
 from torchtitan_lite.training.optim import build_lr_scheduler, clip_grad_norm_
 from torchtitan_lite.training.optimizers import build_optimizer
@@ -169,7 +170,7 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     # The training data, and the held-out data read anew from its start at every validation.
     loader_args = (global_batch, training.local_batch_size, dp_mesh.get_local_rank(), dims.dp, seq_share,
                    device.type == "cuda")
-    data = DataLoader(source, *loader_args, interleave=training.layout_invariant)
+    data = DataLoader(source, *loader_args, interleave=layout_invariant.leaf_size(cfg, dims))
     model, parts, model_flops_per_token = build_model(cfg, model_args, mesh, dims, device)
     # block_causal: FlexAttention's block mask on a GPU, else an explicit mask.
     documents.use_kernel(parts, device.type, dims.cp, masked=bos_id is not None)

@@ -80,12 +80,17 @@ def test_the_tree_is_an_order_of_its_own_in_floats():
 
 def test_interleaved_micro_batches_are_the_global_batchs_leaves_in_order():
     source = SyntheticSource(seq_len=8, regular_ids=50, seed=3)
-    one = DataLoader(source, 12, 1, 0, 1, interleave=True).next_batch()
+    one = DataLoader(source, 12, 1, 0, 1, interleave=1).next_batch()
     for dp in (2, 4):
-        ranks = [DataLoader(source, 12, 1, r, dp, interleave=True).next_batch() for r in range(dp)]
+        ranks = [DataLoader(source, 12, 1, r, dp, interleave=1).next_batch() for r in range(dp)]
         for m in range(12 // dp):
             for r in range(dp):
                 assert torch.equal(ranks[r][m][0], one[m * dp + r][0])
+    # A pipeline's local batch of 2 leaves (its micro-batches) on each of 2 ranks: leaves 0 and 2, then 4 and 6 on
+    # rank 0.
+    rank0 = DataLoader(source, 12, 2, 0, 2, interleave=1).next_batch()
+    assert [len(b[0]) for b in rank0] == [2, 2, 2]
+    assert all(torch.equal(rank0[k][0][j], one[(2 * k + j) * 2][0][0]) for k in range(3) for j in range(2))
     # Without it a rank's micro-batches are its slice's (the default, unchanged).
     assert torch.equal(DataLoader(source, 12, 1, 1, 2).next_batch()[0][0], one[6][0])
 
@@ -108,7 +113,6 @@ def test_check_says_what_the_mode_costs(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("world, overrides, named", [
     (2, ["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree 2"),
     (2, ["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree 2"),
-    (4, ["--parallelism.pipeline_parallel_degree", "2"], "pipeline parallelism without data parallelism"),
     (2, ["--parallelism.pipeline_parallel_degree", "2", "--model.name", "qwen3", "--model.flavor", "debugmodel"],
      "without tied weights"),
     (3, ["--training.global_batch_size", "6"], "parallelism.data_parallel_shard_degree is 3"),

@@ -54,10 +54,10 @@ class RouteRecorder:
         def recording_next_batch(loader):
             if not first_step():
                 return next_batch(loader)
-            per_rank, size = loader.global_batch // loader.dp_size, loader.local_batch
-            if loader.interleave:  # micro-batch m of rank r is the batch's m * dp + r (training.layout_invariant)
-                self.sequences = [loader.position + (m * loader.dp_size + loader.dp_rank) * size + i
-                                  for m in range(per_rank // size) for i in range(size)]
+            per_rank, leaf = loader.global_batch // loader.dp_size, loader.interleave
+            if leaf:  # leaf t of rank r is the batch's t * dp + r (training.layout_invariant)
+                self.sequences = [loader.position + (t * loader.dp_size + loader.dp_rank) * leaf + i
+                                  for t in range(per_rank // leaf) for i in range(leaf)]
             else:
                 first = loader.position + loader.dp_rank * per_rank
                 self.sequences = [first + i for i in range(per_rank)]

@@ -342,6 +342,9 @@ INVARIANT_RUNS = {
     "inv_pp2_1f1b": Run(2, (*INVARIANT, *PP2, "--training.local_batch_size", "6",
                             "--parallelism.pipeline_parallel_microbatches", "6", "--activation_checkpoint.mode",
                             "full"), reference="inv_single", record=False),
+    # Beside FSDP 2 (1F1B): 3 local batches of 2 micro-batches a rank, each micro-batch's gradients reduced alone.
+    "inv_pp2_fsdp2": Run(4, (*INVARIANT, *PP2, "--training.local_batch_size", "2"), reference="inv_single",
+                         record=False),
     # 4 stages of the debug model's 6 blocks, 2 a rank, against its own single process (4 micro-batches of 1):
     # Interleaved1F1B, 1 local batch of 4 micro-batches; LoopedBFS, 2 of 2.
     "inv_debug_single": Run(1, (*INVARIANT, *DEBUGMODEL, *GLOBAL_4), reference=None, record=False),

@@ -191,12 +191,13 @@ class DataLoader:
 
     def __init__(self, source, global_batch: int, local_batch: int, dp_rank: int, dp_size: int,
                  shard: Callable[[torch.Tensor], torch.Tensor] | None = None, pin: bool = False,
-                 interleave: bool = False):
+                 interleave: int = 0):
         """`shard` (context parallelism) cuts inputs and labels down to this rank's part of every sequence. With
         `pin` (a GPU run) batches come in page-locked memory, so their copy to the device need not wait for it.
-        With `interleave` (training.layout_invariant) micro-batch m of rank r is the global batch's m * dp_size + r,
-        not the m-th of the rank's slice: a micro-step's micro-batches are then adjacent leaves of the canonical
-        tree (training/layout_invariant.py)."""
+        `interleave` (training.layout_invariant): the leaf, in sequences (the micro-batch; a pipeline's micro-batch
+        under PP). Rank r's leaf t is then the global batch's leaf t * dp_size + r, not the t-th of the rank's
+        slice: the leaves the ranks hold at once are adjacent leaves of the canonical tree
+        (training/layout_invariant.py)."""
         self.source, self.global_batch, self.local_batch, self.pin = source, global_batch, local_batch, pin
         self.interleave = interleave
         self.shard = shard or (lambda x: x)
@@ -222,10 +223,10 @@ class DataLoader:
         else:
             first = self.position + offset
             index = torch.arange(first, first + per_rank)
-            if self.interleave:
-                micro_steps = per_rank // self.local_batch
-                index = (self.position + self.local_batch * (torch.arange(micro_steps) * self.dp_size + self.dp_rank)
-                         ).repeat_interleave(self.local_batch) + torch.arange(self.local_batch).repeat(micro_steps)
+            if leaf := self.interleave:
+                leaves = per_rank // leaf
+                index = (self.position + leaf * (torch.arange(leaves) * self.dp_size + self.dp_rank)
+                         ).repeat_interleave(leaf) + torch.arange(leaf).repeat(leaves)
             # A mixture's Hugging Face streams are read in order, each rank its own shard of each.
             if hasattr(self.source, "positions"):
                 where = self.source.positions(index.tolist())  # once: the windows, and their sources' losses

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from torchtitan_lite.config import ConfigError, JobConfig, Parallelism
 from torchtitan_lite.data.loader import to_device
@@ -187,6 +188,20 @@ def _uncounted(infer: Callable) -> Callable:
     return run
 
 
+def _reduced_each(stage) -> Callable:
+    """The stage's backward of a micro-batch, then FSDP's reduction of its gradients, which torch 2.13's schedules
+    leave to the end of the local batch (perform_reduce_grad) and so sum the micro-batches unsharded, in turn. A
+    stage without FSDP reduces nothing: its parameters' .grad takes each micro-batch's as it comes."""
+    backward = stage.backward_maybe_with_nosync
+
+    def run(backward_type, bwd_kwargs, last_backward=False):
+        result = backward(backward_type, bwd_kwargs, last_backward)
+        if isinstance(stage.submod, FSDPModule) and backward_type != "input":  # a weight's gradient is there
+            stage.perform_reduce_grad(1)
+        return result
+    return run
+
+
 def _wait(works: list) -> None:
     flight_recorder.at(flight_recorder.P2P)  # gloo's flight recorder does not record point-to-point ops
     wait(works)
@@ -219,6 +234,9 @@ class Pipeline:
         stages = self.stages if SCHEDULES[name] else self.stages[0]
         self.microbatches = microbatches(p, cfg.training.local_batch_size)
         self.schedule = cls(stages, self.microbatches, loss_fn=self._loss, scale_grads=False)
+        if leaves:  # each micro-batch's gradients reduced on its own, a leaf of the canonical tree
+            for stage in self.stages:
+                stage.backward_maybe_with_nosync = _reduced_each(stage)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(logits, labels, self.tokens)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.ordered_reduce import add, tree_sum
+from torchtitan_lite.parallel.pipeline import microbatches
 
 # What --check says the mode costs (docs/layout_invariance.md has the figures).
 COST = ("training.layout_invariant: each micro-batch's gradients summed in one tree over ranks and micro-batches "
@@ -102,8 +103,16 @@ class Summed:
         return self.total
 
 
+def leaf_size(cfg: JobConfig, dims: ParallelDims) -> int:
+    """The leaf, in sequences: the micro-batch, or under PP the pipeline's micro-batch (0 with the mode off)."""
+    if not cfg.training.layout_invariant:
+        return 0
+    local = cfg.training.local_batch_size
+    return local // microbatches(cfg.parallelism, local) if dims.pp > 1 else local
+
+
 def check(cfg: JobConfig, dims: ParallelDims, model_args=None) -> None:
-    """What the mode covers so far: data parallelism (FSDP, HSDP and DDP over 2 replicas, power-of-two degrees) or
+    """What the mode covers so far: data parallelism (FSDP, HSDP and DDP over 2 replicas, power-of-two degrees) and
     pipeline parallelism (every schedule, untied weights) in fp32, eager, AdamW, on pre-tokenized or in-repo data,
     with any accumulation count and activation checkpointing. The rest sums in orders of its own, which it would
     only approximate: refused."""
@@ -116,10 +125,6 @@ def check(cfg: JobConfig, dims: ParallelDims, model_args=None) -> None:
         if degree > 1:
             raise ConfigError(f"training.layout_invariant covers data and pipeline parallelism so far, and "
                               f"parallelism.{name} {degree} sums in an order of its own: set it to 1, {fix}")
-    if dims.pp > 1 and dims.dp > 1:
-        raise ConfigError(f"training.layout_invariant covers pipeline parallelism without data parallelism so far "
-                          f"(FSDP under a schedule sums the micro-batches unsharded, in turn): set parallelism."
-                          f"pipeline_parallel_degree 1 or the data-parallel degrees 1, {fix}")
     if dims.pp > 1 and (getattr(model_args, "tie_embeddings", False) or getattr(model_args, "mtp_depth", 0)):
         raise ConfigError(f"training.layout_invariant covers pipeline parallelism without tied weights so far (the "
                           f"stages' gradients of a tied table add in an order of their own), and model.flavor "
