@@ -1,15 +1,16 @@
 """training.layout_invariant against the default, per layout, on the CPU, through the trainer: the step's time and the
 process's peak memory, and whether the layout's curve is the single process's bitwise.
 
-    python benchmarks/layout_invariant.py [--steps 10] [--repeats 2] [--layouts single,fsdp2,fsdp4,hsdp2x2,ddp2]
+    python benchmarks/layout_invariant.py [--steps 10] [--repeats 2] [--layouts single,single_1core,fsdp2,...]
 
-The debug model (6 blocks of 256) on 8 sequences of 256 tokens a step, micro-batches of 2 sequences on every layout
-(1 process accumulates 4, FSDP 2 and DDP 2 accumulate 2). Each layout's two modes run in turn, `--repeats` times
-(default, invariant, default, invariant), so that drift on a shared machine hits both alike. A run's figure is the
-median step time over its steps after the first two (metrics.jsonl's elapsed time between records) and its largest
-memory_gib (the resident set's peak, on the CPU). The mode computes with one thread a process on the CPU: the
-single process pays for it where it had every core, the others had one each already; "single_1core" binds both
-modes to one core, which leaves the mode's own cost. A line per layout:
+The debug model (6 blocks of 256) on 8 sequences of 256 tokens a step, micro-batches of 2 sequences on every
+layout (1 process accumulates 4, FSDP 2 and DDP 2 accumulate 2, PP 2 runs 2 local batches of 2 pipeline
+micro-batches). Each layout's two modes run in turn, `--repeats` times (default, invariant, default, invariant), so
+that drift on a shared machine hits both alike. A run's figure is the median step time over its steps after the
+first two (metrics.jsonl's elapsed time between records) and its largest memory_gib (the resident set's peak, on
+the CPU). The mode computes with one thread a process on the CPU: the single process pays for it where it had every
+core, the others had one each already; "single_1core" binds both modes to one core, which leaves the mode's own
+cost. A line per layout:
 `LAYOUT: invariant/default step time X (a s / b s), memory Y GiB / Z GiB, bitwise to 1 process: yes|no`.
 """
 
@@ -33,7 +34,9 @@ MODEL = ("--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), 
 LAYOUTS = {"single": (1, ()), "single_1core": (1, ()), "fsdp2": (2, ()), "fsdp4": (4, ()),
            "hsdp2x2": (4, ("--parallelism.data_parallel_replicate_degree", "2")),
            "ddp2": (2, ("--parallelism.data_parallel_replicate_degree", "2",
-                        "--parallelism.data_parallel_shard_degree", "1"))}
+                        "--parallelism.data_parallel_shard_degree", "1")),
+           # 1F1B, 2 local batches of 2 pipeline micro-batches of 2 sequences.
+           "pp2": (2, ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"))}
 
 
 def run(folder: Path, nproc: int, *overrides: str, one_core: bool = False) -> list[dict]:

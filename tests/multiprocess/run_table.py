@@ -318,12 +318,14 @@ FLOAT8_RUNS = {
 # The single-process run of the layouts of 4 pipeline stages, which train the debug model's 6 blocks, 4 steps as they.
 SINGLES = {"single_debugmodel": Run(1, (*DEBUGMODEL, *SHORT), reference=None)}
 # training.layout_invariant (test_layout_invariant.py): each layout bitwise equal to its single-process run, the loss
-# and grad norm of every step and every saved tensor (weights, AdamW's moments) at steps 2 and 4. A global batch of 12
+# and grad norm of every step and every tensor it saved (weights, AdamW's moments, every 2 steps). A global batch of 12
 # micro-batches of 1 sequence: 3 micro-steps on FSDP 4 and HSDP 2 x 2 (a count no power of two), 6 on DDP 2 and FSDP 2
-# (recomputing every block). The mixture (z-loss, bias balancing) records its routes and gradients at step 1.
+# (recomputing every block); 4 steps, FSDP 4's resumed on DDP 2 after step 2. The mixture (z-loss, bias balancing;
+# 8 micro-batches) records its routes and gradients at step 1; it and the pipelines train 2 steps.
 INVARIANT = ("--training.layout_invariant", "--training.global_batch_size", "12", "--training.local_batch_size", "1",
              *CHECKPOINTED, *SHORT)
-MOE_INVARIANT = (*INVARIANT, *MOE, "--training.z_loss", "1e-4")
+TWO_STEPS = ("--training.steps", "2")
+MOE_INVARIANT = (*INVARIANT, *MOE, "--training.z_loss", "1e-4", "--training.global_batch_size", "8", *TWO_STEPS)
 PIPELINE_4 = ("--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatches", "4")
 GLOBAL_4 = ("--training.global_batch_size", "4")
 INVARIANT_RUNS = {
@@ -338,21 +340,22 @@ INVARIANT_RUNS = {
     "inv_moe_fsdp4": Run(4, MOE_INVARIANT, reference="inv_moe_single"),
     # Pipelines: GPipe, 3 local batches of 4 micro-batches; 1F1B, 2 of 6, every block recomputed.
     "inv_pp2_gpipe": Run(2, (*INVARIANT, *PP2, "--parallelism.pipeline_parallel_schedule", "GPipe",
-                             *PIPELINE_4), reference="inv_single", record=False),
+                             *PIPELINE_4, *TWO_STEPS), reference="inv_single", record=False),
     "inv_pp2_1f1b": Run(2, (*INVARIANT, *PP2, "--training.local_batch_size", "6",
                             "--parallelism.pipeline_parallel_microbatches", "6", "--activation_checkpoint.mode",
-                            "full"), reference="inv_single", record=False),
+                            "full", *TWO_STEPS), reference="inv_single", record=False),
     # Beside FSDP 2 (1F1B): 3 local batches of 2 micro-batches a rank, each micro-batch's gradients reduced alone.
-    "inv_pp2_fsdp2": Run(4, (*INVARIANT, *PP2, "--training.local_batch_size", "2"), reference="inv_single",
-                         record=False),
+    "inv_pp2_fsdp2": Run(4, (*INVARIANT, *PP2, "--training.local_batch_size", "2", *TWO_STEPS),
+                         reference="inv_single", record=False),
     # 4 stages of the debug model's 6 blocks, 2 a rank, against its own single process (4 micro-batches of 1):
     # Interleaved1F1B, 1 local batch of 4 micro-batches; LoopedBFS, 2 of 2.
-    "inv_debug_single": Run(1, (*INVARIANT, *DEBUGMODEL, *GLOBAL_4), reference=None, record=False),
+    "inv_debug_single": Run(1, (*INVARIANT, *DEBUGMODEL, *GLOBAL_4, *TWO_STEPS), reference=None, record=False),
     "inv_pp2_interleaved": Run(2, (*INVARIANT, *DEBUGMODEL, *GLOBAL_4, *PP2, "--parallelism.pipeline_parallel_schedule",
-                                   "Interleaved1F1B", *PIPELINE_4), reference="inv_debug_single", record=False),
+                                   "Interleaved1F1B", *PIPELINE_4, *TWO_STEPS), reference="inv_debug_single",
+                                record=False),
     "inv_pp2_looped_bfs": Run(2, (*INVARIANT, *DEBUGMODEL, *GLOBAL_4, *PP2, "--parallelism.pipeline_parallel_schedule",
-                                  "LoopedBFS", "--training.local_batch_size", "2"), reference="inv_debug_single",
-                              record=False),
+                                  "LoopedBFS", "--training.local_batch_size", "2", *TWO_STEPS),
+                              reference="inv_debug_single", record=False),
 }
 ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **MOE_RUNS, **COMPILED_RUNS, **FLOAT8_RUNS,
             **SINGLES, **INVARIANT_RUNS}

@@ -1,6 +1,6 @@
 """training.layout_invariant: every layout it covers gives the single process's bits, not a curve within 1e-5. The
-loss and grad norm of every step are equal as floats, and every tensor of the checkpoints at steps 2 and 4 (weights and
-AdamW's moments) has the same bytes. A checkpoint of one layout resumes on another bitwise. And the bitwise check
+loss and grad norm of every step are equal as floats, and every tensor of every checkpoint (weights and AdamW's
+moments) has the same bytes. A checkpoint of one layout resumes on another bitwise. And the bitwise check
 catches what the tolerance hides: a gradient off by one part in 2**20, a reduction missed on one rank, a flipped route.
 
 The runs are the shared runs of INVARIANT_RUNS (run_table.py); the errors are made on purpose by mutants.py, in a job
@@ -15,12 +15,13 @@ import made_later
 from grad_dump import assert_grads_match, load_grads
 from launch import COMMON, ROOT, assert_same_curve, curve, torchrun_several
 from route_dump import assert_same_routes, load_routes
-from run_table import INVARIANT, INVARIANT_RUNS, MOE_INVARIANT, RESUMED_RUNS
+from run_table import INVARIANT, INVARIANT_RUNS, MOE_INVARIANT, RESUMED_RUNS, TWO_STEPS
 from torchtitan_lite.checkpoint.reader import read_tensors
 
 MUTANTS = ROOT / "tests" / "multiprocess" / "mutants.py"
 # FSDP 2, each with one error (mutants.py): the last part of a folder's name says which.
-ERRORS = {"fsdp2_factor": INVARIANT, "fsdp2_unreduced": INVARIANT, "moe_fsdp2_flipped": MOE_INVARIANT}
+ERRORS = {"fsdp2_factor": (*INVARIANT, *TWO_STEPS), "fsdp2_unreduced": (*INVARIANT, *TWO_STEPS),
+          "moe_fsdp2_flipped": MOE_INVARIANT}
 
 
 def make_mutants(folder: Path) -> Path:
@@ -46,11 +47,14 @@ def differing(got: Path, ref: Path, step: int) -> list[str]:
             not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))]
 
 
-def assert_bitwise(got: Path, ref: Path, steps=(2, 4)) -> None:
+def assert_bitwise(got: Path, ref: Path) -> None:
+    """Every step's loss and grad norm, and every tensor of every checkpoint `got` saved, `ref`'s bits."""
     a, b = curve(got), curve(ref)
     assert a and set(a) <= set(b), f"steps {sorted(a)} vs {sorted(b)}"
     unequal = {s: (a[s], b[s]) for s in a if a[s] != b[s]}
     assert not unequal, f"(loss, grad norm) differ at {unequal}"
+    steps = sorted(int(p.name.split("-")[1]) for p in (got / "checkpoint").glob("step-*"))
+    assert steps, f"{got} saved no checkpoint"
     for step in steps:
         assert not (bad := differing(got, ref, step)), f"step {step}: {len(bad)} saved tensors differ, {bad[:3]}"
 
@@ -62,15 +66,15 @@ def test_layout_gives_the_single_process_bits(runs, layout):
         assert_same_routes(load_routes(runs[layout]), load_routes(ref), layout)
         print(f"{layout}: every token's experts as one process's")
     assert_bitwise(runs[layout], ref)
-    print(f"{layout}: loss and grad norm of steps {sorted(curve(runs[layout]))} and every saved tensor at steps 2 "
-          "and 4 bitwise one process's")
+    print(f"{layout}: loss and grad norm of steps {sorted(curve(runs[layout]))} and every tensor it saved bitwise one "
+          "process's")
 
 
 def test_a_checkpoint_of_one_layout_resumes_on_another_bitwise(runs):
     resumed = runs["inv_fsdp4_on_ddp2"]
     assert RESUMED_RUNS["inv_fsdp4_on_ddp2"].run == "inv_fsdp4"
     assert sorted(curve(resumed)) == [1, 2, 3, 4]  # 1 and 2 FSDP 4's (its history, resumed), 3 and 4 DDP 2's
-    assert_bitwise(resumed, runs["inv_single"], steps=(4,))
+    assert_bitwise(resumed, runs["inv_single"])
 
 
 def test_the_default_mode_differs_where_the_invariant_one_does_not(runs):

@@ -69,7 +69,7 @@ def test_a_resumed_run_resumes_a_saved_step_of_a_run_of_its_model():
 
 def test_no_name_is_in_two_tables():
     tables = [getattr(run_table, t) for t in ("SHARED_RUNS", "PAIR_RUNS", "REFERENCES", "MASKED_RUNS", "MOE_RUNS",
-                                              "COMPILED_RUNS", "FLOAT8_RUNS", "SINGLES")]
+                                              "COMPILED_RUNS", "FLOAT8_RUNS", "SINGLES", "INVARIANT_RUNS")]
     assert sum(map(len, tables)) == len(ALL_RUNS)  # ALL_RUNS merges them: a second entry would hide the first
     assert not set(ALL_RUNS) & set(RESUMED_RUNS)
 
