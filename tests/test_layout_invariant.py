@@ -117,6 +117,7 @@ def test_check_says_what_the_mode_costs(tmp_path, monkeypatch, capsys):
      "without tied weights"),
     (3, ["--training.global_batch_size", "6"], "parallelism.data_parallel_shard_degree is 3"),
     (8, ["--parallelism.data_parallel_replicate_degree", "4"], "data_parallel_replicate_degree is 4"),
+    (4, ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "4"], "expert_parallel_degree is 4"),
     (1, ["--training.mixed_precision_param", "bfloat16"], "training.mixed_precision_param"),
     (1, ["--compile.enable"], "compile.enable"),
     (4, ["--parallelism.fsdp_defer_grad_reduce"], "parallelism.fsdp_defer_grad_reduce"),

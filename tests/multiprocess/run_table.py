@@ -337,7 +337,8 @@ INVARIANT_RUNS = {
     "inv_fsdp2_ac": Run(2, (*INVARIANT, "--activation_checkpoint.mode", "full"), reference="inv_single",
                         record=False),
     "inv_moe_single": Run(1, MOE_INVARIANT, reference=None),
-    "inv_moe_fsdp4": Run(4, MOE_INVARIANT, reference="inv_moe_single"),
+    # FSDP 4 with EP 2: each expert's slots of 2 ranks computed apart, summed, then over efsdp by FSDP.
+    "inv_moe_fsdp4_ep2": Run(4, (*MOE_INVARIANT, *EP2), reference="inv_moe_single"),
     # Pipelines: GPipe, 3 local batches of 4 micro-batches; 1F1B, 2 of 6, every block recomputed.
     "inv_pp2_gpipe": Run(2, (*INVARIANT, *PP2, "--parallelism.pipeline_parallel_schedule", "GPipe",
                              *PIPELINE_4, *TWO_STEPS), reference="inv_single", record=False),

@@ -30,10 +30,13 @@ from torch.distributed.tensor import DTensor, Shard
 from torchtitan_lite.models.common.moe import GroupedExperts, swiglu_experts
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, compute: Callable = swiglu_experts) -> list[nn.Module]:
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, compute: Callable = swiglu_experts,
+             per_source: bool = False) -> list[nn.Module]:
     """Every GroupedExperts of `model` (on the meta device) split over `ep_mesh` (1-D): its weights become DTensors
     holding this rank's experts, its forward the dispatch, `compute` (swiglu_experts, or its compiled graph:
-    parallel/compile.py) and combine. Returns the modules."""
+    parallel/compile.py) and combine. With `per_source` (training.layout_invariant) the experts compute each source
+    rank's slots apart, as that rank's micro-batch alone would on one process: the same GEMMs, and each expert's
+    weight gradient a sum of the sources' (2 of them: one addition, in either order the same). Returns the modules."""
     n, rank, group = ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group()
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     for module in experts:
@@ -41,12 +44,12 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, compute: Callable = swiglu_e
             local = param.detach().chunk(n)[rank]
             module.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)],
                                                                             run_check=False)))
-        module.forward = functools.partial(_forward, module, group, n, compute)
+        module.forward = functools.partial(_forward, module, group, n, compute, per_source)
     return experts
 
 
-def _forward(module: GroupedExperts, group: dist.ProcessGroup, n: int, compute: Callable, x: torch.Tensor,
-             counts: torch.Tensor) -> torch.Tensor:
+def _forward(module: GroupedExperts, group: dist.ProcessGroup, n: int, compute: Callable, per_source: bool,
+             x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """GroupedExperts.forward under expert parallelism: `x`, this rank's slots sorted by expert (all E experts),
     counts[e] of them for expert e; returns their outputs in the same order."""
     local_experts = counts.numel() // n
@@ -56,11 +59,14 @@ def _forward(module: GroupedExperts, group: dist.ProcessGroup, n: int, compute: 
     received = wait_tensor(all_to_all_single(counts, None, None, group)).view(n, local_experts)
     send, recv = split_sizes(counts, received, x.shape[0])
     arrived = all_to_all_single_autograd(x, recv, send, group)
-    order = regroup_by_expert(received, sum(recv))
-    out = compute(arrived[order], received.sum(0),
-                  *(w.to_local() if isinstance(w, DTensor) else w for w in (module.w1, module.w2, module.w3)),
-                  module.grouped_mm)
-    back = torch.empty_like(out).index_copy(0, order, out)
+    weights = [w.to_local() if isinstance(w, DTensor) else w for w in (module.w1, module.w2, module.w3)]
+    if per_source:  # each source's block arrives sorted by expert already
+        back = torch.cat([compute(block, received[i], *weights, module.grouped_mm)
+                          for i, block in enumerate(arrived.split(recv))])
+    else:
+        order = regroup_by_expert(received, sum(recv))
+        out = compute(arrived[order], received.sum(0), *weights, module.grouped_mm)
+        back = torch.empty_like(out).index_copy(0, order, out)
     return all_to_all_single_autograd(back, send, recv, group)
 
 

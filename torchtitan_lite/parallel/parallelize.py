@@ -64,7 +64,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
         experts_mesh = dims.experts_mesh(mesh)
         fsdp_dims = ("dp_replicate", "efsdp") if dims.dp_replicate > 1 else ("efsdp",)
         compute = compiled_experts(cfg.compile.backend) if cfg.compile.enable else swiglu_experts
-        own.append((apply_ep(model, experts_mesh["ep"], compute), experts_mesh[fsdp_dims]))
+        own.append((apply_ep(model, experts_mesh["ep"], compute, per_source=cfg.training.layout_invariant),
+                    experts_mesh[fsdp_dims]))
     if moe and dims.tp > 1:
         own.append((moe, dims.moe_mesh(mesh)))
     if cfg.activation_checkpoint.mode != "none":

@@ -112,19 +112,22 @@ def leaf_size(cfg: JobConfig, dims: ParallelDims) -> int:
 
 
 def check(cfg: JobConfig, dims: ParallelDims, model_args=None) -> None:
-    """What the mode covers so far: data parallelism (FSDP, HSDP and DDP over 2 replicas, power-of-two degrees) and
-    pipeline parallelism (every schedule, untied weights) in fp32, eager, AdamW, on pre-tokenized or in-repo data,
+    """What the mode covers so far: data parallelism (FSDP, HSDP and DDP over 2 replicas, power-of-two degrees),
+    pipeline parallelism (every schedule, untied weights) and expert parallelism over 2 ranks, in fp32, eager, AdamW, on pre-tokenized or in-repo data,
     with any accumulation count and activation checkpointing. The rest sums in orders of its own, which it would
     only approximate: refused."""
     if not cfg.training.layout_invariant:
         return
     fix = "or drop training.layout_invariant (docs/layout_invariance.md says what it covers)"
     p, t = cfg.parallelism, cfg.training
-    for name, degree in (("tensor_parallel_degree", dims.tp), ("context_parallel_degree", dims.cp),
-                         ("expert_parallel_degree", dims.ep)):
+    for name, degree in (("tensor_parallel_degree", dims.tp), ("context_parallel_degree", dims.cp)):
         if degree > 1:
-            raise ConfigError(f"training.layout_invariant covers data and pipeline parallelism so far, and "
+            raise ConfigError(f"training.layout_invariant covers data, pipeline and expert parallelism so far, and "
                               f"parallelism.{name} {degree} sums in an order of its own: set it to 1, {fix}")
+    if dims.ep > 2:
+        raise ConfigError(f"training.layout_invariant sums an expert's gradients over 2 expert-parallel sources so "
+                          f"far (autograd adds more in an order of its own), and parallelism.expert_parallel_degree "
+                          f"is {dims.ep}: use 2, {fix}")
     if dims.pp > 1 and (getattr(model_args, "tie_embeddings", False) or getattr(model_args, "mtp_depth", 0)):
         raise ConfigError(f"training.layout_invariant covers pipeline parallelism without tied weights so far (the "
                           f"stages' gradients of a tied table add in an order of their own), and model.flavor "
