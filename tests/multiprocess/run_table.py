@@ -320,22 +320,23 @@ SINGLES = {"single_debugmodel": Run(1, (*DEBUGMODEL, *SHORT), reference=None)}
 # training.layout_invariant (test_layout_invariant.py): each layout bitwise equal to its single-process run, the loss
 # and grad norm of every step and every tensor it saved (weights, AdamW's moments, every 2 steps). A global batch of 12
 # micro-batches of 1 sequence: 3 micro-steps on FSDP 4 and HSDP 2 x 2 (a count no power of two), 6 on DDP 2 and FSDP 2
-# (recomputing every block); 4 steps, FSDP 4's resumed on DDP 2 after step 2. The mixture (z-loss, bias balancing;
-# 8 micro-batches) records its routes and gradients at step 1; it and the pipelines train 2 steps.
+# (recomputing every block). 2 steps (the second the first after an update), FSDP 4 and one process 4: FSDP 4's is
+# resumed on DDP 2 after step 2. The mixture (z-loss, bias balancing; 8 micro-batches) records its routes and
+# gradients at step 1.
 INVARIANT = ("--training.layout_invariant", "--training.global_batch_size", "12", "--training.local_batch_size", "1",
              *CHECKPOINTED, *SHORT)
 TWO_STEPS = ("--training.steps", "2")
+DDP2 = ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
 MOE_INVARIANT = (*INVARIANT, *MOE, "--training.z_loss", "1e-4", "--training.global_batch_size", "8", *TWO_STEPS)
 PIPELINE_4 = ("--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatches", "4")
 GLOBAL_4 = ("--training.global_batch_size", "4")
 INVARIANT_RUNS = {
     "inv_single": Run(1, INVARIANT, reference=None, record=False),
     "inv_fsdp4": Run(4, INVARIANT, reference="inv_single", record=False),
-    "inv_hsdp2x2": Run(4, (*INVARIANT, *HSDP), reference="inv_single", record=False),
-    "inv_ddp2": Run(2, (*INVARIANT, "--parallelism.data_parallel_replicate_degree", "2",
-                        "--parallelism.data_parallel_shard_degree", "1"), reference="inv_single", record=False),
-    "inv_fsdp2_ac": Run(2, (*INVARIANT, "--activation_checkpoint.mode", "full"), reference="inv_single",
-                        record=False),
+    "inv_hsdp2x2": Run(4, (*INVARIANT, *HSDP, *TWO_STEPS), reference="inv_single", record=False),
+    "inv_ddp2": Run(2, (*INVARIANT, *DDP2, *TWO_STEPS), reference="inv_single", record=False),
+    "inv_fsdp2_ac": Run(2, (*INVARIANT, "--activation_checkpoint.mode", "full", *TWO_STEPS),
+                        reference="inv_single", record=False),
     "inv_moe_single": Run(1, MOE_INVARIANT, reference=None),
     # FSDP 4 with EP 2: each expert's slots of 2 ranks computed apart, summed, then over efsdp by FSDP.
     "inv_moe_fsdp4_ep2": Run(4, (*MOE_INVARIANT, *EP2), reference="inv_moe_single"),
@@ -395,7 +396,7 @@ RESUMED_RUNS = {
     "pp2_tp2_qwen3_on_hsdp2_cp2": Resumed("pp2_tp2_qwen3", 2, 4, (*SHARED_RUNS["hsdp2_cp2_qwen3"].overrides,
                                                                   *CHECKPOINTED), model="qwen3"),
     # training.layout_invariant: FSDP 4's step 2 resumed on DDP 2, bitwise the single process's steps 3 and 4.
-    "inv_fsdp4_on_ddp2": Resumed("inv_fsdp4", 2, 2, INVARIANT_RUNS["inv_ddp2"].overrides),
+    "inv_fsdp4_on_ddp2": Resumed("inv_fsdp4", 2, 2, (*INVARIANT, *DDP2)),
     # Float8 weights in FSDP's state: a DTensor of torchao's float8-casting subclass, saved and loaded by DCP.
     "float8_fsdp4_ag_resumed": Resumed("float8_fsdp4_ag", 2, 4, FLOAT8_RUNS["float8_fsdp4_ag"].overrides),
 }

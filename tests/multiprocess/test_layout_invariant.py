@@ -3,35 +3,42 @@ loss and grad norm of every step are equal as floats, and every tensor of every 
 moments) has the same bytes. A checkpoint of one layout resumes on another bitwise. And the bitwise check
 catches what the tolerance hides: a gradient off by one part in 2**20, a reduction missed on one rank, a flipped route.
 
-The runs are the shared runs of INVARIANT_RUNS (run_table.py); the errors are made on purpose by mutants.py, in a job
-of their own."""
+The runs are the shared runs of INVARIANT_RUNS (run_table.py); the errors are made on purpose by mutants.py, on one
+process in this one, and the missed reduction on 2 in a job of its own."""
 
+import contextlib
 from pathlib import Path
 
 import pytest
 import torch
 
 import made_later
-from grad_dump import assert_grads_match, load_grads
-from launch import COMMON, ROOT, assert_same_curve, curve, torchrun_several
+from grad_dump import assert_grads_match, load_grads, recording
+from launch import COMMON, ROOT, STEPS, assert_same_curve, curve, torchrun_several, train_in_process
+from mutants import made_wrong
 from route_dump import assert_same_routes, load_routes
 from run_table import INVARIANT, INVARIANT_RUNS, MOE_INVARIANT, RESUMED_RUNS, TWO_STEPS
 from torchtitan_lite.checkpoint.reader import read_tensors
 
 MUTANTS = ROOT / "tests" / "multiprocess" / "mutants.py"
-# FSDP 2, each with one error (mutants.py): the last part of a folder's name says which.
-ERRORS = {"fsdp2_factor": (*INVARIANT, *TWO_STEPS), "fsdp2_unreduced": (*INVARIANT, *TWO_STEPS),
-          "moe_fsdp2_flipped": MOE_INVARIANT}
+WRONG = ("--model.name", "llama3", *INVARIANT, *TWO_STEPS)
 
 
-def make_mutants(folder: Path) -> Path:
-    torchrun_several(2, [(folder / name, name.endswith("flipped"), (*COMMON, "--model.name", "llama3", *argv))
-                         for name, argv in ERRORS.items()], script=MUTANTS)
+def make_unreduced(folder: Path) -> Path:
+    """FSDP 2 with a reduction missed on rank 1 (mutants.py: the folder's name says which error)."""
+    torchrun_several(2, [(folder / "fsdp2_unreduced", False, (*COMMON, *WRONG))], script=MUTANTS)
+    return folder / "fsdp2_unreduced"
+
+
+def made_wrong_here(folder: Path, kind: str, argv: tuple[str, ...], record: bool = False) -> Path:
+    """One process in this one, trained with the error `kind` (mutants.py)."""
+    with made_wrong(kind), recording(folder) if record else contextlib.nullcontext():
+        train_in_process(folder, *COMMON, "--training.steps", str(STEPS), *argv)
     return folder
 
 
-made_later.register("layout_invariant_mutants", make_mutants)
-pytestmark = pytest.mark.reads("shared_2p", "resumed_2p", "layout_invariant_mutants")
+made_later.register("layout_invariant_unreduced", make_unreduced)
+pytestmark = pytest.mark.reads("shared_2p", "resumed_2p", "layout_invariant_unreduced")
 LAYOUTS = [name for name, run in INVARIANT_RUNS.items() if run.reference is not None]
 
 
@@ -84,8 +91,8 @@ def test_the_default_mode_differs_where_the_invariant_one_does_not(runs):
     assert any(a[s] != b[s] for s in a)
 
 
-def test_a_gradient_off_by_one_part_in_2_to_the_20_passes_the_tolerance_not_the_bits(runs, made):
-    folder, ref = made("layout_invariant_mutants") / "fsdp2_factor", runs["inv_single"]
+def test_a_gradient_off_by_one_part_in_2_to_the_20_passes_the_tolerance_not_the_bits(runs, tmp_path):
+    folder, ref = made_wrong_here(tmp_path, "factor", WRONG), runs["inv_single"]
     assert_same_curve(folder, ref, 1e-5)  # what the 1e-5 parity tests would say: the same curve
     with pytest.raises(AssertionError, match="differ"):
         assert_bitwise(folder, ref)
@@ -93,13 +100,14 @@ def test_a_gradient_off_by_one_part_in_2_to_the_20_passes_the_tolerance_not_the_
 
 def test_a_reduction_missed_on_one_rank_breaks_the_bits(runs, made):
     with pytest.raises(AssertionError, match="differ"):
-        assert_bitwise(made("layout_invariant_mutants") / "fsdp2_unreduced", runs["inv_single"])
+        assert_bitwise(made("layout_invariant_unreduced"), runs["inv_single"])
 
 
-def test_a_flipped_route_is_named_as_one_before_any_number(runs, made):
-    folder, ref = made("layout_invariant_mutants") / "moe_fsdp2_flipped", runs["inv_moe_single"]
+def test_a_flipped_route_is_named_as_one_before_any_number(runs, tmp_path):
+    ref = runs["inv_moe_single"]
+    folder = made_wrong_here(tmp_path, "flipped", ("--model.name", "llama3", *MOE_INVARIANT), record=True)
     with pytest.raises(AssertionError, match="a flipped routing decision"):
-        assert_same_routes(load_routes(folder), load_routes(ref), "moe_fsdp2_flipped")
+        assert_same_routes(load_routes(folder), load_routes(ref), "one process, a route flipped")
     with pytest.raises(AssertionError, match="differ"):
         assert_bitwise(folder, ref)
 
