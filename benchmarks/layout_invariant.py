@@ -17,18 +17,14 @@ cost. A line per layout:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = ("--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--lr_scheduler.warmup_steps", "2",
-         "--lr_scheduler.decay_ratio", "0", "--metrics.log_freq", "1", "--no-validation.enable",
-         "--no-checkpoint.enable", "--parallelism.tensor_parallel_degree", "1", "--training.seq_len", "256",
-         "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+from muon_step import run, step_seconds
+
+# Beside muon_step.MODEL (the debug model's config, no validation or checkpoints, every step logged).
+BATCH = ("--training.seq_len", "256", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
          "--training.mixed_precision_param", "float32")
 # "single_1core": one process bound to one core in both modes (taskset), the mode's own cost at equal threads.
 LAYOUTS = {"single": (1, ()), "single_1core": (1, ()), "fsdp2": (2, ()), "fsdp4": (4, ()),
@@ -37,22 +33,6 @@ LAYOUTS = {"single": (1, ()), "single_1core": (1, ()), "fsdp2": (2, ()), "fsdp4"
                         "--parallelism.data_parallel_shard_degree", "1")),
            # 1F1B, 2 local batches of 2 pipeline micro-batches of 2 sequences.
            "pp2": (2, ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"))}
-
-
-def run(folder: Path, nproc: int, *overrides: str, one_core: bool = False) -> list[dict]:
-    """The step records of a train.py run of `nproc` processes in `folder` (`one_core`: bound to core 0)."""
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-           if nproc > 1 else [sys.executable])
-    cmd = ["taskset", "-c", "0", *cmd] if one_core else cmd
-    subprocess.run([*cmd, str(ROOT / "train.py"), *MODEL, "--job.dump_folder", str(folder), *overrides],
-                   check=True, capture_output=True, cwd=ROOT)
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
-
-
-def step_seconds(records: list[dict]) -> float:
-    times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(records[1:], records[2:])]
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -69,8 +49,9 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for mode in figures:
                     flag = ("--training.layout_invariant",) if mode == "invariant" else ()
-                    records = run(Path(tmp) / f"{layout}-{mode}-{repeat}", nproc, *overrides, *flag,
-                                  "--training.steps", str(args.steps), one_core=layout == "single_1core")
+                    records = run(Path(tmp) / f"{layout}-{mode}-{repeat}", nproc, *BATCH, *overrides, *flag,
+                                  "--training.steps", str(args.steps),
+                                  launcher=("taskset", "-c", "0") if layout == "single_1core" else ())
                     figures[mode].append((step_seconds(records), max(r["memory_gib"] for r in records)))
                     curves[layout, mode] = [(r["loss"], r["grad_norm"]) for r in records]
             (t_default, m_default), (t_inv, m_inv) = ((statistics.median(t for t, _ in f), max(m for _, m in f))

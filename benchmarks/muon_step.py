@@ -33,10 +33,10 @@ MODEL = ("--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), 
          "--no-checkpoint.enable", "--parallelism.tensor_parallel_degree", "1")
 
 
-def run(folder: Path, nproc: int, *overrides: str) -> list[dict]:
-    """The step records of a train.py run of `nproc` processes in `folder`."""
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-           if nproc > 1 else [sys.executable])
+def run(folder: Path, nproc: int, *overrides: str, launcher: tuple[str, ...] = ()) -> list[dict]:
+    """The step records of a train.py run of `nproc` processes in `folder`, started by `launcher` (e.g. taskset)."""
+    cmd = [*launcher, *([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                        if nproc > 1 else [sys.executable])]
     subprocess.run([*cmd, str(ROOT / "train.py"), *MODEL, "--job.dump_folder", str(folder), *overrides],
                    check=True, capture_output=True, cwd=ROOT)
     lines = (folder / "metrics.jsonl").read_text().splitlines()

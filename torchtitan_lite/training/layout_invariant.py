@@ -36,8 +36,10 @@ class Accumulator:
 
     def __init__(self):
         self.blocks: list[tuple[int, object]] = []  # (leaves, their sum), sizes falling
+        self.pushed = 0
 
     def push(self, value) -> None:
+        self.pushed += 1
         size = 1
         while self.blocks and self.blocks[-1][0] == size:
             size, value = 2 * size, add(self.blocks.pop()[1], value)
@@ -78,6 +80,9 @@ class Canonical:
 
     def finish(self) -> torch.Tensor:
         sums, self.sums = self.sums, None
+        if len(counts := {acc.pushed for acc in sums.values()}) > 1:  # a leaf missing from one tree shifts its shape
+            raise RuntimeError(f"training.layout_invariant: this step's parameters received {sorted(counts)} "
+                               "gradients each; one a micro-batch left without a gradient is not covered")
         for p in self.params:
             p.grad = sums[id(p)].total()
         mine = torch.stack(self.losses).flatten()
