@@ -123,6 +123,9 @@ def test_check_says_what_the_mode_costs(tmp_path, monkeypatch, capsys):
     (4, ["--parallelism.fsdp_defer_grad_reduce"], "parallelism.fsdp_defer_grad_reduce"),
     (4, ["--parallelism.fsdp_cpu_offload", "--no-parallelism.fsdp_offload_pin_memory"], "parallelism.fsdp_cpu_offload"),
     (1, ["--optimizer.name", "Muon"], "optimizer.name"),
+    (1, ["--model.name", "qwen3", "--model.flavor", "debugmodel"], "model.name qwen3"),
+    (1, ["--model.flavor", "tiny_moe", "--moe.capacity_factor", "1.25"], "moe.capacity_factor"),
+    (1, ["--model.attn_mask_type", "block_causal", "--training.dataset", "python_stdlib"], "block_causal"),
 ])
 def test_what_the_mode_does_not_cover_is_refused_in_one_line(error_line, world, overrides, named):
     line = error_line(world, ["--training.layout_invariant", *overrides])
