@@ -377,7 +377,8 @@ def run(argv: list[str] | None = None, check: bool = False) -> int:
         # started with it off, as the suite's are, its first collection walks every object torch made: 0.17 s)
         if collecting:
             gc.enable()
-        torch.set_num_threads(threads)  # as main() found it (training.layout_invariant computes with one)
+        if torch.get_num_threads() != threads:  # as main() found it (training.layout_invariant computes with one)
+            torch.set_num_threads(threads)
         restore_signals()
         if dist.is_initialized():
             dist.destroy_process_group()

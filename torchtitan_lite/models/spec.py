@@ -119,6 +119,9 @@ class ModelSpec:
     # model.flavor -> the vocabulary of its published model: what a tool assumes where the config's tokenizer file
     # is missing (tools/memory.py); a flavor without one needs its tokenizer
     published_vocab: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # Shown to give one process's bits on every layout training.layout_invariant covers (its multi-process tests
+    # train it); the mode refuses the others, which it touches no differently but has not shown
+    bitwise_layouts: bool = False
 
     def args(self, flavor: str, vocab_size: int, seq_len: int) -> Any:
         """The args a run builds its model from: the flavor's, with the tokenizer's vocabulary and training.seq_len

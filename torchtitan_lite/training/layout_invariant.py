@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_lite.config import ConfigError, JobConfig
+from torchtitan_lite.models import registry
 from torchtitan_lite.models.spec import ModelSpec
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.ordered_reduce import add, tree_sum
@@ -120,8 +121,9 @@ def leaf_size(cfg: JobConfig, dims: ParallelDims) -> int:
 def check(cfg: JobConfig, dims: ParallelDims, model_args=None) -> None:
     """What the mode covers so far: data parallelism (FSDP, HSDP and DDP over 2 replicas, power-of-two degrees),
     pipeline parallelism (every schedule, untied weights) and expert parallelism over 2 ranks; in fp32, eager, by
-    AdamW, Llama's dense and mixture models, causal, on data that is not streamed, with any accumulation count and
-    activation checkpointing. The rest sums in orders of its own, or is not yet shown bitwise: refused."""
+    AdamW, for the models whose spec says bitwise_layouts, causal, on data that is not streamed, with any
+    accumulation count and activation checkpointing. The rest sums in orders of its own, or is not yet shown
+    bitwise: refused."""
     if not cfg.training.layout_invariant:
         return
     fix = "or drop training.layout_invariant (docs/layout_invariance.md says what it covers)"
@@ -157,14 +159,15 @@ def check(cfg: JobConfig, dims: ParallelDims, model_args=None) -> None:
                ("parallelism.fsdp_cpu_offload", p.fsdp_cpu_offload, "drop it"),
                ("fault_tolerance.enable", cfg.fault_tolerance.enable, "drop it"),
                ("optimizer.name", cfg.optimizer.name != "AdamW", "use AdamW"),
-               (f"model.name {cfg.model.name}", cfg.model.name != "llama3", "use llama3 (dense or a mixture)"),
+               (f"model.name {cfg.model.name}", not registry.get(cfg.model.name).bitwise_layouts,
+                "use a model whose spec has bitwise_layouts"),
                ("moe.capacity_factor", bool(getattr(ModelSpec.moe(model_args), "capacity_factor", 0)), "set it 0"),
                ("model.attn_mask_type block_causal", cfg.model.attn_mask_type != "causal", "use causal"),
                ("a Hugging Face dataset", "hf" in _datasets(cfg), "pre-tokenize it (dataset 'tokens')")]
     for what, bad, change in refused:
         if bad:
-            raise ConfigError(f"training.layout_invariant does not cover {what} yet (fp32, eager, AdamW, Llama's "
-                              f"dense and mixture models, causal, non-streaming data and one replica group are shown "
+            raise ConfigError(f"training.layout_invariant does not cover {what} yet (fp32, eager, AdamW, the "
+                              f"models it has shown, causal, non-streaming data and one replica group are shown "
                               f"bitwise): {change}, {fix}")
 
 

@@ -215,11 +215,11 @@ def configure(args, cfg):
 
 
 def decoder_spec(name: str, flavors: Mapping[str, Any], hf: HFAdapter | None,
-                 published_vocab: Mapping[str, int]) -> ModelSpec:
+                 published_vocab: Mapping[str, int], bitwise_layouts: bool = False) -> ModelSpec:
     """The spec of an architecture that is this decoder on args of its own (Llama 3, Qwen3): the decoder's class, TP
     plan, FLOP count, parameter groups and [moe] settings, with the architecture's flavors, Hugging Face adapter and
     published vocabularies. Every block the same module on the same shapes (only its initialization depends on its
     index: depth_init), so the memory estimate may extrapolate from a few."""
     return ModelSpec(name=name, model_class=Decoder, flavors=flavors, tp_plan=tp_plan, tp_sizes=tp_sizes,
                      flops_per_token=flops_per_token, param_group=param_group, configure=configure, hf=hf,
-                     blocks_alike=True, published_vocab=published_vocab)
+                     blocks_alike=True, published_vocab=published_vocab, bitwise_layouts=bitwise_layouts)

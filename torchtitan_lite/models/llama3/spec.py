@@ -14,4 +14,5 @@ SPEC = decoder_spec(
                  args_from_config=hf.model_args_from_hf, flavor_of=hf.matching_flavor, split=hf.split),
     # Meta's tokenizer for the dense sizes, Mistral's for Mixtral.
     published_vocab={"8B": 128_256, "70B": 128_256, "405B": 128_256, "mixtral_8x7b": 32_000, "mixtral_8x22b": 32_000},
+    bitwise_layouts=True,  # dense and mixture (tests/multiprocess/test_layout_invariant.py)
 )
