@@ -9,7 +9,7 @@ import train
 from torchtitan_lite.data.loader import DataLoader
 from torchtitan_lite.data.synthetic import SyntheticSource
 from torchtitan_lite.parallel.ordered_reduce import tree_sum
-from torchtitan_lite.training.layout_invariant import COST, Accumulator
+from torchtitan_lite.training.layout_invariant import COST, Accumulator, Canonical
 from torchtitan_lite.training.optim import clip_grad_norm_
 from tests.conftest import TINY
 
@@ -93,6 +93,34 @@ def test_interleaved_micro_batches_are_the_global_batchs_leaves_in_order():
     assert all(torch.equal(rank0[k][0][j], one[(2 * k + j) * 2][0][0]) for k in range(3) for j in range(2))
     # Without it a rank's micro-batches are its slice's (the default, unchanged).
     assert torch.equal(DataLoader(source, 12, 1, 1, 2).next_batch()[0][0], one[6][0])
+
+
+def test_the_canonical_accumulation_sums_each_parameters_micro_batches_in_the_tree():
+    """One process, no group: the hooks take each micro-batch's gradient as autograd leaves it, and finish sets the
+    tree's sum, the loss's too."""
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    acc = Canonical([w], None)
+    acc.start(torch.device("cpu"))
+    # (1 + a) + (a + a) is not ((1 + a) + a) + a in fp32: a running sum would not pass
+    grads = [torch.tensor([1.0, 1.0]), torch.tensor([2.0, 4e-8]), torch.tensor([3.0, 4e-8]), torch.tensor([4.0, 4e-8])]
+    assert not torch.equal(tree_sum(grads), grads[0] + grads[1] + grads[2] + grads[3])
+    for g in grads:
+        (w * g).sum().backward()
+        assert w.grad is None  # taken by the hook
+        acc.add(g.sum())
+    assert torch.equal(acc.finish(), tree_sum([g.sum() for g in grads]))
+    assert torch.equal(w.grad, tree_sum(grads))
+
+
+def test_a_parameter_a_micro_batch_left_without_a_gradient_is_refused():
+    used, unused = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    acc = Canonical([used, unused], None)
+    acc.start(torch.device("cpu"))
+    (used * unused).sum().backward()
+    used.sum().backward()  # the second micro-batch reaches `used` alone
+    acc.add(torch.ones(()))
+    with pytest.raises(RuntimeError, match=r"received \[1, 2\] gradients"):
+        acc.finish()
 
 
 def test_the_grad_norm_in_float32_is_the_float64_norm_rounded():
