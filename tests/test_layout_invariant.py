@@ -139,7 +139,8 @@ def test_check_says_what_the_mode_costs(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("world, overrides, named", [
-    (2, ["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree 2"),
+    (4, ["--parallelism.tensor_parallel_degree", "4"], "parallelism.tensor_parallel_degree 4"),
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--model.flavor", "tiny_moe"], "TP 2 beside FSDP alone"),
     (2, ["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree 2"),
     (2, ["--parallelism.pipeline_parallel_degree", "2", "--model.name", "qwen3", "--model.flavor", "debugmodel"],
      "without tied weights"),

@@ -50,9 +50,9 @@ def test_the_memory_estimate_runs_the_trainers_step_and_its_loss(monkeypatch):
     """The estimator's loss is the trainer's: summed token losses over the global token count (2 ranks x 2 x 64)."""
     seen = []
 
-    def recording_token_loss(logits, labels, tokens):
+    def recording_token_loss(logits, labels, tokens, *blocks):
         seen.append(tokens)
-        return token_loss(logits, labels, tokens)
+        return token_loss(logits, labels, tokens, *blocks)
 
     token_loss = step_module.token_loss
     monkeypatch.setattr(step_module, "token_loss", recording_token_loss)

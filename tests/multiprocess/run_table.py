@@ -337,6 +337,9 @@ INVARIANT_RUNS = {
     "inv_ddp2": Run(2, (*INVARIANT, *DDP2, *TWO_STEPS), reference="inv_single", record=False),
     "inv_fsdp2_ac": Run(2, (*INVARIANT, "--activation_checkpoint.mode", "full", *TWO_STEPS),
                         reference="inv_single", record=False),
+    # TP 2 with sequence and loss parallel (12 micro-steps), and beside FSDP 2 (6): the others compute in its blocks.
+    "inv_tp2": Run(2, (*INVARIANT, *TP2, *TWO_STEPS), reference="inv_single", record=False),
+    "inv_tp2_fsdp2": Run(4, (*INVARIANT, *TP2, *TWO_STEPS), reference="inv_single", record=False),
     "inv_moe_single": Run(1, MOE_INVARIANT, reference=None),
     # FSDP 4 with EP 2: each expert's slots of 2 ranks computed apart, summed, then over efsdp by FSDP.
     "inv_moe_fsdp4_ep2": Run(4, (*MOE_INVARIANT, *EP2), reference="inv_moe_single"),

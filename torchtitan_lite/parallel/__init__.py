@@ -9,6 +9,7 @@
 - selective_ac.py: what op-level activation checkpointing keeps, and its count of ops that FSDP's hooks skip
 - sequence_slots.py: a sequence split across ranks: the slots other ranks hold at earlier positions (expert capacity)
 - ordered_reduce.py: sums in one fixed order, the canonical tree; FSDP's reduce-scatter in that order
+- tp_blocks.py: TP 2's order of sums on a layout without TP: the TP plan's styles, computed in 2 blocks
 
 Imports the layers below (config, runtime, models, data); checkpointing and training build on it.
 """

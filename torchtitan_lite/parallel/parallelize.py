@@ -36,6 +36,7 @@ from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.expert_parallel import apply_ep
 from torchtitan_lite.parallel.ordered_reduce import OrderedReduceScatter
 from torchtitan_lite.parallel.sequence_slots import EarlierSlots
+from torchtitan_lite.parallel.tp_blocks import apply_blocks
 from torchtitan_lite.quantization import float8
 from torchtitan_lite.runtime.precision import DTYPES
 
@@ -46,6 +47,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
     """`tp_plan`: the model spec's (ModelSpec.tp_plan)."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], tp_plan, loss_parallel=not cfg.parallelism.disable_loss_parallel)
+    elif cfg.training.layout_invariant:  # TP 2's order of sums on this one tp rank
+        apply_blocks(model, tp_plan)
     if dims.cp > 1:
         apply_cp(model, mesh["cp"], cfg.training.seq_len, cfg.parallelism.context_parallel_load_balancer)
     moe = [module for module in model.modules() if isinstance(module, MoE)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan_lite.config import ConfigError, JobConfig
 from torchtitan_lite.models import registry
@@ -70,7 +71,11 @@ class Canonical:
 
     def _take(self, p: torch.Tensor) -> None:
         if self.sums is not None:
-            self.sums[id(p)].push(p.grad)
+            g = p.grad
+            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                # TP's part of a norm weight's gradient: summed across the tp ranks now, each micro-batch's a leaf
+                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+            self.sums[id(p)].push(g)
             p.grad = None  # the next micro-batch's gradient arrives alone, not added to this one
 
     def start(self, device: torch.device) -> None:
@@ -120,7 +125,8 @@ def leaf_size(cfg: JobConfig, dims: ParallelDims) -> int:
 
 def check(cfg: JobConfig, dims: ParallelDims, model_args=None) -> None:
     """What the mode covers so far: data parallelism (FSDP, HSDP and DDP over 2 replicas, power-of-two degrees),
-    pipeline parallelism (every schedule, untied weights) and expert parallelism over 2 ranks; in fp32, eager, by
+    TP 2 (sequence and loss parallel) beside FSDP, pipeline parallelism (every schedule, untied weights) and expert
+    parallelism over 2 ranks; in fp32, eager, by
     AdamW, for the models whose spec says bitwise_layouts, causal, on data that is not streamed, with any
     accumulation count and activation checkpointing. The rest sums in orders of its own, or is not yet shown
     bitwise: refused."""
@@ -128,10 +134,20 @@ def check(cfg: JobConfig, dims: ParallelDims, model_args=None) -> None:
         return
     fix = "or drop training.layout_invariant (docs/layout_invariance.md says what it covers)"
     p, t = cfg.parallelism, cfg.training
-    for name, degree in (("tensor_parallel_degree", dims.tp), ("context_parallel_degree", dims.cp)):
-        if degree > 1:
-            raise ConfigError(f"training.layout_invariant covers data, pipeline and expert parallelism so far, and "
-                              f"parallelism.{name} {degree} sums in an order of its own: set it to 1, {fix}")
+    if dims.cp > 1:
+        raise ConfigError(f"training.layout_invariant covers data, tensor, pipeline and expert parallelism so far, "
+                          f"and parallelism.context_parallel_degree {dims.cp} sums in an order of its own: set it to "
+                          f"1, {fix}")
+    if dims.tp > 2:
+        raise ConfigError(f"training.layout_invariant computes in TP 2's blocks, and parallelism.tensor_parallel_degree "
+                          f"{dims.tp} sums more: use 2 or 1, {fix}")
+    if dims.tp > 1 and (dims.pp > 1 or dims.dp_replicate > 1 or ModelSpec.moe(model_args) is not None
+                        or cfg.training.z_loss > 0 or cfg.parallelism.disable_loss_parallel):
+        raise ConfigError(f"training.layout_invariant shows TP 2 beside FSDP alone so far, on a dense model with loss "
+                          f"parallel and no z-loss: set parallelism.tensor_parallel_degree 1, {fix}")
+    if odd := [name for name, size in registry.get(cfg.model.name).tp_sizes(model_args).items() if size % 2]:
+        raise ConfigError(f"training.layout_invariant computes in TP 2's blocks, and the model's {odd[0]} is odd: "
+                          f"choose a flavor whose sizes TP 2 splits, {fix}")
     if dims.ep > 2:
         raise ConfigError(f"training.layout_invariant sums an expert's gradients over 2 expert-parallel sources so "
                           f"far (autograd adds more in an order of its own), and parallelism.expert_parallel_degree "

@@ -40,6 +40,7 @@ from torchtitan_lite.models.documents import document_ids
 from torchtitan_lite.models.common.moe import MoE
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import Pipeline
+from torchtitan_lite.parallel.tp_blocks import blocked_cross_entropy
 from torchtitan_lite.runtime import flight_recorder
 from torchtitan_lite.runtime.precision import DTYPES
 from torchtitan_lite.training.layout_invariant import Canonical, Summed
@@ -49,8 +50,11 @@ from torchtitan_lite.training.z_loss import ZLoss
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels) of one local batch
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
-    """The sum of the token losses over `tokens`, the step's global token count (a DTensor under loss parallel)."""
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: int, vocab_blocks: bool = False) -> torch.Tensor:
+    """The sum of the token losses over `tokens`, the step's global token count (a DTensor under loss parallel); with
+    `vocab_blocks`, loss parallel's sums on one rank (training.layout_invariant without TP: parallel/tp_blocks.py)."""
+    if vocab_blocks:
+        return blocked_cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / tokens
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / tokens
 
 
@@ -73,12 +77,14 @@ class Numerics:
     compute_dtype: torch.dtype  # the dtype matmuls run in (training.mixed_precision_param)
     autocast: bool  # FSDP casts by its mixed-precision policy; without FSDP autocast does
     loss_parallel: bool  # cross-entropy on vocabulary-sharded logits under TP
+    vocab_blocks: bool = False  # loss parallel's sums without TP (training.layout_invariant: TP 2's order)
 
     @classmethod
     def from_config(cls, cfg: JobConfig, dims: ParallelDims) -> Numerics:
         compute_dtype = DTYPES[cfg.training.mixed_precision_param]
         return cls(compute_dtype, autocast=not dims.fsdp and compute_dtype != torch.float32,
-                   loss_parallel=dims.tp > 1 and not cfg.parallelism.disable_loss_parallel)
+                   loss_parallel=dims.tp > 1 and not cfg.parallelism.disable_loss_parallel,
+                   vocab_blocks=dims.tp == 1 and cfg.training.layout_invariant)
 
     def context(self, device_type: str) -> contextlib.ExitStack:
         """What forward and backward run in: loss parallel's backward needs it as much as its forward."""
@@ -202,7 +208,7 @@ class Step:
             self.rows.append(row_losses(logits, labels))
         if self.z_loss is not None and torch.is_grad_enabled():  # training's: validation measures the loss alone
             logits = self.z_loss(logits, tokens)
-        return token_loss(logits, labels, tokens)
+        return token_loss(logits, labels, tokens, self.numerics.vocab_blocks)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         loss = self.loss(inputs, labels, tokens)

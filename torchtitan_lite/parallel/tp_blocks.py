@@ -1,0 +1,151 @@
+"""Tensor parallelism's order of sums on a layout without TP (training.layout_invariant): the model's TP plan applied
+by a second implementation of its styles, which compute every sum TP 2 splits in TP 2's 2 blocks, so that a layout
+with TP 2 (sequence and loss parallel) and one without give the same bits.
+
+- colwise: the output's 2 halves from a fork of the input, whose backward adds the halves' input gradients (the
+  all-gather's reduce-scatter); a prepare_input's module forks once for all its colwise children (q, k, v);
+- rowwise: the products of the input's and weight's 2 K halves, added (the reduce-scatter's sum);
+- sequence: the norm on the 2 sequence halves, whose weight gradients autograd adds;
+- the loss: loss parallel's cross-entropy on the 2 vocabulary halves (`blocked_cross_entropy`, step.Numerics);
+- the embedding: nothing (a vocabulary-parallel lookup adds zeros to the owner's row).
+Each block's GEMM and kernel then has the shapes a tp rank's has; attention runs every head at once, which gives each
+head's bits (docs/layout_invariance.md has the probes).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_lite.models.spec import TPStyles
+
+BLOCKS = 2  # TP 2's: its collectives add 2 terms, one addition in either order
+
+
+class Fork(torch.autograd.Function):
+    """x as BLOCKS inputs, one per tp rank; backward adds their gradients (2: one addition)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return tuple(x.view_as(x) for _ in range(BLOCKS))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = None
+        for g in grads:
+            if g is not None:
+                total = g if total is None else total + g
+        return total
+
+
+def _style(kind: str):
+    return lambda *args, **kwargs: (kind, kwargs)
+
+
+STYLES = TPStyles(_style("colwise"), _style("rowwise"), _style("prepare_input"), _style("sequence"),
+                  _style("embedding"), _style("replicated"))
+
+
+def apply_blocks(model: nn.Module, tp_plan) -> None:
+    """`tp_plan` (the model spec's) applied to `model` in blocks, on one rank: the plan's names select the modules."""
+    plan = tp_plan(STYLES, True)
+    names = dict(model.named_modules())
+    for pattern, (kind, kwargs) in plan.items():
+        for name in fnmatch.filter(names, pattern):
+            module = names[name]
+            if kind == "colwise":
+                _colwise(module, names.get(name.rsplit(".", 1)[0]) if "." in name else None, name == "output")
+            elif kind == "rowwise":
+                _rowwise(module)
+            elif kind == "sequence":
+                _sequence(module, kwargs.get("sequence_dim", 1))
+            elif kind == "prepare_input" and name.endswith(("attention", "feed_forward")):
+                module.register_forward_pre_hook(_fork_input)
+
+
+def _fork_input(module: nn.Module, args: tuple) -> None:
+    """TP gathers the module's input once for its column-parallel children: they share one fork."""
+    x = args[0]
+    module._tp_fork = (x, Fork.apply(x))
+
+
+def _colwise(module: nn.Linear, parent: nn.Module | None, own_fork: bool) -> None:
+    def forward(x):
+        fork = getattr(parent, "_tp_fork", None) if parent is not None and not own_fork else None
+        inputs = fork[1] if fork is not None and fork[0] is x else Fork.apply(x)
+        return torch.cat([F.linear(x_b, w_b.contiguous())
+                          for x_b, w_b in zip(inputs, module.weight.chunk(BLOCKS, 0))], -1)
+    module.forward = forward
+
+
+def _rowwise(module: nn.Linear) -> None:
+    def forward(x):
+        parts = [F.linear(x_b.contiguous(), w_b.contiguous())
+                 for x_b, w_b in zip(x.chunk(BLOCKS, -1), module.weight.chunk(BLOCKS, 1))]
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        return total
+    module.forward = forward
+
+
+def _sequence(module: nn.Module, dim: int) -> None:
+    forward = module.forward
+
+    def blocked(x):
+        return torch.cat([forward(x_b.contiguous()) for x_b in x.chunk(BLOCKS, dim)], dim)
+    module.forward = blocked
+
+
+class _BlockedCE(torch.autograd.Function):
+    """torch's loss parallel (distributed/tensor/parallel/loss.py) on BLOCKS vocabulary halves of (N, V) logits:
+    the sum over tokens of -log_softmax at the target, and its fused backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        halves = [h.contiguous() for h in x.chunk(BLOCKS, 1)]
+        x_max = torch.amax(halves[0], 1, keepdim=True)
+        for h in halves[1:]:
+            x_max = torch.maximum(x_max, torch.amax(h, 1, keepdim=True))
+        shifted = [h - x_max for h in halves]
+        sumexp = None
+        for s in shifted:
+            part = torch.sum(torch.exp(s), 1, keepdim=True)
+            sumexp = part if sumexp is None else sumexp + part
+        lse = torch.log(sumexp)
+        logp = [s - lse for s in shifted]
+        width = halves[0].shape[1]
+        picked = torch.zeros(x.shape[0], 1, dtype=x.dtype, device=x.device)
+        for b, lp in enumerate(logp):
+            local = target - b * width
+            owned = (local >= 0) & (local < width)
+            value = torch.gather(lp, 1, torch.where(owned, local, 0).unsqueeze(1))
+            picked = picked + torch.where(owned.unsqueeze(1), value, 0)
+        result = -picked.squeeze(1)
+        ctx.save_for_backward(*logp, target)
+        return result.sum()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        *logp, target = ctx.saved_tensors
+        width = logp[0].shape[1]
+        grads = []
+        for b, lp in enumerate(logp):
+            local = target - b * width
+            owned = (local >= 0) & (local < width)
+            grad_input = torch.zeros_like(lp)
+            rows = torch.arange(lp.shape[0], device=lp.device)
+            # torch's: -1 at a target this block holds, 0 written elsewhere (its mask minus 1)
+            grad_input[rows, torch.where(owned, local, 0)] = (~owned).to(lp.dtype) - 1.0
+            go = grad_output.expand(lp.shape[0], 1)
+            grads.append((grad_input + torch.exp(lp)) * go)
+        return torch.cat(grads, 1), None
+
+
+def blocked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed token losses of (N, V) `logits`, as loss parallel over 2 ranks computes them."""
+    return _BlockedCE.apply(logits, labels)
