@@ -4,7 +4,7 @@ process's peak memory, and whether the layout's curve is the single process's bi
     python benchmarks/layout_invariant.py [--steps 10] [--repeats 2] [--layouts single,single_1core,fsdp2,...]
 
 The debug model (6 blocks of 256) on 8 sequences of 256 tokens a step, micro-batches of 2 sequences on every
-layout (1 process accumulates 4, FSDP 2 and DDP 2 accumulate 2, PP 2 runs 2 local batches of 2 pipeline
+layout (1 process and TP 2 accumulate 4, FSDP 2 and DDP 2 accumulate 2, PP 2 runs 2 local batches of 2 pipeline
 micro-batches). Each layout's two modes run in turn, `--repeats` times (default, invariant, default, invariant), so
 that drift on a shared machine hits both alike. A run's figure is the median step time over its steps after the
 first two (metrics.jsonl's elapsed time between records) and its largest memory_gib (the resident set's peak, on
@@ -32,7 +32,8 @@ LAYOUTS = {"single": (1, ()), "single_1core": (1, ()), "fsdp2": (2, ()), "fsdp4"
            "ddp2": (2, ("--parallelism.data_parallel_replicate_degree", "2",
                         "--parallelism.data_parallel_shard_degree", "1")),
            # 1F1B, 2 local batches of 2 pipeline micro-batches of 2 sequences.
-           "pp2": (2, ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"))}
+           "pp2": (2, ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4")),
+           "tp2": (2, ("--parallelism.tensor_parallel_degree", "2"))}
 
 
 def main() -> None:
