@@ -15,7 +15,6 @@ head's bits (docs/layout_invariance.md has the probes).
 from __future__ import annotations
 
 import fnmatch
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,12 +64,18 @@ def apply_blocks(model: nn.Module, tp_plan) -> None:
                 _sequence(module, kwargs.get("sequence_dim", 1))
             elif kind == "prepare_input" and name.endswith(("attention", "feed_forward")):
                 module.register_forward_pre_hook(_fork_input)
+                module.register_forward_hook(_drop_fork)
 
 
 def _fork_input(module: nn.Module, args: tuple) -> None:
     """TP gathers the module's input once for its column-parallel children: they share one fork."""
     x = args[0]
     module._tp_fork = (x, Fork.apply(x))
+
+
+def _drop_fork(module: nn.Module, args: tuple, output) -> None:
+    """The fork is its forward's alone: not held, with the input it forked, until the next forward."""
+    module._tp_fork = None
 
 
 def _colwise(module: nn.Linear, parent: nn.Module | None, own_fork: bool) -> None:
