@@ -48,6 +48,8 @@ PROFILED = ("--profiling.enable_profiling", "--profiling.profile_freq", "4", "--
 TP2_FSDP2 = (*TP2, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full",
              *CHECKPOINTED)  # the shared run "tp2_fsdp2"
 MOE = ("--model.flavor", "tiny_moe")  # the tests' model with every block a mixture of 8 experts, top 2
+BALANCED = ("--moe.load_balance_coeff", "1e-3")  # DeepSeek-V3's bias balancing (training/expert_load.py)
+EP2, EP4 = ("--parallelism.expert_parallel_degree", "2"), ("--parallelism.expert_parallel_degree", "4")
 QWEN3, QWEN3_MOE = ("--model.flavor", "debugmodel"), ("--model.flavor", "debugmodel_moe")  # with --model.name qwen3
 # Document masking on short documents (tests/assets/documents.jsonl: 1 to 12 words each, several to a window).
 MASKED = ("--model.attn_mask_type", "block_causal", "--training.dataset", "jsonl", "--training.dataset_path",

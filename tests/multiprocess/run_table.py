@@ -11,75 +11,13 @@ one process training what its runs train."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import pairs
-from launch import (CHECKPOINTED, CP2, DEBUGMODEL, FLOAT8, HSDP, MASKED, MOE, PP2, PROFILED, QWEN3, QWEN3_MOE, TP2,
-                    TP2_FSDP2)
-from torchtitan_lite.config import JobConfig
-from torchtitan_lite.parallel.dims import ParallelDims
+from invariant_runs import INVARIANT_RESUMED, INVARIANT_RUNS
+from launch import (BALANCED, CHECKPOINTED, CP2, DEBUGMODEL, EP2, EP4, FLOAT8, HSDP, MASKED, MOE, PP2, PROFILED, QWEN3,
+                    QWEN3_MOE, TP2, TP2_FSDP2)
+from run_spec import KINDS, SHORT, Resumed, Run, of_kind  # noqa: F401 - the tables' readers import them from here
 
 
-@dataclass(frozen=True)
-class Run:
-    """A shared run: made once per session, in the job of every shared run of its processes (conftest.py)."""
-    nproc: int
-    overrides: tuple[str, ...] = ()  # train.py's, after launch.COMMON and --training.steps STEPS, so they win
-    # The single-process run it is compared with: most train the tests' model in fp32 as "single" does. None: it is
-    # one itself.
-    reference: Optional[str] = "single"
-    model: str = "llama3"  # model.name: the architecture it trains
-    record: bool = True  # every parameter's gradient at step 1 (grad_dump.py), which the parity tests compare
-
-    @property
-    def argv(self) -> tuple[str, ...]:
-        """Its train.py overrides, the model first: a run always says which architecture it trains."""
-        return ("--model.name", self.model, *self.overrides)
-
-    @property
-    def config(self) -> JobConfig:
-        """Its JobConfig, as train.py loads it (pairs.parsed: cached, so shared; never changed)."""
-        return pairs.parsed(self.nproc, self.argv)[0]
-
-    @property
-    def dims(self) -> ParallelDims:
-        """Its mesh degrees (pp, cp, tp, dp_replicate, dp_shard), as the trainer derives them from its config."""
-        return pairs.parsed(self.nproc, self.argv)[1]
-
-
-@dataclass(frozen=True)
-class Resumed:
-    """The shared run `run` stopped after `after_step` and resumed in a new job, on `nproc` processes and the
-    overrides here (the run's layout or another). The resumed runs of one size are made in one job of their own,
-    after the shared runs', so none shares a process with the run it resumes."""
-    run: str
-    after_step: int
-    nproc: int
-    overrides: tuple[str, ...]
-    model: str = "llama3"  # the run's: a checkpoint loads into the architecture that saved it (test_run_table.py)
-    record: bool = False  # as Run's, with graphs.json (grad_dump.py); most resumes are checked by their curve
-    # A resharding leg that reads the run's checkpoint where it lies (checkpoint.initial_load_path), which must stay
-    # as it was, rather than a copy in its own folder.
-    initial_load: bool = False
-
-    argv = Run.argv
-
-
-# A run's kinds, from what the trainer parses: the tests of each kind parametrize over its runs.
-KINDS = {
-    "pipelined": lambda run: run.dims.pp > 1,
-    "context_parallel": lambda run: run.dims.cp > 1,
-    "compiled": lambda run: run.config.compile.enable,
-}
-
-
-def of_kind(runs: dict[str, Run], kind: str) -> list[str]:
-    """The names of `runs` of `kind` (KINDS), in the table's order."""
-    return [name for name, run in runs.items() if KINDS[kind](run)]
-
-
-SHORT = ("--training.steps", "4")  # after STEPS on the command line, so it wins
 # name -> Run, all with global batch 8. One process and DDP accumulate; the 4-process layouts take one micro-batch per
 # rank (under TP each costs ~8 collectives per block; test_checkpoint.py accumulates on TP 2 x 2).
 SHARED_RUNS = {
@@ -188,8 +126,7 @@ MASKED_RUNS = {
 # gradients, routes and dispatches for its twins, which must give its bits: the same run with op-level selective AC
 # (test_moe_layouts.py) and, compiled, COMPILED_RUNS' (test_compile.py). Every run balances
 # its experts by DeepSeek-V3's bias (training/expert_load.py), which steers routing from step 2 on.
-MOE = (*MOE, "--moe.load_balance_coeff", "1e-3")
-EP2, EP4 = ("--parallelism.expert_parallel_degree", "2"), ("--parallelism.expert_parallel_degree", "4")
+MOE = (*MOE, *BALANCED)
 EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
 OP_SAC = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
 BF16 = ("--training.mixed_precision_param", "bfloat16")
@@ -317,53 +254,8 @@ FLOAT8_RUNS = {
 }
 # The single-process run of the layouts of 4 pipeline stages, which train the debug model's 6 blocks, 4 steps as they.
 SINGLES = {"single_debugmodel": Run(1, (*DEBUGMODEL, *SHORT), reference=None)}
-# training.layout_invariant (test_layout_invariant.py): each layout bitwise equal to its single-process run, the loss
-# and grad norm of every step and every tensor it saved (weights, AdamW's moments, every 2 steps). A global batch of 12
-# micro-batches of 1 sequence: 3 micro-steps on FSDP 4 and HSDP 2 x 2 (a count no power of two), 6 on DDP 2 and FSDP 2
-# (recomputing every block). 2 steps (the second the first after an update), FSDP 4 and one process 4: FSDP 4's is
-# resumed on DDP 2 after step 2. The mixture (z-loss, bias balancing; 8 micro-batches) records its routes and
-# gradients at step 1.
-INVARIANT = ("--training.layout_invariant", "--training.global_batch_size", "12", "--training.local_batch_size", "1",
-             *CHECKPOINTED, *SHORT)
-TWO_STEPS = ("--training.steps", "2")
-DDP2 = ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
-MOE_INVARIANT = (*INVARIANT, *MOE, "--training.z_loss", "1e-4", "--training.global_batch_size", "8", *TWO_STEPS)
-PIPELINE_4 = ("--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatches", "4")
-GLOBAL_4 = ("--training.global_batch_size", "4")
-INVARIANT_RUNS = {
-    "inv_single": Run(1, INVARIANT, reference=None, record=False),
-    "inv_fsdp4": Run(4, INVARIANT, reference="inv_single", record=False),
-    "inv_hsdp2x2": Run(4, (*INVARIANT, *HSDP, *TWO_STEPS), reference="inv_single", record=False),
-    "inv_ddp2": Run(2, (*INVARIANT, *DDP2, *TWO_STEPS), reference="inv_single", record=False),
-    "inv_fsdp2_ac": Run(2, (*INVARIANT, "--activation_checkpoint.mode", "full", *TWO_STEPS),
-                        reference="inv_single", record=False),
-    # TP 2 with sequence and loss parallel (12 micro-steps), and beside FSDP 2 (6): the others compute in its blocks.
-    "inv_tp2": Run(2, (*INVARIANT, *TP2, *TWO_STEPS), reference="inv_single", record=False),
-    "inv_tp2_fsdp2": Run(4, (*INVARIANT, *TP2, *TWO_STEPS), reference="inv_single", record=False),
-    "inv_moe_single": Run(1, MOE_INVARIANT, reference=None),
-    # FSDP 4 with EP 2: each expert's slots of 2 ranks computed apart, summed, then over efsdp by FSDP.
-    "inv_moe_fsdp4_ep2": Run(4, (*MOE_INVARIANT, *EP2), reference="inv_moe_single"),
-    # Pipelines: GPipe, 3 local batches of 4 micro-batches; 1F1B, 2 of 6, every block recomputed.
-    "inv_pp2_gpipe": Run(2, (*INVARIANT, *PP2, "--parallelism.pipeline_parallel_schedule", "GPipe",
-                             *PIPELINE_4, *TWO_STEPS), reference="inv_single", record=False),
-    "inv_pp2_1f1b": Run(2, (*INVARIANT, *PP2, "--training.local_batch_size", "6",
-                            "--parallelism.pipeline_parallel_microbatches", "6", "--activation_checkpoint.mode",
-                            "full", *TWO_STEPS), reference="inv_single", record=False),
-    # Beside FSDP 2 (1F1B): 3 local batches of 2 micro-batches a rank, each micro-batch's gradients reduced alone.
-    "inv_pp2_fsdp2": Run(4, (*INVARIANT, *PP2, "--training.local_batch_size", "2", *TWO_STEPS),
-                         reference="inv_single", record=False),
-    # 4 stages of the debug model's 6 blocks, 2 a rank, against its own single process (4 micro-batches of 1):
-    # Interleaved1F1B, 1 local batch of 4 micro-batches; LoopedBFS, 2 of 2.
-    "inv_debug_single": Run(1, (*INVARIANT, *DEBUGMODEL, *GLOBAL_4, *TWO_STEPS), reference=None, record=False),
-    "inv_pp2_interleaved": Run(2, (*INVARIANT, *DEBUGMODEL, *GLOBAL_4, *PP2, "--parallelism.pipeline_parallel_schedule",
-                                   "Interleaved1F1B", *PIPELINE_4, *TWO_STEPS), reference="inv_debug_single",
-                                record=False),
-    "inv_pp2_looped_bfs": Run(2, (*INVARIANT, *DEBUGMODEL, *GLOBAL_4, *PP2, "--parallelism.pipeline_parallel_schedule",
-                                  "LoopedBFS", "--training.local_batch_size", "2", *TWO_STEPS),
-                              reference="inv_debug_single", record=False),
-}
 ALL_RUNS = {**SHARED_RUNS, **PAIR_RUNS, **REFERENCES, **MASKED_RUNS, **MOE_RUNS, **COMPILED_RUNS, **FLOAT8_RUNS,
-            **SINGLES, **INVARIANT_RUNS}
+            **SINGLES, **INVARIANT_RUNS}  # INVARIANT_RUNS: training.layout_invariant's (invariant_runs.py)
 
 PIPELINED, CONTEXT_PARALLEL = of_kind(SHARED_RUNS, "pipelined"), of_kind(SHARED_RUNS, "context_parallel")
 COMPILED = of_kind(SHARED_RUNS, "compiled")
@@ -398,8 +290,7 @@ RESUMED_RUNS = {
     # Qwen3's tied table, saved by PP 2 x TP 2 (held by both stages) and loaded on HSDP 2 x CP 2.
     "pp2_tp2_qwen3_on_hsdp2_cp2": Resumed("pp2_tp2_qwen3", 2, 4, (*SHARED_RUNS["hsdp2_cp2_qwen3"].overrides,
                                                                   *CHECKPOINTED), model="qwen3"),
-    # training.layout_invariant: FSDP 4's step 2 resumed on DDP 2, bitwise the single process's steps 3 and 4.
-    "inv_fsdp4_on_ddp2": Resumed("inv_fsdp4", 2, 2, (*INVARIANT, *DDP2)),
+    **INVARIANT_RESUMED,  # training.layout_invariant's (invariant_runs.py)
     # Float8 weights in FSDP's state: a DTensor of torchao's float8-casting subclass, saved and loaded by DCP.
     "float8_fsdp4_ag_resumed": Resumed("float8_fsdp4_ag", 2, 4, FLOAT8_RUNS["float8_fsdp4_ag"].overrides),
 }

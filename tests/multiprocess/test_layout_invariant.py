@@ -17,7 +17,8 @@ from grad_dump import assert_grads_match, load_grads, recording
 from launch import COMMON, ROOT, STEPS, assert_same_curve, curve, torchrun_several, train_in_process
 from mutants import made_wrong
 from route_dump import assert_same_routes, load_routes
-from run_table import INVARIANT, INVARIANT_RUNS, MOE_INVARIANT, RESUMED_RUNS, TWO_STEPS
+from invariant_runs import INVARIANT, INVARIANT_RUNS, MOE_INVARIANT, TWO_STEPS
+from run_table import RESUMED_RUNS
 from torchtitan_lite.checkpoint.reader import read_tensors
 
 MUTANTS = ROOT / "tests" / "multiprocess" / "mutants.py"
