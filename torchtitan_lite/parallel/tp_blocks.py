@@ -57,7 +57,7 @@ def apply_blocks(model: nn.Module, tp_plan) -> None:
         for name in fnmatch.filter(names, pattern):
             module = names[name]
             if kind == "colwise":
-                _colwise(module, names.get(name.rsplit(".", 1)[0]) if "." in name else None, name == "output")
+                _colwise(module, names.get(name.rsplit(".", 1)[0]) if "." in name else None)
             elif kind == "rowwise":
                 _rowwise(module)
             elif kind == "sequence":
@@ -78,9 +78,10 @@ def _drop_fork(module: nn.Module, args: tuple, output) -> None:
     module._tp_fork = None
 
 
-def _colwise(module: nn.Linear, parent: nn.Module | None, own_fork: bool) -> None:
+def _colwise(module: nn.Linear, parent: nn.Module | None) -> None:
+    """`parent`'s fork where it forked this input (a prepare_input's module), else a fork of its own (the output)."""
     def forward(x):
-        fork = getattr(parent, "_tp_fork", None) if parent is not None and not own_fork else None
+        fork = getattr(parent, "_tp_fork", None)
         inputs = fork[1] if fork is not None and fork[0] is x else Fork.apply(x)
         return torch.cat([F.linear(x_b, w_b.contiguous())
                           for x_b, w_b in zip(inputs, module.weight.chunk(BLOCKS, 0))], -1)

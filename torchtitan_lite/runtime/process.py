@@ -171,9 +171,9 @@ def peer_timeout(error: BaseException) -> RuntimeError | None:
 
 def set_determinism(seed: int, deterministic: bool, device: torch.device, layout_invariant: bool = False) -> None:
     """The seed, and torch's deterministic algorithms where asked. Under training.layout_invariant on the CPU, one
-    thread a process: the CPU's GEMM gives other bits with 2 threads than with 1 at some shapes (5 to 11 rows on
-    torch 2.13's x86 build, docs/layout_invariance.md), and a run of 1 process would otherwise have every core
-    where each of N processes has a share."""
+    thread a process: the CPU's GEMM gives other bits with 2 threads than with 1 at some shapes
+    (docs/layout_invariance.md), and a run of 1 process would otherwise have every core where each of N processes
+    has a share."""
     torch.manual_seed(seed)
     if layout_invariant and device.type == "cpu":
         torch.set_num_threads(1)

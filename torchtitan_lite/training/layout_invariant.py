@@ -123,7 +123,7 @@ def leaf_size(cfg: JobConfig, dims: ParallelDims) -> int:
     return local // microbatches(cfg.parallelism, local) if dims.pp > 1 else local
 
 
-def check(cfg: JobConfig, dims: ParallelDims, model_args=None) -> None:
+def check(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
     """What the mode covers so far: data parallelism (FSDP, HSDP and DDP over 2 replicas, power-of-two degrees),
     TP 2 (sequence and loss parallel) beside FSDP, pipeline parallelism (every schedule, untied weights) and expert
     parallelism over 2 ranks; in fp32, eager, by
