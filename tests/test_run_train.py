@@ -77,7 +77,9 @@ def launcher_stub(tmp_path, torchrun: str = 'echo "torchrun started"', plan: str
     check = f'if [ "$2" = --check ]; then printf "{plan}" > "$TORCHTITAN_LITE_PLAN_FILE"; exit 0; fi\n' if plan else ""
     torchrun = f'if [ "$2" = torch.distributed.run ]; then {torchrun}; exit 0; fi\n'
     stub(python, f'{torchrun}{check}exec "{sys.executable}" "$@"')
-    return {**os.environ, "PYTHON": str(python), "NGPU": "2", "CONFIG_FILE": str(TINY), "CUDA_VISIBLE_DEVICES": ""}
+    # TMPDIR: the script's plan and error files, which a test that kills it with SIGKILL leaves behind, stay here.
+    return {**os.environ, "PYTHON": str(python), "NGPU": "2", "CONFIG_FILE": str(TINY), "CUDA_VISIBLE_DEVICES": "",
+            "TMPDIR": str(tmp_path)}
 
 
 def wait_for_torchrun(proc: subprocess.Popen) -> None:
