@@ -31,6 +31,7 @@ from torchtitan_lite.data.loader import DataLoader, warn_if_validating_on_traini
 from torchtitan_lite.models import documents, registry
 from torchtitan_lite.models.spec import Args, ModelSpec
 from torchtitan_lite.parallel.context_parallel import sharder
+from torchtitan_lite.parallel.cp_blocks import stacked
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.parallelize import parallelize, warn_ignored_options
 from torchtitan_lite.parallel.pipeline import merge_stages, split_stages
@@ -163,14 +164,17 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
 
     device, mesh, dp_mesh, loss_mesh = start_processes(cfg, env, dims)
     built = time.perf_counter()
-    seq_share = sharder(mesh["cp"], training.seq_len, cfg.parallelism.context_parallel_load_balancer)
+    leaf = layout_invariant.leaf_size(cfg, dims)
+    # This rank's part of every sequence under CP; under training.layout_invariant_cp 2, CP 2's halves on one rank.
+    seq_share = sharder(mesh["cp"], training.seq_len, cfg.parallelism.context_parallel_load_balancer) or stacked(
+        cfg, dims.cp, leaf)
     # What the model gets beside the tokens (block_causal: document ids; multi-token prediction: its depths' tokens;
     # both known before CP cuts the windows).
     inputs, seq_share = Inputs.build(bos_id, seq_share, MTP.from_config(model_args, training.mtp_weight))
     # The training data, and the held-out data read anew from its start at every validation.
     loader_args = (global_batch, training.local_batch_size, dp_mesh.get_local_rank(), dims.dp, seq_share,
                    device.type == "cuda")
-    data = DataLoader(source, *loader_args, interleave=layout_invariant.leaf_size(cfg, dims))
+    data = DataLoader(source, *loader_args, interleave=leaf)
     model, parts, model_flops_per_token = build_model(cfg, model_args, mesh, dims, device)
     # block_causal: FlexAttention's block mask on a GPU, else an explicit mask.
     documents.use_kernel(parts, device.type, dims.cp, masked=bos_id is not None)
@@ -190,7 +194,8 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     numerics = Numerics.from_config(cfg, dims)
     warn_if_slow(device, numerics.compute_dtype)
     guard = UpdateGuard(device, numerics.compute_dtype, training.skip_nonfinite_steps)
-    model_step = build_step(model, parts, mesh, dims, cfg, device, numerics, guard.scale, inputs, dp_mesh.get_group())
+    model_step = build_step(model, parts, mesh, dims, cfg, device, numerics, guard.scale, inputs,
+                            (loss_mesh if dims.cp > 1 else dp_mesh).get_group())  # the ranks holding leaves' losses
     # MFU against the peak of the units the blocks' matmuls run on: float8's when converted and not emulated, its
     # attention and output layer counted against it too (torchtitan reports none under float8; docs/float8.md).
     peak, peak_said = stated_peak_flops(device, FLOAT8 if float8.enabled(cfg) and not cfg.float8.emulate

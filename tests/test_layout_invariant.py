@@ -9,7 +9,7 @@ import train
 from torchtitan_lite.data.loader import DataLoader
 from torchtitan_lite.data.synthetic import SyntheticSource
 from torchtitan_lite.parallel.ordered_reduce import tree_sum
-from torchtitan_lite.training.layout_invariant import COST, Accumulator, Canonical
+from torchtitan_lite.training.layout_invariant import COST, COST_CP, Accumulator, Canonical
 from torchtitan_lite.training.optim import clip_grad_norm_
 from tests.conftest import TINY
 
@@ -138,10 +138,37 @@ def test_check_says_what_the_mode_costs(tmp_path, monkeypatch, capsys):
     assert COST in capsys.readouterr().out
 
 
+def test_check_says_what_cp_2s_halves_cost(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--job.config_file", str(TINY), "--job.dump_folder", str(tmp_path), "--training.layout_invariant",
+            *CP2_BLOCKS, "--parallelism.context_parallel_degree", "2"]
+    assert train.run(argv, check=True) == 0
+    assert COST_CP in capsys.readouterr().out
+
+
+def test_cp_2s_halves_without_the_mode_are_refused(error_line):
+    line = error_line(1, list(CP2_BLOCKS))
+    assert "training.layout_invariant_cp is training.layout_invariant's order" in line
+
+
+CP2_BLOCKS = ("--training.layout_invariant_cp", "2")
+
+
 @pytest.mark.parametrize("world, overrides, named", [
     (4, ["--parallelism.tensor_parallel_degree", "4"], "parallelism.tensor_parallel_degree 4"),
     (2, ["--parallelism.tensor_parallel_degree", "2", "--model.flavor", "tiny_moe"], "TP 2 beside FSDP alone"),
-    (2, ["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree 2"),
+    (2, ["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree is 2"),
+    (4, [*CP2_BLOCKS, "--parallelism.context_parallel_degree", "4"], "parallelism.context_parallel_degree is 4"),
+    (4, [*CP2_BLOCKS, "--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+     "not tensor, pipeline"),
+    (2, [*CP2_BLOCKS, "--parallelism.pipeline_parallel_degree", "2"], "not tensor, pipeline"),
+    (4, [*CP2_BLOCKS, "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree",
+         "2"], "replicated data parallelism"),
+    (1, [*CP2_BLOCKS, "--training.seq_len", "66"], "training.seq_len 66 is not a multiple of 4"),
+    (1, [*CP2_BLOCKS, "--model.flavor", "tiny_moe"], "a mixture of experts"),
+    (1, [*CP2_BLOCKS, "--training.z_loss", "1e-4"], "training.z_loss"),
+    (2, [*CP2_BLOCKS, "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_load_balancer",
+         "none"], "context_parallel_load_balancer none"),
     (2, ["--parallelism.pipeline_parallel_degree", "2", "--model.name", "qwen3", "--model.flavor", "debugmodel"],
      "without tied weights"),
     (3, ["--training.global_batch_size", "6"], "parallelism.data_parallel_shard_degree is 3"),

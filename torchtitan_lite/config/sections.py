@@ -140,6 +140,9 @@ class Training:
     deterministic: bool = opt(False, "torch.use_deterministic_algorithms, for bitwise-reproducible runs")
     layout_invariant: bool = opt(False, "every layout gives the single process's bits, summing in one order "
                                  "(docs/layout_invariance.md); refuses what it does not cover")
+    layout_invariant_cp: int = opt(1, "training.layout_invariant's context-parallel order: 2 computes every layout in "
+                                   "CP 2's token halves, so context_parallel_degree 2 gives the same bits too",
+                                   rule=Rule("1 or 2", lambda v: v in (1, 2)))
     skip_nonfinite_steps: int = opt(0, "a NaN/Inf gradient norm stops the run; N > 0 skips up to N such in a row",
                                     rule=at_least(0))
     z_loss: float = opt(0.0, "PaLM's z-loss weight (1e-4): the mean over tokens of the output logits' log-sum-exp "

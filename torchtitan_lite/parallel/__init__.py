@@ -10,6 +10,7 @@
 - sequence_slots.py: a sequence split across ranks: the slots other ranks hold at earlier positions (expert capacity)
 - ordered_reduce.py: sums in one fixed order, the canonical tree; FSDP's reduce-scatter in that order
 - tp_blocks.py: TP 2's order of sums on a layout without TP: the TP plan's styles, computed in 2 blocks
+- cp_blocks.py: CP 2's order of sums on a layout without CP: its two ranks' token halves, stacked on the batch dim
 
 Imports the layers below (config, runtime, models, data); checkpointing and training build on it.
 """

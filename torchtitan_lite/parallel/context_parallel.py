@@ -75,41 +75,25 @@ def check_cp(seq_len: int, cp: int, tp: int, balancer: str) -> None:
 
 class Attend:
     """The model's attention for this cp rank's tokens: their keys and values gathered over the cp group, in true
-    order."""
+    order. `whole_rows` (training.layout_invariant): one call for all this rank's queries against every key, under
+    the causal rows of their positions, as cp_blocks.VirtualAttend computes each rank's on one process."""
 
-    def __init__(self, cp_mesh: DeviceMesh, seq_len: int, balancer: str):
+    def __init__(self, cp_mesh: DeviceMesh, seq_len: int, balancer: str, whole_rows: bool = False):
         self.cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
         self.group = cp_mesh.get_group().group_name  # a name, not an object: compiled blocks trace it as a constant
         self.ranges = chunks(seq_len, self.cp, rank, balancer)
-        self.local = [stop - start for start, stop in self.ranges]
-        # Where each chunk of the sequence sits among the gathered shares: (rank, offset in its share, length), in
-        # sequence order.
-        held = []
-        for r in range(self.cp):
-            offset = 0
-            for start, stop in chunks(seq_len, self.cp, r, balancer):
-                held.append((start, r, offset, stop - start))
-                offset += stop - start
-        self.order = [where for _, *where in sorted(held)]
-        self.masks = lower_right_masks(self.ranges, cp_mesh.device_type)
+        self.order = gather_order(seq_len, self.cp, balancer)
+        self.calls = (whole_row_calls(self.ranges, seq_len, cp_mesh.device_type) if whole_rows
+                      else chunk_calls(self.ranges, cp_mesh.device_type))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
         """`q`, `k`: rotated at this rank's tokens' true positions (the rows `rows` cut). `mask` (block_causal): the
         explicit mask of the whole window, of which each chunk attends with its rows."""
         # One collective for both, which may differ in head size (MLA's keys carry a rotary part its values lack).
-        kv = self.gather(torch.cat([k, v], dim=-1))
-        k, v = kv.transpose(1, 2).split([k.shape[-1], v.shape[-1]], dim=-1)
-        q = q.transpose(1, 2)
-        outs, start = [], 0
-        for (first, stop), size, causal in zip(self.ranges, self.local, self.masks):
-            chunk = causal if mask is None else mask[:, :, first:stop, :stop]
-            outs.append(F.scaled_dot_product_attention(q[:, :, start:start + size], k[:, :, :stop], v[:, :, :stop],
-                                                       attn_mask=chunk, enable_gqa=q.shape[1] != k.shape[1]))
-            start += size
-        return torch.cat(outs, dim=2).transpose(1, 2)
+        return attend_rows(q, self.gather(torch.cat([k, v], dim=-1)), k.shape[-1], self.calls, mask)
 
-    def rows(self, rope: torch.Tensor) -> torch.Tensor:
+    def rows(self, rope: torch.Tensor, batch: int | None = None) -> torch.Tensor:
         """This rank's rows of `rope`: of the table (first rows: positions 0..seq-1), or of every token's own row
         (block_causal, (bs, seq, head_dim/2))."""
         return shard(rope, self.ranges, dim=0 if rope.dim() == 2 else 1)
@@ -118,7 +102,59 @@ class Attend:
         """(bs, local seq, ...) -> (bs, whole seq, ...) in true order; backward: a reduce-scatter (sum) of the
         gradient, each rank getting its own tokens' share."""
         parts = funcol.all_gather_single_autograd(x, gather_dim=0, group=self.group).chunk(self.cp)
-        return torch.cat([parts[r].narrow(1, offset, size) for r, offset, size in self.order], dim=1)
+        return in_order(parts, self.order)
+
+
+def gather_order(seq_len: int, cp: int, balancer: str) -> list[tuple[int, int, int]]:
+    """Where each chunk of the sequence sits among the gathered shares: (rank, offset in its share, length), in
+    sequence order."""
+    held = []
+    for r in range(cp):
+        offset = 0
+        for start, stop in chunks(seq_len, cp, r, balancer):
+            held.append((start, r, offset, stop - start))
+            offset += stop - start
+    return [where for _, *where in sorted(held)]
+
+
+def in_order(parts: tuple[torch.Tensor, ...], order: list[tuple[int, int, int]]) -> torch.Tensor:
+    """The ranks' shares `parts`, (bs, local seq, ...) each, as one (bs, whole seq, ...) in true order."""
+    return torch.cat([parts[r].narrow(1, offset, size) for r, offset, size in order], dim=1)
+
+
+# One SDPA call of a rank: (its queries' count, the keys it sees, its causal mask, the [first, stop) rows of a
+# document mask it takes).
+Call = tuple[int, int, object, "tuple[int, int] | None"]
+
+
+def chunk_calls(ranges: list[tuple[int, int]], device_type: str) -> list[Call]:
+    """A call per chunk, each against the keys up to the chunk's end: the least work."""
+    masks = lower_right_masks(ranges, device_type)
+    return [(stop - start, stop, causal, (start, stop)) for (start, stop), causal in zip(ranges, masks)]
+
+
+def whole_row_calls(ranges: list[tuple[int, int]], seq_len: int, device_type: str = "cpu") -> list[Call]:
+    """One call for every query of `ranges` against every key: each attention row computed whole, as on one
+    process (no document mask: the mode it serves refuses block_causal)."""
+    positions = torch.cat([torch.arange(start, stop) for start, stop in ranges])
+    causal = torch.zeros(len(positions), seq_len).masked_fill_(torch.arange(seq_len) > positions[:, None],
+                                                               float("-inf")).to(device_type)
+    return [(len(positions), seq_len, causal, None)]
+
+
+def attend_rows(q: torch.Tensor, kv: torch.Tensor, k_dim: int, calls: list[Call],
+                mask: torch.Tensor | None) -> torch.Tensor:
+    """A rank's queries `q` (bs, local seq, heads, dim) against the whole sequence's keys and values `kv` (their
+    last dim: k_dim of keys, then the values'), by `calls`."""
+    k, v = kv.transpose(1, 2).split([k_dim, kv.shape[-1] - k_dim], dim=-1)
+    q = q.transpose(1, 2)
+    outs, start = [], 0
+    for size, keys, causal, span in calls:
+        rows = causal if mask is None else mask[:, :, span[0]:span[1], :keys]
+        outs.append(F.scaled_dot_product_attention(q[:, :, start:start + size], k[:, :, :keys], v[:, :, :keys],
+                                                   attn_mask=rows, enable_gqa=q.shape[1] != k.shape[1]))
+        start += size
+    return torch.cat(outs, dim=2).transpose(1, 2)
 
 
 def lower_right_masks(ranges: list[tuple[int, int]], device_type: str) -> list:
@@ -136,6 +172,6 @@ def lower_right_masks(ranges: list[tuple[int, int]], device_type: str) -> list:
                                                          float("-inf")) for start, stop in ranges]
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, balancer: str) -> None:
-    attend = Attend(cp_mesh, seq_len, balancer)
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, balancer: str, whole_rows: bool = False) -> None:
+    attend = Attend(cp_mesh, seq_len, balancer, whole_rows)
     model.attend_with(attend, attend.rows)

@@ -32,6 +32,7 @@ from torchtitan_lite.models.spec import TPStyles, blocks
 from torchtitan_lite.parallel import selective_ac
 from torchtitan_lite.parallel.compile import apply_compile, compiled_experts
 from torchtitan_lite.parallel.context_parallel import apply_cp
+from torchtitan_lite.parallel.cp_blocks import apply_cp_blocks, token_blocks
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.expert_parallel import apply_ep
 from torchtitan_lite.parallel.ordered_reduce import OrderedReduceScatter
@@ -47,10 +48,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: Job
     """`tp_plan`: the model spec's (ModelSpec.tp_plan)."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], tp_plan, loss_parallel=not cfg.parallelism.disable_loss_parallel)
-    elif cfg.training.layout_invariant:  # TP 2's order of sums on this one tp rank
-        apply_blocks(model, tp_plan)
+    elif cfg.training.layout_invariant:  # TP 2's order of sums on this one tp rank (and CP 2's on one cp rank)
+        apply_blocks(model, tp_plan, token_blocks(cfg, dims.cp))
     if dims.cp > 1:
-        apply_cp(model, mesh["cp"], cfg.training.seq_len, cfg.parallelism.context_parallel_load_balancer)
+        apply_cp(model, mesh["cp"], cfg.training.seq_len, cfg.parallelism.context_parallel_load_balancer,
+                 whole_rows=cfg.training.layout_invariant)
+    elif token_blocks(cfg, dims.cp) > 1:
+        apply_cp_blocks(model, cfg.training.seq_len)
     moe = [module for module in model.modules() if isinstance(module, MoE)]
     if moe and dims.cp * dims.tp > 1:  # each rank routes part of every sequence: its auxiliary loss sums over them,
         group = dims.sequence_mesh(mesh).get_group()  # and its capacity counts the other parts' slots

@@ -15,6 +15,7 @@ head's bits (docs/layout_invariance.md has the probes).
 from __future__ import annotations
 
 import fnmatch
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -49,28 +50,52 @@ STYLES = TPStyles(_style("colwise"), _style("rowwise"), _style("prepare_input"),
                   _style("embedding"), _style("replicated"))
 
 
-def apply_blocks(model: nn.Module, tp_plan) -> None:
-    """`tp_plan` (the model spec's) applied to `model` in blocks, on one rank: the plan's names select the modules."""
+def apply_blocks(model: nn.Module, tp_plan, token_blocks: int = 1) -> None:
+    """`tp_plan` (the model spec's) applied to `model` in blocks, on one rank: the plan's names select the modules.
+    `token_blocks` 2 (cp_blocks.py): each module computes on each of CP 2's token halves apart, stacked on the batch
+    dim, as each cp rank does; then the plan must name every module holding parameters."""
     plan = tp_plan(STYLES, True)
     names = dict(model.named_modules())
+    tokens = Tokens(token_blocks)
+    covered = set()
     for pattern, (kind, kwargs) in plan.items():
         for name in fnmatch.filter(names, pattern):
             module = names[name]
+            covered.add(module)
             if kind == "colwise":
-                _colwise(module, names.get(name.rsplit(".", 1)[0]) if "." in name else None)
+                _colwise(module, names.get(name.rsplit(".", 1)[0]) if "." in name else None, tokens)
             elif kind == "rowwise":
-                _rowwise(module)
+                _rowwise(module, tokens)
             elif kind == "sequence":
-                _sequence(module, kwargs.get("sequence_dim", 1))
+                _sequence(module, kwargs.get("sequence_dim", 1), tokens)
+            elif kind == "embedding" and token_blocks > 1:
+                _tokenwise(module, tokens)
             elif kind == "prepare_input" and name.endswith(("attention", "feed_forward")):
-                module.register_forward_pre_hook(_fork_input)
+                module.register_forward_pre_hook(partial(_fork_input, tokens=tokens))
                 module.register_forward_hook(_drop_fork)
+    if token_blocks > 1 and (missed := [n for n, m in names.items()
+                                        if m not in covered and any(True for _ in m.parameters(recurse=False))]):
+        raise ValueError(f"CP 2's token halves cover the modules the TP plan names, and {missed[0]} holds parameters "
+                         "the plan does not name")
 
 
-def _fork_input(module: nn.Module, args: tuple) -> None:
-    """TP gathers the module's input once for its column-parallel children: they share one fork."""
+class Tokens:
+    """How a module's input splits into token blocks: CP 2's halves, stacked on the batch dim, or one block."""
+
+    def __init__(self, blocks: int):
+        self.blocks = blocks
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.chunk(self.blocks, 0) if self.blocks > 1 else (x,)
+
+    def join(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(outs, 0) if self.blocks > 1 else outs[0]
+
+
+def _fork_input(module: nn.Module, args: tuple, tokens: Tokens) -> None:
+    """TP gathers the module's input once for its column-parallel children: they share one fork per token block."""
     x = args[0]
-    module._tp_fork = (x, Fork.apply(x))
+    module._tp_fork = (x, [Fork.apply(h) for h in tokens.split(x)])
 
 
 def _drop_fork(module: nn.Module, args: tuple, output) -> None:
@@ -78,33 +103,59 @@ def _drop_fork(module: nn.Module, args: tuple, output) -> None:
     module._tp_fork = None
 
 
-def _colwise(module: nn.Linear, parent: nn.Module | None) -> None:
-    """`parent`'s fork where it forked this input (a prepare_input's module), else a fork of its own (the output)."""
+def _colwise(module: nn.Linear, parent: nn.Module | None, tokens: Tokens) -> None:
+    """`parent`'s forks where it forked this input (a prepare_input's module), else forks of its own (the output)."""
     def forward(x):
         fork = getattr(parent, "_tp_fork", None)
-        inputs = fork[1] if fork is not None and fork[0] is x else Fork.apply(x)
-        return torch.cat([F.linear(x_b, w_b.contiguous())
-                          for x_b, w_b in zip(inputs, module.weight.chunk(BLOCKS, 0))], -1)
+        forks = fork[1] if fork is not None and fork[0] is x else [Fork.apply(h) for h in tokens.split(x)]
+        return tokens.join([torch.cat([F.linear(x_b, w_b.contiguous())
+                                       for x_b, w_b in zip(inputs, module.weight.chunk(BLOCKS, 0))], -1)
+                            for inputs in forks])
     module.forward = forward
 
 
-def _rowwise(module: nn.Linear) -> None:
-    def forward(x):
+def _rowwise(module: nn.Linear, tokens: Tokens) -> None:
+    def block(x):
         parts = [F.linear(x_b.contiguous(), w_b.contiguous())
                  for x_b, w_b in zip(x.chunk(BLOCKS, -1), module.weight.chunk(BLOCKS, 1))]
         total = parts[0]
         for p in parts[1:]:
             total = total + p
         return total
-    module.forward = forward
+    module.forward = lambda x: tokens.join([block(h) for h in tokens.split(x)])
 
 
-def _sequence(module: nn.Module, dim: int) -> None:
+def _sequence(module: nn.Module, dim: int, tokens: Tokens) -> None:
     forward = module.forward
 
     def blocked(x):
         return torch.cat([forward(x_b.contiguous()) for x_b in x.chunk(BLOCKS, dim)], dim)
-    module.forward = blocked
+    module.forward = blocked if tokens.blocks == 1 else _grouped(module, blocked, tokens)
+
+
+def _grouped(module: nn.Module, forward, tokens: Tokens):
+    """`forward` on each token block with the module's parameters as aliases of their own: a block's uses of a
+    weight (the sequence blocks' norms) add up apart, as a cp rank's do, before autograd adds the blocks'."""
+    inside = []
+
+    def grouped(x):
+        if inside:  # the call functional_call makes, with the aliases in place
+            return forward(x)
+        inside.append(True)
+        try:
+            outs = []
+            for h in tokens.split(x):
+                aliases = {name: p.view_as(p) for name, p in module.named_parameters(recurse=False)}
+                outs.append(torch.func.functional_call(module, aliases, (h,)))
+            return tokens.join(outs)
+        finally:
+            inside.clear()
+    return grouped
+
+
+def _tokenwise(module: nn.Module, tokens: Tokens) -> None:
+    forward = module.forward
+    module.forward = lambda x: tokens.join([forward(h) for h in tokens.split(x)])
 
 
 class _BlockedCE(torch.autograd.Function):

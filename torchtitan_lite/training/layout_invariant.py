@@ -31,6 +31,9 @@ COST = ("training.layout_invariant: each micro-batch's gradients summed in one t
         "(an all-to-all in place of each reduce-scatter, up to log2(micro-batches) + 1 gradient copies, a gather "
         "of the step's losses)")
 
+COST_CP = ("training.layout_invariant_cp 2: every module computes on CP 2's token halves apart (half-size matmuls, "
+           "the halves' copies; under CP each rank's queries attend every key in one call)")
+
 
 class Accumulator:
     """`tree_sum` of values pushed one at a time, holding at most log2(n) + 1 partial sums: a binary counter, whose
@@ -130,14 +133,20 @@ def check(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
     AdamW, for the models whose spec says bitwise_layouts, causal, on data that is not streamed, with any
     accumulation count and activation checkpointing. The rest sums in orders of its own, or is not yet shown
     bitwise: refused."""
-    if not cfg.training.layout_invariant:
+    p, t = cfg.parallelism, cfg.training
+    if not t.layout_invariant:
+        if t.layout_invariant_cp > 1:
+            raise ConfigError("training.layout_invariant_cp is training.layout_invariant's order: set "
+                              "training.layout_invariant too, or layout_invariant_cp 1")
         return
     fix = "or drop training.layout_invariant (docs/layout_invariance.md says what it covers)"
-    p, t = cfg.parallelism, cfg.training
-    if dims.cp > 1:
-        raise ConfigError(f"training.layout_invariant covers data, tensor, pipeline and expert parallelism so far, "
-                          f"and parallelism.context_parallel_degree {dims.cp} sums in an order of its own: set it to "
-                          f"1, {fix}")
+    if dims.cp > 1 and dims.cp != t.layout_invariant_cp:
+        raise ConfigError(f"training.layout_invariant's order is CP {t.layout_invariant_cp}'s "
+                          f"(training.layout_invariant_cp), and parallelism.context_parallel_degree is {dims.cp}: set "
+                          f"both 2 (every layout then computes in CP 2's token halves), or context_parallel_degree 1, "
+                          f"{fix}")
+    if t.layout_invariant_cp > 1:
+        _check_cp_blocks(cfg, dims, model_args, fix)
     if dims.tp > 2:
         raise ConfigError(f"training.layout_invariant computes in TP 2's blocks, and parallelism.tensor_parallel_degree "
                           f"{dims.tp} sums more: use 2 or 1, {fix}")
@@ -185,6 +194,25 @@ def check(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
             raise ConfigError(f"training.layout_invariant does not cover {what} yet (fp32, eager, AdamW, the "
                               f"models it has shown, causal, non-streaming data and one replica group are shown "
                               f"bitwise): {change}, {fix}")
+
+
+def _check_cp_blocks(cfg: JobConfig, dims: ParallelDims, model_args, fix: str) -> None:
+    """CP 2's token halves are shown on one process, data parallelism and CP 2 (beside FSDP), on a dense model."""
+    fix = f"or set training.layout_invariant_cp 1, {fix}"
+    if dims.tp > 1 or dims.pp > 1 or (dims.cp > 1 and dims.dp_replicate > 1):
+        raise ConfigError(f"training.layout_invariant_cp 2 is shown beside data parallelism and CP 2 alone so far, "
+                          f"not tensor, pipeline or (under CP) replicated data parallelism: set those degrees 1, {fix}")
+    if cfg.training.seq_len % 4:
+        raise ConfigError(f"training.layout_invariant_cp 2 cuts each sequence in CP 2's 4 chunks, and training.seq_len "
+                          f"{cfg.training.seq_len} is not a multiple of 4: use a multiple of 4, {fix}")
+    refused = [("a mixture of experts", ModelSpec.moe(model_args) is not None, "use a dense model"),
+               ("training.z_loss", cfg.training.z_loss > 0, "set it 0"),
+               ("parallelism.context_parallel_load_balancer none",
+                cfg.parallelism.context_parallel_load_balancer != "headtail", "use headtail"),
+               ("a mixture of datasets", cfg.training.dataset == "mixture", "train on one")]
+    for what, bad, change in refused:
+        if bad:
+            raise ConfigError(f"training.layout_invariant_cp 2 does not cover {what} yet: {change}, {fix}")
 
 
 def _datasets(cfg: JobConfig) -> set[str]:

@@ -189,6 +189,8 @@ def make_plan(cfg: JobConfig, dims: ParallelDims, model_args: Args, global_batch
                              "the last step); set warmup_steps to what the run should warm up over")
     if cfg.training.layout_invariant:
         plan.lines.append(layout_invariant.COST)
+    if cfg.training.layout_invariant_cp > 1:
+        plan.lines.append(layout_invariant.COST_CP)
     if export := hf_export(cfg, spec, model_args):
         plan.warnings.append(export)
     if peak is not None and not done:

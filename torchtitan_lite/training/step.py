@@ -38,6 +38,7 @@ from torchtitan_lite.config import JobConfig
 from torchtitan_lite.data.loader import to_device
 from torchtitan_lite.models.documents import document_ids
 from torchtitan_lite.models.common.moe import MoE
+from torchtitan_lite.parallel.cp_blocks import token_blocks
 from torchtitan_lite.parallel.dims import ParallelDims
 from torchtitan_lite.parallel.pipeline import Pipeline
 from torchtitan_lite.parallel.tp_blocks import blocked_cross_entropy
@@ -50,9 +51,15 @@ from torchtitan_lite.training.z_loss import ZLoss
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels) of one local batch
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: int, vocab_blocks: bool = False) -> torch.Tensor:
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: int, vocab_blocks: bool = False,
+               token_blocks: int = 1) -> torch.Tensor:
     """The sum of the token losses over `tokens`, the step's global token count (a DTensor under loss parallel); with
-    `vocab_blocks`, loss parallel's sums on one rank (training.layout_invariant without TP: parallel/tp_blocks.py)."""
+    `vocab_blocks`, loss parallel's sums on one rank (training.layout_invariant without TP: parallel/tp_blocks.py);
+    with `token_blocks` 2, each of CP 2's stacked halves' loss, added as the cp ranks' are (parallel/cp_blocks.py)."""
+    if token_blocks > 1:
+        first, second = (token_loss(x, y, tokens, vocab_blocks)
+                         for x, y in zip(logits.chunk(token_blocks), labels.chunk(token_blocks)))
+        return first + second
     if vocab_blocks:
         return blocked_cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / tokens
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / tokens
@@ -78,13 +85,15 @@ class Numerics:
     autocast: bool  # FSDP casts by its mixed-precision policy; without FSDP autocast does
     loss_parallel: bool  # cross-entropy on vocabulary-sharded logits under TP
     vocab_blocks: bool = False  # loss parallel's sums without TP (training.layout_invariant: TP 2's order)
+    token_blocks: int = 1  # 2: CP 2's token halves without CP (training.layout_invariant_cp: cp_blocks.py)
 
     @classmethod
     def from_config(cls, cfg: JobConfig, dims: ParallelDims) -> Numerics:
         compute_dtype = DTYPES[cfg.training.mixed_precision_param]
         return cls(compute_dtype, autocast=not dims.fsdp and compute_dtype != torch.float32,
                    loss_parallel=dims.tp > 1 and not cfg.parallelism.disable_loss_parallel,
-                   vocab_blocks=dims.tp == 1 and cfg.training.layout_invariant)
+                   vocab_blocks=dims.tp == 1 and cfg.training.layout_invariant,
+                   token_blocks=token_blocks(cfg, dims.cp))
 
     def context(self, device_type: str) -> contextlib.ExitStack:
         """What forward and backward run in: loss parallel's backward needs it as much as its forward."""
@@ -208,7 +217,7 @@ class Step:
             self.rows.append(row_losses(logits, labels))
         if self.z_loss is not None and torch.is_grad_enabled():  # training's: validation measures the loss alone
             logits = self.z_loss(logits, tokens)
-        return token_loss(logits, labels, tokens, self.numerics.vocab_blocks)
+        return token_loss(logits, labels, tokens, self.numerics.vocab_blocks, self.numerics.token_blocks)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
         loss = self.loss(inputs, labels, tokens)

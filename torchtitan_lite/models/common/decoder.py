@@ -107,7 +107,7 @@ class Decoder(nn.Module):
         rope, mask = self.rope, None
         if documents is not None:  # once per micro-batch, shared by every block
             rope, mask = self.rope[docs.positions(documents)], self.document_mask(documents, h.dtype)
-        rope = self.held_rope(rope)
+        rope = self.held_rope(rope, h.shape[0])
         if cache is not None:  # decoding: one process, eager, no wrappers; the rows from the first uncached position
             for name, layer in self.layers.items():
                 h = layer(h, self.rope[cache.length:], cache=cache.layer(int(name)))
@@ -135,7 +135,7 @@ class Decoder(nn.Module):
     def attend_with(self, attend, held_rows) -> None:
         """Context parallelism's seam (parallel/context_parallel.py): every block attends with `attend(q, k, v,
         mask)`, whose rotated queries, keys and values are those of the tokens this process holds, and the forward
-        cuts those tokens' rotary rows with `held_rows`."""
+        cuts those tokens' rotary rows with `held_rows(rope, batch)` (`batch`: the forward's sequences)."""
         self.held_rope = held_rows
         for block in self.blocks():
             block.attention.attend = attend

@@ -81,5 +81,5 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * rows).flatten(-2).type_as(x)
 
 
-def all_rows(rope: torch.Tensor) -> torch.Tensor:
+def all_rows(rope: torch.Tensor, batch: int | None = None) -> torch.Tensor:
     return rope
