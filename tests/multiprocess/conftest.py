@@ -52,9 +52,9 @@ class SharedRuns:
 
     def __getitem__(self, name: str) -> Path:
         """The dump folder of the shared run `name` (COMMON settings, STEPS steps), launched on first use."""
-        if name in self.done or name in ALL_RUNS and ALL_RUNS[name].nproc == 1:  # made, or made in this process
-            return self._get(name)                                              # (never by the background): no job
-        with self.lock:
+        if name in self.done:
+            return self._get(name)
+        with self.lock:  # a single-process run too: the background may be making it (singles)
             return self._get(name)
 
     def _get(self, name: str) -> Path:
@@ -80,6 +80,15 @@ class SharedRuns:
         """What the job that made `name` printed (every run of that job; each names its own dump folder)."""
         self[name]
         return self.logs[name].read_text()
+
+    def singles(self) -> None:
+        """Every single-process shared run not yet made, in one job of 1 process: the background's way (a test that
+        needs one first makes it in its own process, which the background's thread must not train in)."""
+        with self.lock:
+            self.finish_started()
+            if batch := self._not_made(1):
+                self._no_failure()
+                self._make(1, batch)
 
     def reshard_legs(self) -> dict:
         """The resharding legs' folders by name (RESHARD_LEGS), and "source_snapshot": FSDP 4's step 4 as it was
@@ -237,6 +246,9 @@ def _job_of(table: dict, nproc: int):
 BACKGROUND_JOBS = {
     "resumed_4p": SharedRuns.reshard_legs,  # the 4-process resumed runs, and the resharding legs in the same job
     "probes": SharedRuns.probes,  # made at the end of resumed_4p's job where the session reads both
+    # The references of the parity tests, which read them with the runs of several processes (`reads` of any job
+    # below): made here, not at the end of the session where those tests run.
+    "singles": SharedRuns.singles,
     "shared_2p": _job_of(ALL_RUNS, 2),
     "resumed_2p": _job_of(RESUMED_RUNS, 2),
     "shared_8p": _job_of(ALL_RUNS, 8),
@@ -277,6 +289,8 @@ def pytest_collection_modifyitems(config, items):
         for nproc in sorted({m.args[0] for i in items for m in i.iter_markers("starts_with_session")}):
             shared.start(nproc)
     read = set().union(*(_reads(i) for i in items if place(i) == 2))
+    if read & {"shared_2p", "resumed_2p", "resumed_4p", "shared_8p"}:
+        read.add("singles")
     shared.probes_beside_resumes = {"resumed_4p", "probes"} <= read
     _LATER.extend(make for job, make in _background_jobs().items() if job in read)
     if shared.started and _LATER:

@@ -16,7 +16,8 @@ DDP2 = ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data
 MOE_INVARIANT = (*INVARIANT, *MOE, *BALANCED, "--training.z_loss", "1e-4", "--training.global_batch_size", "8", *TWO_STEPS)
 PIPELINE_4 = ("--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatches", "4")
 GLOBAL_4 = ("--training.global_batch_size", "4")
-CP_HALVES = ("--training.layout_invariant_cp", "2")
+CP_INVARIANT = (*INVARIANT, "--training.layout_invariant_cp", "2", "--training.global_batch_size", "4",
+                "--training.local_batch_size", "2", *TWO_STEPS)
 INVARIANT_RUNS = {
     "inv_single": Run(1, INVARIANT, reference=None, record=False),
     "inv_fsdp4": Run(4, INVARIANT, reference="inv_single", record=False),
@@ -48,10 +49,10 @@ INVARIANT_RUNS = {
     "inv_pp2_looped_bfs": Run(2, (*INVARIANT, *DEBUGMODEL, *GLOBAL_4, *PP2, "--parallelism.pipeline_parallel_schedule",
                                   "LoopedBFS", "--training.local_batch_size", "2", *TWO_STEPS),
                               reference="inv_debug_single", record=False),
-    # CP 2 (12 micro-steps), each rank's queries against every key in one call, against one process computing in
-    # CP 2's token halves (training.layout_invariant_cp 2).
-    "inv_cp_single": Run(1, (*INVARIANT, *CP_HALVES, *TWO_STEPS), reference=None, record=False),
-    "inv_cp2": Run(2, (*INVARIANT, *CP_HALVES, *CP2, *TWO_STEPS), reference="inv_cp_single", record=False),
+    # CP 2, each rank's queries against every key in one call, against one process computing in CP 2's token halves
+    # (training.layout_invariant_cp 2): 2 micro-steps of 2 sequences, few of CP's many small collectives.
+    "inv_cp_single": Run(1, CP_INVARIANT, reference=None, record=False),
+    "inv_cp2": Run(2, (*CP_INVARIANT, *CP2), reference="inv_cp_single", record=False),
 }
 # FSDP 4's step 2 resumed on DDP 2, bitwise the single process's steps 3 and 4.
 INVARIANT_RESUMED = {"inv_fsdp4_on_ddp2": Resumed("inv_fsdp4", 2, 2, (*INVARIANT, *DDP2))}
