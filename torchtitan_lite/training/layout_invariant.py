@@ -128,8 +128,9 @@ def leaf_size(cfg: JobConfig, dims: ParallelDims) -> int:
 
 def check(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
     """What the mode covers so far: data parallelism (FSDP, HSDP and DDP over 2 replicas, power-of-two degrees),
-    TP 2 (sequence and loss parallel) beside FSDP, pipeline parallelism (every schedule, untied weights) and expert
-    parallelism over 2 ranks; in fp32, eager, by
+    TP 2 (sequence and loss parallel) beside FSDP, pipeline parallelism (every schedule, untied weights), expert
+    parallelism over 2 ranks, and CP 2 beside FSDP with every layout in its token halves (layout_invariant_cp 2,
+    parallel/cp_blocks.py); in fp32, eager, by
     AdamW, for the models whose spec says bitwise_layouts, causal, on data that is not streamed, with any
     accumulation count and activation checkpointing. The rest sums in orders of its own, or is not yet shown
     bitwise: refused."""
