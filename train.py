@@ -165,7 +165,7 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     device, mesh, dp_mesh, loss_mesh = start_processes(cfg, env, dims)
     built = time.perf_counter()
     leaf = layout_invariant.leaf_size(cfg, dims)
-    # This rank's part of every sequence under CP; under training.layout_invariant_cp 2, CP 2's halves on one rank.
+    # This rank's part of every sequence under CP, else CP 2's halves stacked (training.layout_invariant_cp 2).
     seq_share = sharder(mesh["cp"], training.seq_len, cfg.parallelism.context_parallel_load_balancer) or stacked(
         cfg, dims.cp, leaf)
     # What the model gets beside the tokens (block_causal: document ids; multi-token prediction: its depths' tokens;
@@ -194,8 +194,8 @@ def setup(cfg: JobConfig, env: Env, exits: contextlib.ExitStack) -> Trainer | No
     numerics = Numerics.from_config(cfg, dims)
     warn_if_slow(device, numerics.compute_dtype)
     guard = UpdateGuard(device, numerics.compute_dtype, training.skip_nonfinite_steps)
-    model_step = build_step(model, parts, mesh, dims, cfg, device, numerics, guard.scale, inputs,
-                            (loss_mesh if dims.cp > 1 else dp_mesh).get_group())  # the ranks holding leaves' losses
+    leaves = (loss_mesh if dims.cp > 1 else dp_mesh).get_group()  # the ranks holding leaves' losses (the mode's)
+    model_step = build_step(model, parts, mesh, dims, cfg, device, numerics, guard.scale, inputs, leaves)
     # MFU against the peak of the units the blocks' matmuls run on: float8's when converted and not emulated, its
     # attention and output layer counted against it too (torchtitan reports none under float8; docs/float8.md).
     peak, peak_said = stated_peak_flops(device, FLOAT8 if float8.enabled(cfg) and not cfg.float8.emulate
