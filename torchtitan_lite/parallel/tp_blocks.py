@@ -9,7 +9,8 @@ with TP 2 (sequence and loss parallel) and one without give the same bits.
 - the loss: loss parallel's cross-entropy on the 2 vocabulary halves (`blocked_cross_entropy`, step.Numerics);
 - the embedding: nothing (a vocabulary-parallel lookup adds zeros to the owner's row).
 Each block's GEMM and kernel then has the shapes a tp rank's has; attention runs every head at once, which gives each
-head's bits (docs/layout_invariance.md has the probes).
+head's bits (docs/layout_invariance.md has the probes). With token_blocks 2 (training.layout_invariant_cp 2,
+cp_blocks.py) every style computes on each of CP 2's token halves apart, as each cp rank does.
 """
 
 from __future__ import annotations
