@@ -53,6 +53,11 @@ INVARIANT_RUNS = {
     # (training.layout_invariant_cp 2): 2 micro-steps of 2 sequences, few of CP's many small collectives.
     "inv_cp_single": Run(1, CP_INVARIANT, reference=None, record=False),
     "inv_cp2": Run(2, (*CP_INVARIANT, *CP2), reference="inv_cp_single", record=False),
+    # The halves beside data parallelism (1 micro-step a rank): CP 2 x FSDP 2 (FSDP's tree over dp_shard x cp), and
+    # FSDP 2 and DDP 2 computing in the halves.
+    "inv_cp2_fsdp2": Run(4, (*CP_INVARIANT, *CP2), reference="inv_cp_single", record=False),
+    "inv_cp_fsdp2": Run(2, CP_INVARIANT, reference="inv_cp_single", record=False),
+    "inv_cp_ddp2": Run(2, (*CP_INVARIANT, *DDP2), reference="inv_cp_single", record=False),
 }
 # FSDP 4's step 2 resumed on DDP 2, bitwise the single process's steps 3 and 4.
 INVARIANT_RESUMED = {"inv_fsdp4_on_ddp2": Resumed("inv_fsdp4", 2, 2, (*INVARIANT, *DDP2))}
